@@ -1,0 +1,1 @@
+"""Checkpoint formats: safetensors I/O, the official <-> HF <-> parameter-path name table, loading."""

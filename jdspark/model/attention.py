@@ -1,0 +1,102 @@
+"""Attention sublayer (spec §5.3): low-rank query with per-head RMS, one shared K=V head over a
+sliding window plus compressed entries (CSA: indexer-selected, HCA: all visible), a per-head sink,
+de-rotation of the output at the query position, and the grouped low-rank output projection.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jdspark.config import DSV4Config
+from jdspark.model import quant_sim
+from jdspark.model.compressor import Compressor
+from jdspark.model.indexer import Indexer
+from jdspark.model.layers import Linear, RMSNorm, normal_init, rms_normalize
+from jdspark.model.rope import apply_rope, layer_rope
+
+
+def sink_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
+    """Softmax attention with one extra zero-valued logit per head (the sink), in fp32.
+
+    q: [B, S, N, H]; kv: [B, T, H] (keys are values); mask: [B, S, T] bool; sink: [N].
+    o = sum_t exp(s_t - M) kv_t / (sum_t exp(s_t - M) + exp(sink - M)), M = max_t s_t.
+    """
+    logits = jnp.einsum("bsnh,bth->bsnt", q.astype(jnp.float32), kv.astype(jnp.float32)) * scale
+    logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a query with no visible key: only the sink remains
+    e = jnp.exp(logits - m)
+    denom = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[:, None] - m)
+    return jnp.einsum("bsnt,bth->bsnh", e / denom, kv.astype(jnp.float32)).astype(q.dtype)
+
+
+def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
+    """[B, S, T]: key position within (q - window, q]."""
+    diff = q_pos[:, :, None] - k_pos[:, None, :]
+    return (diff >= 0) & (diff < window)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: nnx.Rngs):
+        c = config
+        self.kind = c.layer_kind(layer_id)
+        self.n_heads, self.head_dim, self.rope_dim = c.num_attention_heads, c.head_dim, c.qk_rope_head_dim
+        self.window, self.ratio, self.groups = c.sliding_window, c.layer_ratio(layer_id), c.o_groups
+        self.eps, self.qat_sim = c.rms_norm_eps, c.qat_sim
+        qat = c.qat_sim
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, dtype=dtype, rngs=rngs, fp8_input=qat)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype=dtype)
+        self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, dtype=dtype, rngs=rngs, fp8_input=qat)
+        self.wkv = Linear(c.hidden_size, c.head_dim, dtype=dtype, rngs=rngs, fp8_input=qat)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
+        # wo_a is FP8 on disk but the reference applies it as a bf16 einsum: no activation rounding.
+        self.wo_a = Linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank,
+                           dtype=dtype, rngs=rngs)
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype=dtype, rngs=rngs, fp8_input=qat)
+        self.attn_sink = nnx.Param(normal_init(rngs, (c.num_attention_heads,), jnp.float32, 1.0))
+        self.compressor = (Compressor(c, self.ratio, c.head_dim, indexer=False, dtype=dtype, rngs=rngs)
+                           if self.kind != "window" else None)
+        self.indexer = Indexer(c, dtype=dtype, rngs=rngs) if self.kind == "csa" else None
+        self.rope = layer_rope(c, compressed=self.kind != "window")
+
+    def query(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(q [B, S, N, H] rotated, qr [B, S, q_lora] — the indexer's query input)."""
+        b, s, _ = x.shape
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).reshape(b, s, self.n_heads, self.head_dim)
+        q = rms_normalize(q, self.eps).astype(x.dtype)
+        return apply_rope(q, positions, self.rope), qr
+
+    def window_kv(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """The token's own K=V vector [B, S, H]: normed, rotated, nope part FP8-rounded under QAT."""
+        kv = apply_rope(self.kv_norm(self.wkv(x)), positions, self.rope)
+        if self.qat_sim:
+            kv = jnp.concatenate([quant_sim.fp8_sim(kv[..., :-self.rope_dim], 64), kv[..., -self.rope_dim:]], -1)
+        return kv
+
+    def output(self, o: jax.Array, positions: jax.Array) -> jax.Array:
+        """De-rotate at the query position, grouped low-rank projection wo_a per group, then wo_b."""
+        b, s = o.shape[:2]
+        o = apply_rope(o, positions, self.rope, inverse=True)
+        o = o.reshape(b, s, self.groups, -1)
+        wo_a = self.wo_a.weight[...].astype(o.dtype).reshape(self.groups, -1, o.shape[-1])
+        z = jnp.einsum("bsgk,grk->bsgr", o, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
+        return self.wo_b(z.reshape(b, s, -1))
+
+    def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """Full sequence from position 0: x [B, S, D] (after attn_norm), positions [B, S]."""
+        q, qr = self.query(x, positions)
+        kv = self.window_kv(x, positions)
+        keys, mask = kv, window_mask(positions, positions, self.window)
+        if self.compressor is not None:
+            entries = self.compressor(x)  # [B, S // m, H]
+            visible = jnp.arange(entries.shape[1]) < ((positions + 1) // self.ratio)[..., None]
+            if self.indexer is not None:
+                index_keys = self.indexer.compressor(x)
+                visible = self.indexer.select(self.indexer.scores(x, qr, positions, index_keys), visible)
+            keys = jnp.concatenate([kv, entries], axis=1)
+            mask = jnp.concatenate([mask, visible], axis=-1)
+        o = sink_attention(q, keys, mask, self.attn_sink[...], self.head_dim ** -0.5)
+        return self.output(o, positions)

@@ -1,0 +1,73 @@
+"""mHC hyper-connections (spec §5.2, §5.6): C residual streams mixed around every sublayer.
+
+All mixing math runs in fp32. The Sinkhorn-projected comb matrix P is applied transposed:
+X'_j = sum_i P[i, j] X_i + post_j f (P is doubly stochastic but not symmetric).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jdspark.model.layers import normal_init, rms_normalize
+
+
+def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
+    """Row softmax (+eps), column normalisation, then iters-1 x (row, column) normalisations."""
+    p = jax.nn.softmax(logits, axis=-1) + eps
+    p = p / (jnp.sum(p, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        p = p / (jnp.sum(p, axis=-1, keepdims=True) + eps)
+        p = p / (jnp.sum(p, axis=-2, keepdims=True) + eps)
+    return p
+
+
+def _mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
+    """rsqrt(mean over all C*D entries) * (fn . flatten(x)), in fp32. x: [..., C, D]."""
+    flat = rms_normalize(x.reshape(*x.shape[:-2], -1), norm_eps)
+    return jnp.einsum("...k,mk->...m", flat, fn.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def collapse(x: jax.Array, pre: jax.Array) -> jax.Array:
+    """u = sum_i pre_i X_i in fp32, cast to the stream dtype. x: [..., C, D], pre: [..., C]."""
+    return jnp.einsum("...c,...cd->...d", pre, x.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+class HyperConnection(nnx.Module):
+    """Parameters of one mHC site: fn [(2+C)C, C*D], base [(2+C)C], scale [3] (all fp32)."""
+
+    def __init__(self, hc_mult: int, dim: int, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
+                 rngs: nnx.Rngs):
+        mix = (2 + hc_mult) * hc_mult
+        self.fn = nnx.Param(normal_init(rngs, (mix, hc_mult * dim), jnp.float32, (hc_mult * dim) ** -0.5))
+        self.base = nnx.Param(jnp.zeros((mix,), jnp.float32))
+        self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
+        self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
+
+    def pre(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [..., C, D] -> (u [..., D] in x.dtype, post [..., C], comb [..., C, C]) (fp32 weights)."""
+        c = self.hc_mult
+        mixes = _mixes(x, self.fn[...], self.norm_eps)
+        scale, base = self.scale[...], self.base[...]
+        pre = jax.nn.sigmoid(mixes[..., :c] * scale[0] + base[:c]) + self.hc_eps
+        post = 2.0 * jax.nn.sigmoid(mixes[..., c:2 * c] * scale[1] + base[c:2 * c])
+        comb_logits = (mixes[..., 2 * c:] * scale[2] + base[2 * c:]).reshape(*mixes.shape[:-1], c, c)
+        comb = sinkhorn(comb_logits, self.sinkhorn_iters, self.hc_eps)
+        return collapse(x, pre), post, comb
+
+    @staticmethod
+    def post(f: jax.Array, residual: jax.Array, post: jax.Array, comb: jax.Array) -> jax.Array:
+        """X' = comb^T X + post (x) f, cast to the stream dtype. f: [..., D], residual: [..., C, D]."""
+        mixed = jnp.einsum("...ij,...id->...jd", comb, residual.astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)
+        out = post[..., :, None] * f.astype(jnp.float32)[..., None, :] + mixed
+        return out.astype(residual.dtype)
+
+
+def hc_head(x: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, hc_eps: float,
+            norm_eps: float) -> jax.Array:
+    """Final stream collapse: pre = sigmoid(scale * mixes + base) + eps; no Sinkhorn. x: [..., C, D]."""
+    pre = jax.nn.sigmoid(_mixes(x, fn, norm_eps) * scale[0] + base) + hc_eps
+    return collapse(x, pre)

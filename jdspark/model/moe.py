@@ -1,0 +1,110 @@
+"""MoE sublayer (spec §5.4): sqrt-softplus router (bias for selection only, hash layers route by
+token id through `tid2eid`), renormalised and scaled weights, SwiGLU experts with the clamp, and one
+shared expert. The routing weight multiplies h before w2, as in the reference.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jdspark.config import DSV4Config
+from jdspark.model.layers import Linear, normal_init
+from jdspark.model.quant_sim import fp8_sim
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) in fp32; limit 0 disables the clamp."""
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if limit > 0:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+class Gate(nnx.Module):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: nnx.Rngs):
+        self.top_k, self.score_func = config.num_experts_per_tok, config.scoring_func
+        self.route_scale = config.routed_scaling_factor
+        self.hash = config.is_hash_layer(layer_id)
+        e = config.n_routed_experts
+        self.weight = nnx.Param(normal_init(rngs, (e, config.hidden_size), dtype, config.hidden_size ** -0.5))
+        if self.hash:
+            keys = jax.random.split(rngs.params(), config.vocab_size)
+            table = jax.vmap(lambda k: jax.random.permutation(k, e)[:self.top_k])(keys)
+            self.tid2eid = nnx.Variable(table.astype(jnp.int32))
+        else:
+            self.bias = nnx.Param(normal_init(rngs, (e,), jnp.float32, 0.1))
+
+    def __call__(self, x: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [N, D], ids [N] -> (weights [N, K] fp32, expert indices [N, K])."""
+        logits = jnp.einsum("nd,ed->ne", x.astype(jnp.float32), self.weight[...].astype(jnp.float32))
+        if self.score_func == "softmax":
+            scores = jax.nn.softmax(logits, axis=-1)
+        elif self.score_func == "sigmoid":
+            scores = jax.nn.sigmoid(logits)
+        else:
+            scores = jnp.sqrt(jax.nn.softplus(logits))
+        if self.hash:
+            idx = jnp.take(self.tid2eid[...], ids, axis=0)
+        else:
+            _, idx = jax.lax.top_k(scores + self.bias[...], self.top_k)
+        weights = jnp.take_along_axis(scores, idx, axis=-1)
+        if self.score_func != "softmax":
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights * self.route_scale, idx
+
+
+class Experts(nnx.Module):
+    """Routed experts stacked on a leading E axis: w1, w3 [E, F, D], w2 [E, D, F]."""
+
+    def __init__(self, config: DSV4Config, *, dtype, rngs: nnx.Rngs):
+        e, f, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        self.w1 = nnx.Param(normal_init(rngs, (e, f, d), dtype, d ** -0.5))
+        self.w3 = nnx.Param(normal_init(rngs, (e, f, d), dtype, d ** -0.5))
+        self.w2 = nnx.Param(normal_init(rngs, (e, d, f), dtype, f ** -0.5))
+        self.limit = config.swiglu_limit
+        self.qat_sim = config.qat_sim
+
+    def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
+        """Reference path: every expert on every token, weighted by a dense [N, E] routing matrix
+        (exactly zero for unselected experts). Returns fp32 [N, D]."""
+        dense = jnp.sum(jax.nn.one_hot(idx, self.w1.shape[0], dtype=jnp.float32) * weights[..., None], axis=-2)
+        dtype = x.dtype
+        if self.qat_sim:
+            x = fp8_sim(x, 128)
+        gate = jnp.einsum("nd,efd->nef", x, self.w1[...].astype(dtype), preferred_element_type=jnp.float32)
+        up = jnp.einsum("nd,efd->nef", x, self.w3[...].astype(dtype), preferred_element_type=jnp.float32)
+        h = (swiglu(gate.astype(dtype), up.astype(dtype), self.limit) * dense[..., None]).astype(dtype)
+        if self.qat_sim:
+            h = fp8_sim(h, 128)
+        out = jnp.einsum("nef,edf->ned", h, self.w2[...].astype(dtype), preferred_element_type=jnp.float32)
+        return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
+
+
+class SharedExpert(nnx.Module):
+    def __init__(self, config: DSV4Config, *, dtype, rngs: nnx.Rngs):
+        d, f, qat = config.hidden_size, config.moe_intermediate_size, config.qat_sim
+        self.w1 = Linear(d, f, dtype=dtype, rngs=rngs, fp8_input=qat)
+        self.w3 = Linear(d, f, dtype=dtype, rngs=rngs, fp8_input=qat)
+        self.w2 = Linear(f, d, dtype=dtype, rngs=rngs, fp8_input=qat)
+        self.limit = config.swiglu_limit
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.w2(swiglu(self.w1(x), self.w3(x), self.limit).astype(x.dtype))
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: nnx.Rngs):
+        self.gate = Gate(config, layer_id, dtype=dtype, rngs=rngs)
+        self.experts = Experts(config, dtype=dtype, rngs=rngs)
+        self.shared_experts = SharedExpert(config, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, ids: jax.Array) -> jax.Array:
+        """x [B, S, D] (after ffn_norm), ids [B, S] -> [B, S, D] in x.dtype."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, idx = self.gate(flat, ids.reshape(-1))
+        y = self.experts(flat, weights, idx) + self.shared_experts(flat).astype(jnp.float32)
+        return y.astype(x.dtype).reshape(shape)

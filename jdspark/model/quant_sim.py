@@ -1,0 +1,66 @@
+"""QAT simulation (spec §5.8): the FP8 / FP4 rounding and Hadamard rotation the reference applies.
+
+The checkpoint was trained with these roundings; reproducing them is optional for serving and off by
+default (`DSV4Config.qat_sim`). Scales are powers of two (ue8m0), as in the reference kernels.
+Note: the pure-PyTorch mirror of the reference `act_quant` skips the cast to e4m3 on its in-place
+path; the TileLang kernel (and this module) round to e4m3 / e2m1 values.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+
+
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    if x.shape[-1] % block:
+        raise ValueError(f"last dim {x.shape[-1]} is not a multiple of the quantization block {block}")
+    return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def _pow2_scale(amax: jax.Array, qmax: float) -> jax.Array:
+    return jnp.exp2(jnp.ceil(jnp.log2(amax / qmax)))
+
+
+def fp8_sim(x: jax.Array, block: int) -> jax.Array:
+    """Round x to e4m3 with one power-of-two scale per `block` channels; returns x's dtype."""
+    xb = _blocks(x, block)
+    scale = _pow2_scale(jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4), FP8_MAX)
+    q = jnp.clip(xb / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return (q * scale).reshape(x.shape).astype(x.dtype)
+
+
+def round_e2m1(v: jax.Array) -> jax.Array:
+    """Round to the nearest E2M1 value (ties to even mantissa), for |v| <= 6."""
+    return v.astype(ml_dtypes.float4_e2m1fn).astype(jnp.float32)
+
+
+def fp4_sim(x: jax.Array, block: int = 32) -> jax.Array:
+    """Round x to e2m1 with one power-of-two scale per `block` channels; returns x's dtype."""
+    xb = _blocks(x, block)
+    scale = _pow2_scale(jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), FP4_MAX * 2.0 ** -126), FP4_MAX)
+    q = round_e2m1(jnp.clip(xb / scale, -FP4_MAX, FP4_MAX))
+    return (q * scale).reshape(x.shape).astype(x.dtype)
+
+
+def hadamard_matrix(n: int) -> np.ndarray:
+    """Sylvester Hadamard matrix of size n (a power of two), unnormalised."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    h = np.ones((1, 1), np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def hadamard(x: jax.Array) -> jax.Array:
+    """Normalised Walsh-Hadamard transform over the last axis (orthogonal, scale n^-1/2)."""
+    n = x.shape[-1]
+    h = jnp.asarray(hadamard_matrix(n) * n ** -0.5)
+    return jnp.einsum("...i,ij->...j", x.astype(jnp.float32), h,
+                      precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
