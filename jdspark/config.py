@@ -312,6 +312,8 @@ def _from_official(data: dict, source: str) -> dict:
     _require(kw, source)
     kw.setdefault("num_nextn_predict_layers", 1)
     kw["compress_ratios"] = _ratios(kw, source)
+    if kw.get("original_seq_len", 0) > 0:  # the official JSON has no max_position_embeddings: YaRN's target
+        kw.setdefault("max_position_embeddings", int(kw["original_seq_len"] * kw.get("rope_factor", 1.0)))
     return kw
 
 

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jdspark.model.layers import Keys
+
 from jdspark.checkpoint.names import is_duplicate, official_to_path, path_to_official
 from jdspark.checkpoint.safetensors_io import CheckpointDir, CheckpointError
 from jdspark.config import DSV4Config
@@ -39,14 +41,14 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False)
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
     config = read_config(path).replace(qat_sim=qat_sim)
-    abstract = nnx.eval_shape(lambda: DSV4(config, dtype=DTYPES[dtype], rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: DSV4(config, dtype=DTYPES[dtype], rngs=Keys(0)))
     graphdef, state = nnx.split(abstract)
     pure = state.to_pure_dict()
     expected = {tuple(k.key for k in kp): v for kp, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
     values = _read_tensors(CheckpointDir(path), expected, config)
     _set_leaves(pure, values)
     nnx.replace_by_pure_dict(state, pure)
-    return Model(nnx.merge(graphdef, state))
+    return Model(graphdef, state)
 
 
 def _read_tensors(ckpt: CheckpointDir, expected: dict, config: DSV4Config) -> dict:

@@ -13,7 +13,7 @@ from jdspark.config import DSV4Config
 from jdspark.model import quant_sim
 from jdspark.model.compressor import Compressor
 from jdspark.model.indexer import Indexer
-from jdspark.model.layers import Linear, RMSNorm, normal_init, rms_normalize
+from jdspark.model.layers import Keys, Linear, RMSNorm, normal_init, rms_normalize
 from jdspark.model.rope import apply_rope, layer_rope
 
 
@@ -39,7 +39,7 @@ def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
         c = config
         self.kind = c.layer_kind(layer_id)
         self.n_heads, self.head_dim, self.rope_dim = c.num_attention_heads, c.head_dim, c.qk_rope_head_dim

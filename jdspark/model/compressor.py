@@ -14,12 +14,12 @@ from flax import nnx
 
 from jdspark.config import CSA_RATIO, DSV4Config
 from jdspark.model import quant_sim
-from jdspark.model.layers import Linear, RMSNorm, normal_init
+from jdspark.model.layers import Keys, Linear, RMSNorm, normal_init
 from jdspark.model.rope import apply_rope, layer_rope
 
 
 class Compressor(nnx.Module):
-    def __init__(self, config: DSV4Config, ratio: int, head_dim: int, *, indexer: bool, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, ratio: int, head_dim: int, *, indexer: bool, dtype, rngs: Keys):
         self.ratio, self.head_dim, self.indexer = ratio, head_dim, indexer
         self.overlap = ratio == CSA_RATIO
         width = (2 if self.overlap else 1) * head_dim
@@ -64,6 +64,8 @@ class Compressor(nnx.Module):
         """Entries of a full sequence from position 0: x [B, S, D] -> [B, S // m, c] in x.dtype."""
         b, s, _ = x.shape
         m, n = self.ratio, s // self.ratio
+        if n == 0:
+            return jnp.zeros((b, 0, self.head_dim), x.dtype)
         a, z = self.rows(x[:, :n * m])
         a = a.reshape(b, n, m, -1)
         z = z.reshape(b, n, m, -1) + self.ape[...]

@@ -14,14 +14,14 @@ from flax import nnx
 from jdspark.config import DSV4Config
 from jdspark.model.attention import Attention
 from jdspark.model.hyper import HyperConnection, hc_head
-from jdspark.model.layers import Embedding, Linear, RMSNorm, normal_init
+from jdspark.model.layers import Embedding, Keys, Linear, RMSNorm, normal_init
 from jdspark.model.moe import MoE
 
 
 class HyperHead(nnx.Module):
     """Parameters of the final stream collapse: fn [C, C*D], base [C], scale [1] (fp32)."""
 
-    def __init__(self, config: DSV4Config, *, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, *, rngs: Keys):
         c, d = config.hc_mult, config.hidden_size
         self.fn = nnx.Param(normal_init(rngs, (c, c * d), jnp.float32, (c * d) ** -0.5))
         self.base = nnx.Param(jnp.zeros((c,), jnp.float32))
@@ -33,7 +33,7 @@ class HyperHead(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
         c = config
         self.layer_id = layer_id
         hc = dict(sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, rngs=rngs)
@@ -55,7 +55,7 @@ class Block(nnx.Module):
 class MTPBlock(Block):
     """Multi-token prediction: (streams at t, token t+1) -> logits for token t+2 (window-only layer)."""
 
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
         super().__init__(config, layer_id, dtype=dtype, rngs=rngs)
         d, qat = config.hidden_size, config.qat_sim
         self.e_proj = Linear(d, d, dtype=dtype, rngs=rngs, fp8_input=qat)
@@ -72,7 +72,7 @@ class MTPBlock(Block):
 
 
 class DSV4(nnx.Module):
-    def __init__(self, config: DSV4Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, *, dtype=jnp.bfloat16, rngs: Keys):
         c = config
         self.config = c
         self.dtype = jnp.dtype(dtype)

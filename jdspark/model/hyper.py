@@ -10,17 +10,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdspark.model.layers import normal_init, rms_normalize
+from jdspark.model.layers import Keys, normal_init, rms_normalize
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
     """Row softmax (+eps), column normalisation, then iters-1 x (row, column) normalisations."""
     p = jax.nn.softmax(logits, axis=-1) + eps
     p = p / (jnp.sum(p, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
+
+    def row_then_column(_, p):
         p = p / (jnp.sum(p, axis=-1, keepdims=True) + eps)
-        p = p / (jnp.sum(p, axis=-2, keepdims=True) + eps)
-    return p
+        return p / (jnp.sum(p, axis=-2, keepdims=True) + eps)
+
+    return jax.lax.fori_loop(0, iters - 1, row_then_column, p)  # a loop, not 19 unrolled copies
 
 
 def _mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
@@ -39,7 +41,7 @@ class HyperConnection(nnx.Module):
     """Parameters of one mHC site: fn [(2+C)C, C*D], base [(2+C)C], scale [3] (all fp32)."""
 
     def __init__(self, hc_mult: int, dim: int, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
-                 rngs: nnx.Rngs):
+                 rngs: Keys):
         mix = (2 + hc_mult) * hc_mult
         self.fn = nnx.Param(normal_init(rngs, (mix, hc_mult * dim), jnp.float32, (hc_mult * dim) ** -0.5))
         self.base = nnx.Param(jnp.zeros((mix,), jnp.float32))

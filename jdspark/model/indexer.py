@@ -13,12 +13,12 @@ from flax import nnx
 from jdspark.config import CSA_RATIO, DSV4Config
 from jdspark.model import quant_sim
 from jdspark.model.compressor import Compressor
-from jdspark.model.layers import Linear
+from jdspark.model.layers import Keys, Linear
 from jdspark.model.rope import apply_rope, layer_rope
 
 
 class Indexer(nnx.Module):
-    def __init__(self, config: DSV4Config, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, *, dtype, rngs: Keys):
         self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
         self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, rngs=rngs,
                            fp8_input=config.qat_sim)

@@ -8,13 +8,40 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jdspark.model import quant_sim
 
 
-def normal_init(rngs: nnx.Rngs, shape, dtype, std: float) -> jax.Array:
-    return (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(dtype)
+class Keys:
+    """Deterministic random init. `concrete=True` draws with numpy (no XLA compile per shape: fast
+    for real small models); otherwise jax.random with fold_in(seed, counter), which traces cheaply
+    under `nnx.eval_shape` for full-size abstract models. A plain counter, unlike nnx.Rngs, whose
+    per-call Variable update makes tracing a 43-layer init quadratic."""
+
+    def __init__(self, seed: int = 0, concrete: bool = False):
+        self.seed, self.count, self.concrete = seed, 0, concrete
+        self.np_rng = np.random.default_rng(seed) if concrete else None
+
+    def _key(self) -> jax.Array:
+        self.count += 1
+        return jax.random.fold_in(jax.random.key(self.seed), self.count)
+
+    def normal(self, shape, dtype, std: float) -> jax.Array:
+        if self.concrete:
+            return jnp.asarray((self.np_rng.standard_normal(shape, np.float32) * std).astype(dtype))
+        return (jax.random.normal(self._key(), shape, jnp.float32) * std).astype(dtype)
+
+    def distinct_choices(self, rows: int, n: int, k: int) -> jax.Array:
+        """[rows, k] int32: k distinct values of range(n) per row."""
+        if self.concrete:
+            return jnp.asarray(np.argsort(self.np_rng.random((rows, n)), axis=-1)[:, :k].astype(np.int32))
+        return jnp.argsort(jax.random.uniform(self._key(), (rows, n)), axis=-1)[:, :k].astype(jnp.int32)
+
+
+def normal_init(rngs: Keys, shape, dtype, std: float) -> jax.Array:
+    return rngs.normal(shape, dtype, std)
 
 
 class Linear(nnx.Module):
@@ -25,7 +52,7 @@ class Linear(nnx.Module):
     `compute_dtype` forces the matmul dtype (fp32 for the compressor's wkv/wgate and the head).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: nnx.Rngs,
+    def __init__(self, in_features: int, out_features: int, *, dtype, rngs: Keys,
                  fp8_input: bool = False, compute_dtype=None):
         self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), dtype, in_features ** -0.5))
         self.fp8_input = fp8_input
@@ -43,7 +70,7 @@ class Linear(nnx.Module):
 class RMSNorm(nnx.Module):
     """w * x * rsqrt(mean(x^2) + eps) in fp32, cast back to the input dtype."""
 
-    def __init__(self, dim: int, eps: float, *, dtype, rngs: nnx.Rngs | None = None):
+    def __init__(self, dim: int, eps: float, *, dtype, rngs=None):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
@@ -58,7 +85,7 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 
 class Embedding(nnx.Module):
-    def __init__(self, vocab_size: int, dim: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab_size: int, dim: int, *, dtype, rngs: Keys):
         self.weight = nnx.Param(normal_init(rngs, (vocab_size, dim), dtype, 1.0))
 
     def __call__(self, ids: jax.Array) -> jax.Array:

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jdspark.model.layers import Keys
+
 from jdspark.config import DSV4Config
 from jdspark.model.dsv4 import DSV4
 
@@ -26,15 +28,16 @@ def _mtp_forward(graphdef, params, streams, next_ids, depth):
 class Model:
     """A loaded DeepSeek-V4 model. Parameters stay on the device; calls are jitted per shape."""
 
-    def __init__(self, module: DSV4):
+    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State):
+        self.graphdef, self.params = graphdef, params
+        module = nnx.merge(graphdef, params)
         self.config: DSV4Config = module.config
         self.dtype = module.dtype
-        self.graphdef, self.params = nnx.split(module)
 
     @classmethod
     def random(cls, config: DSV4Config, dtype="bfloat16", seed: int = 0) -> "Model":
-        """A randomly initialised model (tests, benchmarks)."""
-        return cls(DSV4(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed)))
+        """A randomly initialised model (tests, benchmarks), drawn on the host."""
+        return cls(*nnx.split(DSV4(config, dtype=jnp.dtype(dtype), rngs=Keys(seed, concrete=True))))
 
     def module(self) -> DSV4:
         return nnx.merge(self.graphdef, self.params)

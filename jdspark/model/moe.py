@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdspark.config import DSV4Config
-from jdspark.model.layers import Linear, normal_init
+from jdspark.model.layers import Keys, Linear, normal_init
 from jdspark.model.quant_sim import fp8_sim
 
 
@@ -24,16 +24,14 @@ def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 
 
 class Gate(nnx.Module):
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
         self.top_k, self.score_func = config.num_experts_per_tok, config.scoring_func
         self.route_scale = config.routed_scaling_factor
         self.hash = config.is_hash_layer(layer_id)
         e = config.n_routed_experts
         self.weight = nnx.Param(normal_init(rngs, (e, config.hidden_size), dtype, config.hidden_size ** -0.5))
         if self.hash:
-            keys = jax.random.split(rngs.params(), config.vocab_size)
-            table = jax.vmap(lambda k: jax.random.permutation(k, e)[:self.top_k])(keys)
-            self.tid2eid = nnx.Variable(table.astype(jnp.int32))
+            self.tid2eid = nnx.Variable(rngs.distinct_choices(config.vocab_size, e, self.top_k))
         else:
             self.bias = nnx.Param(normal_init(rngs, (e,), jnp.float32, 0.1))
 
@@ -59,7 +57,7 @@ class Gate(nnx.Module):
 class Experts(nnx.Module):
     """Routed experts stacked on a leading E axis: w1, w3 [E, F, D], w2 [E, D, F]."""
 
-    def __init__(self, config: DSV4Config, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, *, dtype, rngs: Keys):
         e, f, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
         self.w1 = nnx.Param(normal_init(rngs, (e, f, d), dtype, d ** -0.5))
         self.w3 = nnx.Param(normal_init(rngs, (e, f, d), dtype, d ** -0.5))
@@ -84,7 +82,7 @@ class Experts(nnx.Module):
 
 
 class SharedExpert(nnx.Module):
-    def __init__(self, config: DSV4Config, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, *, dtype, rngs: Keys):
         d, f, qat = config.hidden_size, config.moe_intermediate_size, config.qat_sim
         self.w1 = Linear(d, f, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.w3 = Linear(d, f, dtype=dtype, rngs=rngs, fp8_input=qat)
@@ -96,7 +94,7 @@ class SharedExpert(nnx.Module):
 
 
 class MoE(nnx.Module):
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
         self.gate = Gate(config, layer_id, dtype=dtype, rngs=rngs)
         self.experts = Experts(config, dtype=dtype, rngs=rngs)
         self.shared_experts = SharedExpert(config, dtype=dtype, rngs=rngs)
