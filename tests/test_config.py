@@ -25,7 +25,7 @@ def test_flash_schedule_and_kinds():
 
 
 def test_transformers_vocabulary():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from tests.model.hf_oracle import hf_config
     cfg = tiny_config()
     d = json.loads(hf_config(cfg).to_json_string())
@@ -35,7 +35,6 @@ def test_transformers_vocabulary():
     assert parsed.num_hash_layers == 3  # from mlp_layer_types
     assert (parsed.original_seq_len, parsed.rope_factor) == (32, 4.0)  # nested rope_parameters
     assert parsed.qk_rope_head_dim == 64
-    assert transformers.__version__ == "5.23.0"
 
 
 def test_flash_hf_config_json_excerpt():

@@ -24,14 +24,15 @@ PRO_LIKE = tiny_config(
     swiglu_limit=0.7, hc_mult=3, hc_sinkhorn_iters=12, original_seq_len=48, rope_factor=8.0,
     rope_theta=5000.0, compress_rope_theta=80000.0, max_position_embeddings=384,
 )
-CASES = {"flash_like": (FLASH_LIKE, 96, "hf"), "pro_like": (PRO_LIKE, 88, "official")}
+# (config, sequence length, config vocabulary, seed); seeds keep every top-k gap above MIN_GAP
+CASES = {"flash_like": (FLASH_LIKE, 96, "hf", 1234), "pro_like": (PRO_LIKE, 88, "official", 3)}
 MIN_GAP = 1e-4  # a smaller top-k gap would make the selection depend on op order
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
-    cfg, length, vocabulary = CASES[request.param]
-    oracle = Oracle(cfg, seed=1234)
+    cfg, length, vocabulary, seed = CASES[request.param]
+    oracle = Oracle(cfg, seed=seed)
     path = oracle.write(tmp_path_factory.mktemp(request.param), vocabulary=vocabulary)
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, length)
     return cfg, path, ids, oracle.forward(ids)
@@ -77,15 +78,17 @@ def test_mtp_matches_assembled_reference_float32(case):
 
 
 # bfloat16 tolerance. bfloat16 rounds every weight and every residual-stream write to 8 mantissa bits
-# (relative error 2^-9 per rounding), so typical rows drift by a few 1e-2 (measured: median row-max
-# error 0.07 / 0.06, mean 0.034 / 0.026 for the two cases). A router or indexer top-k whose two
-# candidates lie closer than that rounding picks differently for a few tokens, and those rows move
-# by O(1) (measured max 0.98 / 0.82, in 12 / 8 rows): a discrete choice, not an accumulated error.
-# So the bounds are on the typical row and on the argmax, with a loose cap on the worst row.
+# (relative error 2^-9 per rounding), so typical rows drift by a few 1e-2 (measured 2026-11-30, CPU:
+# median row-max error 0.076 / 0.046, mean 0.036 / 0.024 for flash_like / pro_like). A router or
+# indexer top-k whose candidates lie closer than that rounding picks differently for a few tokens,
+# and those rows move by O(1) (measured max 0.97 / 0.87, in 13 / 8 rows with error > 0.25): a
+# discrete choice, not an accumulated error. Random logits have near-ties, so the argmax agrees on
+# 0.91 / 0.95 of rows. The bounds are on the typical row and the mean with ~2x margin, plus a loose
+# cap on the worst row and the argmax agreement.
 BF16_MEDIAN_ROW_MAX = 0.15
-BF16_MEAN_ABS = 0.05
+BF16_MEAN_ABS = 0.07
 BF16_MAX_ABS = 1.5
-BF16_ARGMAX_AGREEMENT = 0.9
+BF16_ARGMAX_AGREEMENT = 0.85
 
 
 def test_logits_bfloat16_within_stated_tolerance(case):
