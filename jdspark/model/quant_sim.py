@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 FP8_MAX = 448.0
@@ -23,28 +22,38 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     return x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
-def _pow2_scale(amax: jax.Array, qmax: float) -> jax.Array:
-    return jnp.exp2(jnp.ceil(jnp.log2(amax / qmax)))
+def pow2_ceil(v: jax.Array) -> jax.Array:
+    """Smallest power of two >= v (v > 0), exactly: frexp/ldexp are bit operations, whereas
+    exp2(ceil(log2(v))) is approximate on GPUs."""
+    m, e = jnp.frexp(v)  # v = m * 2^e, m in [0.5, 1)
+    return jnp.ldexp(jnp.ones_like(v), jnp.where(m == 0.5, e - 1, e))
+
+
+def round_to_float(v: jax.Array, mantissa_bits: int, min_exponent: int) -> jax.Array:
+    """Round to the nearest value with `mantissa_bits` explicit mantissa bits (ties to even),
+    subnormals below 2^min_exponent; the caller clamps to the format's range.
+
+    Arithmetic on an exact power-of-two grid rather than a cast round trip (f32 -> f8 -> f32), which
+    XLA may drop as excess precision (it does on the GPU).
+    """
+    _, e = jnp.frexp(v)
+    ulp = jnp.ldexp(jnp.ones_like(v), jnp.maximum(e - 1, min_exponent) - mantissa_bits)
+    return jnp.round(v / ulp) * ulp
 
 
 def fp8_sim(x: jax.Array, block: int) -> jax.Array:
     """Round x to e4m3 with one power-of-two scale per `block` channels; returns x's dtype."""
     xb = _blocks(x, block)
-    scale = _pow2_scale(jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4), FP8_MAX)
-    q = jnp.clip(xb / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    scale = pow2_ceil(jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), 1e-4) / FP8_MAX)
+    q = round_to_float(jnp.clip(xb / scale, -FP8_MAX, FP8_MAX), mantissa_bits=3, min_exponent=-6)
     return (q * scale).reshape(x.shape).astype(x.dtype)
-
-
-def round_e2m1(v: jax.Array) -> jax.Array:
-    """Round to the nearest E2M1 value (ties to even mantissa), for |v| <= 6."""
-    return v.astype(ml_dtypes.float4_e2m1fn).astype(jnp.float32)
 
 
 def fp4_sim(x: jax.Array, block: int = 32) -> jax.Array:
     """Round x to e2m1 with one power-of-two scale per `block` channels; returns x's dtype."""
     xb = _blocks(x, block)
-    scale = _pow2_scale(jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), FP4_MAX * 2.0 ** -126), FP4_MAX)
-    q = round_e2m1(jnp.clip(xb / scale, -FP4_MAX, FP4_MAX))
+    scale = pow2_ceil(jnp.maximum(jnp.max(jnp.abs(xb), axis=-1, keepdims=True), FP4_MAX * 2.0 ** -126) / FP4_MAX)
+    q = round_to_float(jnp.clip(xb / scale, -FP4_MAX, FP4_MAX), mantissa_bits=1, min_exponent=0)
     return (q * scale).reshape(x.shape).astype(x.dtype)
 
 

@@ -273,6 +273,19 @@ def test_fp8_sim_matches_numpy():
     assert not np.array_equal(out, x)
 
 
+def test_rounding_matches_ml_dtypes_casts_exactly():
+    v = np.concatenate([RNG.normal(size=4000) * np.exp(RNG.normal(size=4000) * 3),
+                        np.arange(-448, 449, 0.25), 2.0 ** np.arange(-12, 9)]).astype(np.float32)
+    v8 = np.clip(v, -448, 448)
+    np.testing.assert_array_equal(np.asarray(quant_sim.round_to_float(jnp.asarray(v8), 3, -6)),
+                                  v8.astype(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    v4 = np.clip(v, -6, 6)
+    np.testing.assert_array_equal(np.asarray(quant_sim.round_to_float(jnp.asarray(v4), 1, 0)),
+                                  v4.astype(ml_dtypes.float4_e2m1fn).astype(np.float32))
+    p = np.asarray(quant_sim.pow2_ceil(jnp.asarray(np.abs(v[v != 0]))))
+    np.testing.assert_array_equal(p, 2.0 ** np.ceil(np.log2(np.abs(v[v != 0]).astype(np.float64))))
+
+
 def test_fp4_sim_matches_numpy_table():
     x = RNG.normal(size=(2, 64)).astype(np.float32)
     out = np.asarray(quant_sim.fp4_sim(jnp.asarray(x), 32))
