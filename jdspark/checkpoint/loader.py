@@ -43,7 +43,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False)
     config = read_config(path).replace(qat_sim=qat_sim)
     abstract = nnx.eval_shape(lambda: DSV4(config, dtype=DTYPES[dtype], rngs=Keys(0)))
     graphdef, state = nnx.split(abstract)
-    pure = state.to_pure_dict()
+    pure = nnx.to_pure_dict(state)
     expected = {tuple(k.key for k in kp): v for kp, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
     values = _read_tensors(CheckpointDir(path), expected, config)
     _set_leaves(pure, values)

@@ -5,6 +5,7 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 import jdspark
 from jdspark.checkpoint.names import hf_to_official, official_to_path, path_to_official
@@ -20,7 +21,7 @@ def official_tensors(model: Model) -> dict[str, np.ndarray]:
     """A model's parameters under their official checkpoint names (experts unstacked)."""
     import jax
     out = {}
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(model.params.to_pure_dict())[0]:
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(model.params))[0]:
         path, value = tuple(k.key for k in kp), np.asarray(leaf)
         if path[-2] == "experts":
             for e in range(value.shape[0]):

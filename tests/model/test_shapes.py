@@ -18,7 +18,7 @@ def test_full_size_models_instantiate_and_trace(make, params_b):
     cfg = make()
     model = nnx.eval_shape(lambda: DSV4(cfg, dtype=jnp.bfloat16, rngs=Keys(0)))
     _, state = nnx.split(model)
-    leaves = jax.tree_util.tree_leaves(state.to_pure_dict())
+    leaves = jax.tree_util.tree_leaves(nnx.to_pure_dict(state))
     total = sum(int(np.prod(x.shape)) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating))
     assert abs(total / 1e9 - params_b) / params_b < 0.05  # spec §1: 284B / 1.6T total parameters
     for length in (8, 260):  # no compressed entry yet; two HCA entries and 65 CSA entries
