@@ -1,0 +1,1 @@
+"""The DeepSeek-V4 network in Flax NNX (pure functions of parameters and token ids)."""
