@@ -13,7 +13,7 @@ from jdspark.config import DSV4Config
 from jdspark.model import quant_sim
 from jdspark.model.compressor import Compressor
 from jdspark.model.indexer import Indexer
-from jdspark.model.layers import Keys, Linear, RMSNorm, normal_init, rms_normalize
+from jdspark.model.layers import Keys, Linear, RMSNorm, rms_normalize
 from jdspark.model.rope import apply_rope, layer_rope
 
 
@@ -55,7 +55,7 @@ class Attention(nnx.Module):
         self.wo_a = Linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank,
                            dtype=dtype, rngs=rngs)
         self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype=dtype, rngs=rngs, fp8_input=qat)
-        self.attn_sink = nnx.Param(normal_init(rngs, (c.num_attention_heads,), jnp.float32, 1.0))
+        self.attn_sink = nnx.Param(rngs.normal((c.num_attention_heads,), jnp.float32, 1.0))
         self.compressor = (Compressor(c, self.ratio, c.head_dim, indexer=False, dtype=dtype, rngs=rngs)
                            if self.kind != "window" else None)
         self.indexer = Indexer(c, dtype=dtype, rngs=rngs) if self.kind == "csa" else None

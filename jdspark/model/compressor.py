@@ -14,7 +14,7 @@ from flax import nnx
 
 from jdspark.config import CSA_RATIO, DSV4Config
 from jdspark.model import quant_sim
-from jdspark.model.layers import Keys, Linear, RMSNorm, normal_init
+from jdspark.model.layers import Keys, Linear, RMSNorm
 from jdspark.model.rope import apply_rope, layer_rope
 
 
@@ -24,7 +24,7 @@ class Compressor(nnx.Module):
         self.overlap = ratio == CSA_RATIO
         width = (2 if self.overlap else 1) * head_dim
         d = config.hidden_size
-        self.ape = nnx.Param(normal_init(rngs, (ratio, width), jnp.float32, 1.0))
+        self.ape = nnx.Param(rngs.normal((ratio, width), jnp.float32, 1.0))
         self.wkv = Linear(d, width, dtype=dtype, rngs=rngs, compute_dtype=jnp.float32)
         self.wgate = Linear(d, width, dtype=dtype, rngs=rngs, compute_dtype=jnp.float32)
         self.norm = RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype)

@@ -14,7 +14,7 @@ from flax import nnx
 from jdspark.config import DSV4Config
 from jdspark.model.attention import Attention
 from jdspark.model.hyper import HyperConnection, hc_head
-from jdspark.model.layers import Embedding, Keys, Linear, RMSNorm, normal_init
+from jdspark.model.layers import Embedding, Keys, Linear, RMSNorm
 from jdspark.model.moe import MoE
 
 
@@ -23,7 +23,7 @@ class HyperHead(nnx.Module):
 
     def __init__(self, config: DSV4Config, *, rngs: Keys):
         c, d = config.hc_mult, config.hidden_size
-        self.fn = nnx.Param(normal_init(rngs, (c, c * d), jnp.float32, (c * d) ** -0.5))
+        self.fn = nnx.Param(rngs.normal((c, c * d), jnp.float32, (c * d) ** -0.5))
         self.base = nnx.Param(jnp.zeros((c,), jnp.float32))
         self.scale = nnx.Param(jnp.ones((1,), jnp.float32))
         self.hc_eps, self.norm_eps = config.hc_eps, config.rms_norm_eps

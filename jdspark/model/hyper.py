@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jdspark.model.layers import Keys, normal_init, rms_normalize
+from jdspark.model.layers import Keys, rms_normalize
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
@@ -43,7 +43,7 @@ class HyperConnection(nnx.Module):
     def __init__(self, hc_mult: int, dim: int, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float,
                  rngs: Keys):
         mix = (2 + hc_mult) * hc_mult
-        self.fn = nnx.Param(normal_init(rngs, (mix, hc_mult * dim), jnp.float32, (hc_mult * dim) ** -0.5))
+        self.fn = nnx.Param(rngs.normal((mix, hc_mult * dim), jnp.float32, (hc_mult * dim) ** -0.5))
         self.base = nnx.Param(jnp.zeros((mix,), jnp.float32))
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
         self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps

@@ -40,10 +40,6 @@ class Keys:
         return jnp.argsort(jax.random.uniform(self._key(), (rows, n)), axis=-1)[:, :k].astype(jnp.int32)
 
 
-def normal_init(rngs: Keys, shape, dtype, std: float) -> jax.Array:
-    return rngs.normal(shape, dtype, std)
-
-
 class Linear(nnx.Module):
     """y = x W^T, computed in the input dtype with fp32 accumulation.
 
@@ -54,7 +50,7 @@ class Linear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, dtype, rngs: Keys,
                  fp8_input: bool = False, compute_dtype=None):
-        self.weight = nnx.Param(normal_init(rngs, (out_features, in_features), dtype, in_features ** -0.5))
+        self.weight = nnx.Param(rngs.normal((out_features, in_features), dtype, in_features ** -0.5))
         self.fp8_input = fp8_input
         self.compute_dtype = compute_dtype
 
@@ -86,7 +82,7 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 
 class Embedding(nnx.Module):
     def __init__(self, vocab_size: int, dim: int, *, dtype, rngs: Keys):
-        self.weight = nnx.Param(normal_init(rngs, (vocab_size, dim), dtype, 1.0))
+        self.weight = nnx.Param(rngs.normal((vocab_size, dim), dtype, 1.0))
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.weight[...], ids, axis=0)

@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdspark.model.layers import Keys
-
 from jdspark.config import DSV4Config
 from jdspark.model.dsv4 import DSV4
+from jdspark.model.layers import Keys
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdspark.config import DSV4Config
-from jdspark.model.layers import Keys, Linear, normal_init
+from jdspark.model.layers import Keys, Linear
 from jdspark.model.quant_sim import fp8_sim
 
 
@@ -29,11 +29,11 @@ class Gate(nnx.Module):
         self.route_scale = config.routed_scaling_factor
         self.hash = config.is_hash_layer(layer_id)
         e = config.n_routed_experts
-        self.weight = nnx.Param(normal_init(rngs, (e, config.hidden_size), dtype, config.hidden_size ** -0.5))
+        self.weight = nnx.Param(rngs.normal((e, config.hidden_size), dtype, config.hidden_size ** -0.5))
         if self.hash:
             self.tid2eid = nnx.Variable(rngs.distinct_choices(config.vocab_size, e, self.top_k))
         else:
-            self.bias = nnx.Param(normal_init(rngs, (e,), jnp.float32, 0.1))
+            self.bias = nnx.Param(rngs.normal((e,), jnp.float32, 0.1))
 
     def __call__(self, x: jax.Array, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [N, D], ids [N] -> (weights [N, K] fp32, expert indices [N, K])."""
@@ -59,9 +59,9 @@ class Experts(nnx.Module):
 
     def __init__(self, config: DSV4Config, *, dtype, rngs: Keys):
         e, f, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-        self.w1 = nnx.Param(normal_init(rngs, (e, f, d), dtype, d ** -0.5))
-        self.w3 = nnx.Param(normal_init(rngs, (e, f, d), dtype, d ** -0.5))
-        self.w2 = nnx.Param(normal_init(rngs, (e, d, f), dtype, f ** -0.5))
+        self.w1 = nnx.Param(rngs.normal((e, f, d), dtype, d ** -0.5))
+        self.w3 = nnx.Param(rngs.normal((e, f, d), dtype, d ** -0.5))
+        self.w2 = nnx.Param(rngs.normal((e, d, f), dtype, f ** -0.5))
         self.limit = config.swiglu_limit
         self.qat_sim = config.qat_sim
 

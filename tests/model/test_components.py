@@ -2,12 +2,10 @@
 
 import math
 
-import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 
 from jdspark.model.layers import Keys
 
