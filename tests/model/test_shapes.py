@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdspark.model.layers import Keys
-
 from jdspark.config import flash_config, pro_config, tiny_config
 from jdspark.model.dsv4 import DSV4
+from jdspark.model.layers import Keys
 from jdspark.model.model import Model
 
 
