@@ -10,11 +10,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdspark.config import DSV4Config
-from jdspark.model import quant_sim
+from jdspark.model import quant_sim, state
 from jdspark.model.compressor import Compressor
 from jdspark.model.indexer import Indexer
 from jdspark.model.layers import Keys, Linear, RMSNorm, rms_normalize
 from jdspark.model.rope import apply_rope, layer_rope
+from jdspark.model.state import LayerCache
 
 
 def sink_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
@@ -89,14 +90,45 @@ class Attention(nnx.Module):
         """Full sequence from position 0: x [B, S, D] (after attn_norm), positions [B, S]."""
         q, qr = self.query(x, positions)
         kv = self.window_kv(x, positions)
-        keys, mask = kv, window_mask(positions, positions, self.window)
+        mask = window_mask(positions, positions, self.window)
+        entries = index_keys = None
         if self.compressor is not None:
             entries = self.compressor(x)  # [B, S // m, H]
+        if self.indexer is not None:
+            index_keys = self.indexer.compressor(x)
+        return self._attend(x, q, qr, positions, kv, mask, entries, index_keys)
+
+    def extend(self, x: jax.Array, positions: jax.Array, cache: LayerCache, length: jax.Array,
+               n_valid: jax.Array) -> tuple[jax.Array, LayerCache]:
+        """A chunk at positions [B, S] = length + arange(S), of which the first n_valid[b] are real.
+        Window keys are the ring rows held before `length` plus the chunk's own rows; all caches
+        are updated before attention (spec §5.3.7), so entries the chunk completes are visible to
+        its later queries."""
+        q, qr = self.query(x, positions)
+        kv = self.window_kv(x, positions)
+        ring_pos = state.ring_positions(length, cache.window.shape[1])
+        key_pos = jnp.concatenate([ring_pos, positions], axis=1)
+        mask = window_mask(positions, key_pos, self.window) & (key_pos >= 0)[:, None, :]
+        keys = jnp.concatenate([cache.window, kv], axis=1)
+        compressor = indexer = None
+        if self.compressor is not None:
+            compressor = self.compressor.extend(x, cache.compressor, length, n_valid)
+        if self.indexer is not None:
+            indexer = self.indexer.compressor.extend(x, cache.indexer, length, n_valid)
+        out = self._attend(x, q, qr, positions, keys, mask,
+                           None if compressor is None else compressor.entries,
+                           None if indexer is None else indexer.entries)
+        window = state.write_rows(cache.window, kv, length, n_valid)
+        return out, LayerCache(window=window, compressor=compressor, indexer=indexer)
+
+    def _attend(self, x, q, qr, positions, keys, mask, entries, index_keys) -> jax.Array:
+        """Sink attention over window keys (mask given) plus the visible compressed entries: all of
+        them (HCA) or the indexer's top-k (CSA); then de-rotation and the output projection."""
+        if entries is not None:
             visible = jnp.arange(entries.shape[1]) < ((positions + 1) // self.ratio)[..., None]
-            if self.indexer is not None:
-                index_keys = self.indexer.compressor(x)
+            if index_keys is not None:
                 visible = self.indexer.select(self.indexer.scores(x, qr, positions, index_keys), visible)
-            keys = jnp.concatenate([kv, entries], axis=1)
+            keys = jnp.concatenate([keys, entries], axis=1)
             mask = jnp.concatenate([mask, visible], axis=-1)
         o = sink_attention(q, keys, mask, self.attn_sink[...], self.head_dim ** -0.5)
         return self.output(o, positions)

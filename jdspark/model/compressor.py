@@ -13,9 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdspark.config import CSA_RATIO, DSV4Config
-from jdspark.model import quant_sim
+from jdspark.model import quant_sim, state
 from jdspark.model.layers import Keys, Linear, RMSNorm
 from jdspark.model.rope import apply_rope, layer_rope
+from jdspark.model.state import CompressorCache
 
 
 class Compressor(nnx.Module):
@@ -37,9 +38,10 @@ class Compressor(nnx.Module):
         x = x.astype(jnp.float32)
         return self.wkv(x), self.wgate(x)
 
-    def pool(self, a: jax.Array, z: jax.Array, prev_a: jax.Array, prev_z: jax.Array) -> jax.Array:
-        """Pool complete windows. a, z: [B, n, m, coff*c] with ape added; prev_*: window before the
-        first one ([B, m, coff*c]; zeros and -inf at sequence start). Returns fp32 [B, n, c]."""
+    def pool(self, a: jax.Array, z: jax.Array, prev_a: jax.Array | None, prev_z: jax.Array | None) -> jax.Array:
+        """Pool complete windows. a, z: [B, n, m, coff*c] with ape added; prev_*: the window before
+        the first one ([B, m, coff*c]; zeros and -inf at sequence start; CSA only, else None).
+        Returns fp32 [B, n, c]."""
         if self.overlap:
             c = self.head_dim
             prev_a = jnp.concatenate([prev_a[:, None], a[:, :-1]], axis=1)[..., :c]
@@ -49,9 +51,10 @@ class Compressor(nnx.Module):
         return jnp.sum(a * jax.nn.softmax(z, axis=2), axis=2)
 
     def finish(self, pooled: jax.Array, first_entry: jax.Array | int, dtype) -> jax.Array:
-        """Cast, norm, rotate at position w*m (and the QAT rounding). pooled: [B, n, c] fp32."""
+        """Cast, norm, rotate at position w*m (and the QAT rounding). pooled: [B, n, c] fp32;
+        first_entry: the index of entry 0, scalar or per slot [B]."""
         kv = self.norm(pooled.astype(dtype))
-        positions = (first_entry + jnp.arange(kv.shape[1])) * self.ratio
+        positions = (jnp.asarray(first_entry)[..., None] + jnp.arange(kv.shape[1])) * self.ratio
         kv = apply_rope(kv, jnp.broadcast_to(positions, kv.shape[:2]), self.rope)
         if self.qat_sim:
             if self.indexer:
@@ -69,6 +72,48 @@ class Compressor(nnx.Module):
         a, z = self.rows(x[:, :n * m])
         a = a.reshape(b, n, m, -1)
         z = z.reshape(b, n, m, -1) + self.ape[...]
+        if not self.overlap:
+            return self.finish(self.pool(a, z, None, None), 0, x.dtype)
         start_a = jnp.zeros((b, m, a.shape[-1]), jnp.float32)
         start_z = jnp.full((b, m, z.shape[-1]), -jnp.inf, jnp.float32)
         return self.finish(self.pool(a, z, start_a, start_z), 0, x.dtype)
+
+    def extend(self, x: jax.Array, cache: CompressorCache, length: jax.Array,
+               n_valid: jax.Array) -> CompressorCache:
+        """Add tokens x [B, S, D] at positions length..length+S-1 (the first n_valid[b] of them count).
+
+        The pooling frame starts at the window before the open one (CSA; the open one for HCA) and
+        takes rows before `length` from the ring and the rest from this chunk; every window the
+        chunk completes becomes an entry (entries the chunk does not complete are not written).
+        """
+        b, s, _ = x.shape
+        m, coff = self.ratio, 2 if self.overlap else 1
+        positions = length[:, None] + jnp.arange(s)
+        a, z = self.rows(x)
+        z = z + self.ape[...][jnp.mod(positions, m)]
+
+        n_windows = coff + (s + m - 2) // m  # covers the open window's held rows plus the chunk
+        frame = ((length // m - (coff - 1)) * m)[:, None] + jnp.arange(n_windows * m)  # [B, F]
+        in_ring = ((frame >= 0) & (frame < length[:, None]))[..., None]
+        in_chunk = ((frame >= length[:, None]) & (frame < (length + n_valid)[:, None]))[..., None]
+        at = jnp.clip(frame - length[:, None], 0, s - 1)[..., None]
+        frame_a = jnp.where(in_ring, state.gather_rows(cache.rows_a, frame),
+                            jnp.where(in_chunk, jnp.take_along_axis(a, at, axis=1), 0.0))
+        frame_z = jnp.where(in_ring, state.gather_rows(cache.rows_z, frame),
+                            jnp.where(in_chunk, jnp.take_along_axis(z, at, axis=1), -jnp.inf))
+        frame_a = frame_a.reshape(b, n_windows, m, -1)
+        frame_z = frame_z.reshape(b, n_windows, m, -1)
+        if self.overlap:
+            pooled = self.pool(frame_a[:, 1:], frame_z[:, 1:], frame_a[:, 0], frame_z[:, 0])
+        else:
+            pooled = self.pool(frame_a, frame_z, None, None)
+
+        first = length // m  # the open window: the first entry this call can complete
+        entries = self.finish(pooled, first, cache.entries.dtype)
+        index = first[:, None] + jnp.arange(entries.shape[1])
+        complete = (index + 1) * m <= (length + n_valid)[:, None]
+        index = jnp.where(complete, index, cache.entries.shape[1])  # out of range: dropped
+        return CompressorCache(
+            rows_a=state.write_rows(cache.rows_a, a, length, n_valid),
+            rows_z=state.write_rows(cache.rows_z, z, length, n_valid),
+            entries=cache.entries.at[jnp.arange(b)[:, None], index].set(entries, mode="drop"))

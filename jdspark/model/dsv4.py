@@ -16,6 +16,7 @@ from jdspark.model.attention import Attention
 from jdspark.model.hyper import HyperConnection, hc_head
 from jdspark.model.layers import Embedding, Keys, Linear, RMSNorm
 from jdspark.model.moe import MoE
+from jdspark.model.state import DecodeState, LayerCache
 
 
 class HyperHead(nnx.Module):
@@ -45,9 +46,19 @@ class Block(nnx.Module):
         self.ffn = MoE(c, layer_id, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, positions: jax.Array, ids: jax.Array) -> jax.Array:
-        """x [B, S, C, D] streams -> streams."""
+        """x [B, S, C, D] streams -> streams (full sequence from position 0)."""
         u, post, comb = self.hc_attn.pre(x)
         x = HyperConnection.post(self.attn(self.attn_norm(u), positions), x, post, comb)
+        return self._ffn(x, ids)
+
+    def extend(self, x: jax.Array, positions: jax.Array, ids: jax.Array, cache: LayerCache,
+               length: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, LayerCache]:
+        """x [B, S, C, D] streams of a chunk after `length` held tokens -> (streams, updated cache)."""
+        u, post, comb = self.hc_attn.pre(x)
+        out, cache = self.attn.extend(self.attn_norm(u), positions, cache, length, n_valid)
+        return self._ffn(HyperConnection.post(out, x, post, comb), ids), cache
+
+    def _ffn(self, x: jax.Array, ids: jax.Array) -> jax.Array:
         u, post, comb = self.hc_ffn.pre(x)
         return HyperConnection.post(self.ffn(self.ffn_norm(u), ids), x, post, comb)
 
@@ -84,15 +95,39 @@ class DSV4(nnx.Module):
         self.mtp = nnx.List([MTPBlock(c, c.num_hidden_layers + i, dtype=dtype, rngs=rngs)
                              for i in range(c.num_nextn_predict_layers)])
 
-    def streams(self, ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    def streams(self, ids: jax.Array) -> jax.Array:
         """Final residual streams [B, S, C, D] (before the HC head) for tokens [B, S] from position 0."""
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-        h = self.embed(ids).astype(self.dtype)
-        x = jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], self.config.hc_mult, h.shape[-1]))
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+        x = self._embed_streams(ids)
         for layer in self.layers:
             x = layer(x, positions, ids)
         return x
+
+    def extend(self, ids: jax.Array, decode: DecodeState, n_valid: jax.Array,
+               feature_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array | None, DecodeState]:
+        """Run tokens ids [B, S] after the tokens each slot holds; the first n_valid[b] are real.
+
+        Returns (logits [B, S, V] fp32, features, new state). features [B, S, len(feature_layers)*D]
+        (None without feature layers) are the outputs of those layers averaged over the HC streams
+        and concatenated: the DSpark drafter's context input (spec dspark.md §3.9).
+        """
+        length = decode.length
+        positions = length[:, None] + jnp.arange(ids.shape[1])
+        x = self._embed_streams(ids)
+        caches, features = [], []
+        for i, layer in enumerate(self.layers):
+            x, cache = layer.extend(x, positions, ids, decode.layers[i], length, n_valid)
+            caches.append(cache)
+            if i in feature_layers:
+                features.append(jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype))
+        logits = self.logits_from_streams(x, self.hc_head, self.norm)
+        new = DecodeState(layers=tuple(caches), length=length + n_valid, written=n_valid)
+        return logits, jnp.concatenate(features, axis=-1) if features else None, new
+
+    def _embed_streams(self, ids: jax.Array) -> jax.Array:
+        """Token embeddings copied into the C residual streams: [B, S, C, D]."""
+        h = self.embed(ids).astype(self.dtype)
+        return jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], self.config.hc_mult, h.shape[-1]))
 
     def logits_from_streams(self, x: jax.Array, head_block: HyperHead, norm: RMSNorm) -> jax.Array:
         """HC head -> norm -> fp32 logits [B, S, V]."""

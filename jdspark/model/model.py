@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jdspark.config import DSV4Config
+from jdspark.config import DSV4Config, EngineConfig
+from jdspark.model import state
 from jdspark.model.dsv4 import DSV4
 from jdspark.model.layers import Keys
+from jdspark.model.state import DecodeState
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -22,6 +25,22 @@ def _forward(graphdef, params, ids):
 @functools.partial(jax.jit, static_argnums=(0, 4))
 def _mtp_forward(graphdef, params, streams, next_ids, depth):
     return nnx.merge(graphdef, params).mtp_logits(streams, next_ids, depth)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "feature_layers"), donate_argnames="decode")
+def _extend(graphdef, params, decode, ids, n_valid, feature_layers):
+    return nnx.merge(graphdef, params).extend(ids, decode, n_valid, feature_layers)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _commit(decode, n_keep):
+    return state.commit(decode, n_keep)
+
+
+class ExtendResult(NamedTuple):
+    logits: jax.Array  # [B, S, V] fp32
+    features: jax.Array | None  # [B, S, n_feature_layers * D], drafter context features
+    state: DecodeState
 
 
 class Model:
@@ -44,6 +63,44 @@ class Model:
     def forward(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
         """ids [B, S] from position 0 -> (logits [B, S, V] fp32, final streams [B, S, C, D])."""
         return _forward(self.graphdef, self.params, jnp.asarray(ids, jnp.int32))
+
+    def init_state(self, engine: EngineConfig) -> DecodeState:
+        """An empty decode state with `engine.max_batch` slots (see `jdspark.model.state`)."""
+        return state.init_state(self.config, engine, self.dtype)
+
+    def extend(self, decode: DecodeState, ids, n_valid=None, feature_layers: tuple[int, ...] = ()) -> ExtendResult:
+        """Run ids [B, S] after the tokens each slot holds (prefill, chunked prefill, decode or a
+        verification block); only the first n_valid[b] tokens of slot b are written (default all).
+        `decode` is donated: use the returned state. Compiled once per (B, S, feature_layers)."""
+        ids = jnp.asarray(ids, jnp.int32)
+        if ids.ndim != 2 or ids.shape[0] != decode.batch:
+            raise ValueError(f"ids must be [batch={decode.batch}, S], got shape {ids.shape}")
+        n_valid = jnp.full((decode.batch,), ids.shape[1], jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+        return ExtendResult(*_extend(self.graphdef, self.params, decode, ids, n_valid, tuple(feature_layers)))
+
+    def commit(self, decode: DecodeState, n_keep) -> DecodeState:
+        """Keep the first n_keep[b] tokens the last extend wrote to slot b (0..written); the rest are
+        rolled back. `decode` is donated."""
+        return _commit(decode, jnp.asarray(n_keep, jnp.int32))
+
+    def prefill(self, token_ids, engine: EngineConfig, chunk: int | None = None) -> tuple[np.ndarray, DecodeState]:
+        """One sequence into slot 0 of a fresh state, in chunks of `chunk` tokens (default: one
+        call). Returns (logits [S, V] float32, state)."""
+        ids = _check_ids(token_ids, self.config.vocab_size)
+        if len(ids) > engine.max_seq_len:
+            raise ValueError(f"{len(ids)} tokens exceed max_seq_len={engine.max_seq_len}; raise it in EngineConfig")
+        decode = self.init_state(engine)
+        step = chunk or len(ids)
+        out = []
+        for start in range(0, len(ids), step):
+            piece = np.zeros((decode.batch, step), np.int32)
+            n = min(step, len(ids) - start)
+            piece[0, :n] = ids[start:start + n]
+            n_valid = np.zeros(decode.batch, np.int32)
+            n_valid[0] = n
+            logits, _, decode = self.extend(decode, piece, n_valid)
+            out.append(np.asarray(logits[0, :n]))
+        return np.concatenate(out), decode
 
     def logits(self, token_ids) -> np.ndarray:
         """Full-sequence logits [S, vocab] (float32) for one sequence of token ids from position 0."""
