@@ -1,8 +1,8 @@
 """jdspark: a JAX/Pallas serving engine for DeepSeek-V4 with DSpark speculative decoding."""
 
 from jdspark.checkpoint.loader import load_model
-from jdspark.config import DSV4Config
+from jdspark.config import DSV4Config, EngineConfig
 from jdspark.model.model import Model
 
-__all__ = ["DSV4Config", "Model", "load_model"]
+__all__ = ["DSV4Config", "EngineConfig", "Model", "load_model"]
 __version__ = "0.1.0"

@@ -95,13 +95,17 @@ class DSV4(nnx.Module):
         self.mtp = nnx.List([MTPBlock(c, c.num_hidden_layers + i, dtype=dtype, rngs=rngs)
                              for i in range(c.num_nextn_predict_layers)])
 
-    def streams(self, ids: jax.Array) -> jax.Array:
-        """Final residual streams [B, S, C, D] (before the HC head) for tokens [B, S] from position 0."""
+    def streams(self, ids: jax.Array, feature_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array | None]:
+        """Final residual streams [B, S, C, D] (before the HC head) for tokens [B, S] from position 0,
+        and the drafter features of `feature_layers` (see `extend`)."""
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
         x = self._embed_streams(ids)
-        for layer in self.layers:
+        features = []
+        for i, layer in enumerate(self.layers):
             x = layer(x, positions, ids)
-        return x
+            if i in feature_layers:
+                features.append(_stream_mean(x))
+        return x, _concat(features)
 
     def extend(self, ids: jax.Array, decode: DecodeState, n_valid: jax.Array,
                feature_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array | None, DecodeState]:
@@ -119,10 +123,10 @@ class DSV4(nnx.Module):
             x, cache = layer.extend(x, positions, ids, decode.layers[i], length, n_valid)
             caches.append(cache)
             if i in feature_layers:
-                features.append(jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype))
+                features.append(_stream_mean(x))
         logits = self.logits_from_streams(x, self.hc_head, self.norm)
         new = DecodeState(layers=tuple(caches), length=length + n_valid, written=n_valid)
-        return logits, jnp.concatenate(features, axis=-1) if features else None, new
+        return logits, _concat(features), new
 
     def _embed_streams(self, ids: jax.Array) -> jax.Array:
         """Token embeddings copied into the C residual streams: [B, S, C, D]."""
@@ -133,10 +137,10 @@ class DSV4(nnx.Module):
         """HC head -> norm -> fp32 logits [B, S, V]."""
         return self.head(norm(head_block(x)).astype(jnp.float32))
 
-    def __call__(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(logits [B, S, V] fp32, final streams [B, S, C, D])."""
-        x = self.streams(ids)
-        return self.logits_from_streams(x, self.hc_head, self.norm), x
+    def __call__(self, ids: jax.Array, feature_layers: tuple[int, ...] = ()):
+        """(logits [B, S, V] fp32, final streams [B, S, C, D], features of `feature_layers` or None)."""
+        x, features = self.streams(ids, feature_layers)
+        return self.logits_from_streams(x, self.hc_head, self.norm), x, features
 
     def mtp_logits(self, x: jax.Array, next_ids: jax.Array, depth: int = 0) -> jax.Array:
         """MTP block `depth` on target streams x [B, S, C, D] and the next tokens [B, S]: logits for
@@ -145,3 +149,12 @@ class DSV4(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(next_ids.shape[1]), next_ids.shape)
         y = block.streams(x, self.embed(next_ids).astype(self.dtype), positions, next_ids)
         return self.logits_from_streams(y, block.hc_head, block.norm)
+
+
+def _stream_mean(x: jax.Array) -> jax.Array:
+    """A layer's output averaged over the HC streams (fp32 mean): [B, S, C, D] -> [B, S, D]."""
+    return jnp.mean(x.astype(jnp.float32), axis=2).astype(x.dtype)
+
+
+def _concat(features: list[jax.Array]) -> jax.Array | None:
+    return jnp.concatenate(features, axis=-1) if features else None

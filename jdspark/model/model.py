@@ -17,9 +17,9 @@ from jdspark.model.layers import Keys
 from jdspark.model.state import DecodeState
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, params, ids):
-    return nnx.merge(graphdef, params)(ids)
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _forward(graphdef, params, ids, feature_layers):
+    return nnx.merge(graphdef, params)(ids, feature_layers)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -35,6 +35,12 @@ def _extend(graphdef, params, decode, ids, n_valid, feature_layers):
 @functools.partial(jax.jit, donate_argnums=0)
 def _commit(decode, n_keep):
     return state.commit(decode, n_keep)
+
+
+class ForwardResult(NamedTuple):
+    logits: jax.Array  # [B, S, V] fp32
+    streams: jax.Array  # [B, S, C, D] final residual streams (before the HC head)
+    features: jax.Array | None  # [B, S, n_feature_layers * D], drafter context features
 
 
 class ExtendResult(NamedTuple):
@@ -60,9 +66,9 @@ class Model:
     def module(self) -> DSV4:
         return nnx.merge(self.graphdef, self.params)
 
-    def forward(self, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """ids [B, S] from position 0 -> (logits [B, S, V] fp32, final streams [B, S, C, D])."""
-        return _forward(self.graphdef, self.params, jnp.asarray(ids, jnp.int32))
+    def forward(self, ids, feature_layers: tuple[int, ...] = ()) -> ForwardResult:
+        """Full sequences ids [B, S] from position 0 (the reference path; no state)."""
+        return ForwardResult(*_forward(self.graphdef, self.params, jnp.asarray(ids, jnp.int32), tuple(feature_layers)))
 
     def init_state(self, engine: EngineConfig) -> DecodeState:
         """An empty decode state with `engine.max_batch` slots (see `jdspark.model.state`)."""
@@ -75,7 +81,12 @@ class Model:
         ids = jnp.asarray(ids, jnp.int32)
         if ids.ndim != 2 or ids.shape[0] != decode.batch:
             raise ValueError(f"ids must be [batch={decode.batch}, S], got shape {ids.shape}")
-        n_valid = jnp.full((decode.batch,), ids.shape[1], jnp.int32) if n_valid is None else jnp.asarray(n_valid, jnp.int32)
+        if n_valid is None:
+            n_valid = np.full(decode.batch, ids.shape[1], np.int32)
+        elif not isinstance(n_valid, jax.Array):  # host values: check them (device values are the engine's)
+            n_valid = np.asarray(n_valid, np.int32)
+            if n_valid.shape != (decode.batch,) or n_valid.min() < 0 or n_valid.max() > ids.shape[1]:
+                raise ValueError(f"n_valid={n_valid.tolist()} must be {decode.batch} counts in 0..{ids.shape[1]}")
         return ExtendResult(*_extend(self.graphdef, self.params, decode, ids, n_valid, tuple(feature_layers)))
 
     def commit(self, decode: DecodeState, n_keep) -> DecodeState:
@@ -105,8 +116,7 @@ class Model:
     def logits(self, token_ids) -> np.ndarray:
         """Full-sequence logits [S, vocab] (float32) for one sequence of token ids from position 0."""
         ids = _check_ids(token_ids, self.config.vocab_size)
-        logits, _ = self.forward(ids[None])
-        return np.asarray(logits[0])
+        return np.asarray(self.forward(ids[None]).logits[0])
 
     def mtp_logits(self, token_ids, depth: int = 0) -> np.ndarray:
         """MTP block `depth` over one sequence: row t predicts token t+2 from (streams at t, token t+1).
@@ -116,7 +126,7 @@ class Model:
         ids = _check_ids(token_ids, self.config.vocab_size)
         if len(ids) < 2:
             raise ValueError("mtp_logits needs at least 2 tokens (row t reads token t+1)")
-        _, streams = self.forward(ids[None])
+        streams = self.forward(ids[None]).streams
         out = _mtp_forward(self.graphdef, self.params, streams[:, :-1], jnp.asarray(ids[None, 1:]), depth)
         return np.asarray(out[0])
 

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdspark.config import flash_config, pro_config, tiny_config
+from jdspark.config import EngineConfig, flash_config, pro_config, tiny_config
 from jdspark.model.dsv4 import DSV4
 from jdspark.model.layers import Keys
 from jdspark.model.model import Model
+from jdspark.model.state import init_state
 
 
 @pytest.mark.parametrize("make,params_b", [(flash_config, 284), (pro_config, 1600)])
@@ -22,14 +23,30 @@ def test_full_size_models_instantiate_and_trace(make, params_b):
     assert abs(total / 1e9 - params_b) / params_b < 0.05  # spec §1: 284B / 1.6T total parameters
     for length in (8, 260):  # no compressed entry yet; two HCA entries and 65 CSA entries
         ids = jax.ShapeDtypeStruct((1, length), jnp.int32)
-        logits, streams = jax.eval_shape(lambda m, ids: m(ids), model, ids)
+        logits, streams, _ = jax.eval_shape(lambda m, ids: m(ids), model, ids)
         assert logits.shape == (1, length, cfg.vocab_size) and logits.dtype == jnp.float32
         assert streams.shape == (1, length, cfg.hc_mult, cfg.hidden_size) and streams.dtype == jnp.bfloat16
 
 
+@pytest.mark.parametrize("make,entry_bytes_per_token", [(flash_config, 6880), (pro_config, 30 * 320 + 31 * 8)])
+def test_full_size_decode_state_and_extend_trace(make, entry_bytes_per_token):
+    """Spec §6.1: compressed KV costs 320 B/token per CSA layer and 8 B/token per HCA layer (bf16)."""
+    cfg = make()
+    engine = EngineConfig(max_seq_len=65536, gamma=5, max_batch=2)
+    decode = jax.eval_shape(lambda: init_state(cfg, engine, jnp.bfloat16))
+    entries = [c.entries for layer in decode.layers for c in (layer.compressor, layer.indexer) if c is not None]
+    per_token = sum(x.size * x.dtype.itemsize for x in entries) / engine.max_batch / engine.max_seq_len
+    assert per_token == entry_bytes_per_token
+    model = nnx.eval_shape(lambda: DSV4(cfg, dtype=jnp.bfloat16, rngs=Keys(0)))
+    ids, n_valid = jax.ShapeDtypeStruct((2, 6), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)
+    logits, features, new = jax.eval_shape(lambda m, d, i, n: m.extend(i, d, n, (40, 41, 42)), model, decode, ids, n_valid)
+    assert logits.shape == (2, 6, cfg.vocab_size) and features.shape == (2, 6, 3 * cfg.hidden_size)
+    assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(decode)
+
+
 def test_bfloat16_residual_streams_and_float32_logits():
     model = Model.random(tiny_config(), "bfloat16")
-    logits, streams = model.forward(np.arange(20)[None])
+    logits, streams, _ = model.forward(np.arange(20)[None])
     assert streams.dtype == jnp.bfloat16 and logits.dtype == jnp.float32
     assert np.isfinite(np.asarray(logits)).all()
 

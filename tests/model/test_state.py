@@ -12,6 +12,7 @@ from jdspark.model.model import Model
 LENGTH = 72  # crosses the window (8) nine times, emits 18 CSA and 4 HCA entries
 PREFILL = 16  # the prefill bucket: a chunk of up to 16 tokens, padded, n_valid says how many count
 TOL = 1e-5
+FEATURES = (2, 5)  # drafter feature layers: a CSA and an HCA layer's output
 ENGINE = EngineConfig(max_seq_len=96, gamma=5, max_batch=4)  # one shape set: compiled once per module
 
 
@@ -26,14 +27,18 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def full_logits(model, prompts):
-    logits, _ = model.forward(prompts)
-    return np.asarray(logits)
+def full(model, prompts):
+    """(logits, drafter features) of the full-sequence forward."""
+    out = model.forward(prompts, FEATURES)
+    return np.asarray(out.logits), np.asarray(out.features)
 
 
-def extend(model, decode, chunks, n_valid):
-    """One extend call; returns (logits as numpy, new state)."""
-    out = model.extend(decode, chunks, np.asarray(n_valid, np.int32))
+def extend(model, decode, chunks, n_valid, with_features=False):
+    """One extend call (always with FEATURES: one executable per shape); returns (logits, new
+    state), or (logits, features, new state)."""
+    out = model.extend(decode, chunks, np.asarray(n_valid, np.int32), FEATURES)
+    if with_features:
+        return np.asarray(out.logits), np.asarray(out.features), out.state
     return np.asarray(out.logits), out.state
 
 
@@ -45,6 +50,7 @@ def run_chunked(model, prompts, chunk_sizes, engine):
     decode = model.init_state(engine)
     done = np.zeros(batch, np.int64)
     got = np.zeros((batch, total, model.config.vocab_size), np.float32)
+    got_features = np.zeros((batch, total, len(FEATURES) * model.config.hidden_size), np.float32)
     step = 0
     while (done < total).any():
         sizes = np.array([min(chunk_sizes[b][min(step, len(chunk_sizes[b]) - 1)], total - done[b])
@@ -53,38 +59,41 @@ def run_chunked(model, prompts, chunk_sizes, engine):
         chunk = np.zeros((batch, width), np.int32)
         for b in range(batch):
             chunk[b, :sizes[b]] = prompts[b, done[b]:done[b] + sizes[b]]
-        logits, decode = extend(model, decode, chunk, sizes)
+        logits, features, decode = extend(model, decode, chunk, sizes, with_features=True)
         for b in range(batch):
             got[b, done[b]:done[b] + sizes[b]] = logits[b, :sizes[b]]
+            got_features[b, done[b]:done[b] + sizes[b]] = features[b, :sizes[b]]
         done += sizes
         step += 1
     np.testing.assert_array_equal(np.asarray(decode.length), done)
-    return got
+    return got, got_features
 
 
-def test_incremental_decode_equals_full_forward(model, prompts, full_logits):
+def assert_matches_full(got, full):
+    for name, a, b in zip(("logits", "features"), got, full):
+        err = np.abs(a - b).max()
+        assert err <= TOL, (name, err)
+
+
+def test_incremental_decode_equals_full_forward(model, prompts, full):
     """Prefill a different length per slot, then one token at a time up to LENGTH."""
     prefill = [[13, 1], [16, 1], [9, 1], [1]]  # first chunk, then single tokens
-    got = run_chunked(model, prompts, prefill, ENGINE)
-    err = np.abs(got - full_logits).max()
-    assert err <= TOL, err
+    assert_matches_full(run_chunked(model, prompts, prefill, ENGINE), full)
 
 
-def test_chunked_prefill_random_chunks_equals_full_forward(model, prompts, full_logits):
+def test_chunked_prefill_random_chunks_equals_full_forward(model, prompts, full):
     rng = np.random.default_rng(3)
     sizes = [list(rng.integers(1, PREFILL + 1, 12)) for _ in range(3)] + [[1, 3, 4, 5, 16, 2, 7]]
-    got = run_chunked(model, prompts, sizes, ENGINE)
-    err = np.abs(got - full_logits).max()
-    assert err <= TOL, err
+    assert_matches_full(run_chunked(model, prompts, sizes, ENGINE), full)
 
 
 def test_batched_slots_equal_each_slot_alone(model, prompts):
     sizes = [[5, 1], [12, 1], [16, 3, 1], [1]]
     n = 40
-    batched = run_chunked(model, prompts[:, :n], sizes, ENGINE)
+    batched, _ = run_chunked(model, prompts[:, :n], sizes, ENGINE)
     alone_engine = EngineConfig(max_seq_len=96, gamma=5, max_batch=1)
     for b in range(4):
-        alone = run_chunked(model, prompts[b:b + 1, :n], sizes[b:b + 1], alone_engine)
+        alone, _ = run_chunked(model, prompts[b:b + 1, :n], sizes[b:b + 1], alone_engine)
         err = np.abs(alone[0] - batched[b]).max()
         assert err <= TOL, (b, err)
 
@@ -195,3 +204,13 @@ def test_no_recompilation_for_repeated_shapes(model, compile_counter):
         decode = model.commit(decode, np.array([1, 2, 3, 4], np.int32))
         _, decode = extend(model, decode, rng.integers(0, 512, (4, 1)), [1, 0, 1, 1])
     assert compile_counter.count == before
+
+
+def test_prefill_helper_and_bad_n_valid(model, prompts, full):
+    logits, decode = model.prefill(prompts[0], ENGINE, chunk=PREFILL)
+    assert np.abs(logits - full[0][0]).max() <= TOL
+    np.testing.assert_array_equal(np.asarray(decode.length), [LENGTH, 0, 0, 0])
+    with pytest.raises(ValueError, match=r"n_valid=\[7, 0, 0, 0\] must be 4 counts in 0..6"):
+        model.extend(decode, np.zeros((4, 6), np.int32), [7, 0, 0, 0])
+    with pytest.raises(ValueError, match="exceed max_seq_len=96"):
+        model.prefill(np.zeros(97, np.int32), ENGINE)
