@@ -102,6 +102,14 @@ class DSV4Config:
     def is_hash_layer(self, layer_id: int) -> bool:
         return layer_id < self.num_hash_layers
 
+    @property
+    def dspark(self) -> "DSparkConfig | None":
+        """The DSpark drafter's settings (0731 `dspark_*` keys), or None for a model without one.
+        Its stages are the extra layers after the main ones (`num_nextn_predict_layers` of them)."""
+        if "dspark_block_size" not in self.extra:
+            return None
+        return DSparkConfig.from_extra(self.extra, self)
+
     def replace(self, **changes) -> "DSV4Config":
         return dataclasses.replace(self, **changes)
 
@@ -505,6 +513,41 @@ def _validate(c: DSV4Config) -> None:
 # ---- presets -----------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
+class DSparkConfig:
+    """DSpark drafter settings, named as the DeepSeek-V4-Flash-0731 config names them.
+
+    `target_layer_ids` are 0-based main layers whose outputs feed the drafter (reading (A) of spec
+    dspark.md §3.9: the output of layer l, averaged over the HC streams).
+    """
+
+    block_size: int  # gamma: drafted tokens per block
+    noise_token_id: int
+    target_layer_ids: tuple[int, ...]
+    markov_rank: int
+    num_stages: int
+
+    @classmethod
+    def from_extra(cls, extra: dict, config: "DSV4Config") -> "DSparkConfig":
+        try:
+            d = cls(block_size=int(extra["dspark_block_size"]), noise_token_id=int(extra["dspark_noise_token_id"]),
+                    target_layer_ids=tuple(int(i) for i in extra["dspark_target_layer_ids"]),
+                    markov_rank=int(extra["dspark_markov_rank"]), num_stages=config.num_nextn_predict_layers)
+        except KeyError as e:
+            raise ConfigError(f"config has dspark_block_size but lacks {e.args[0]}; a DSpark config needs "
+                              "dspark_noise_token_id, dspark_target_layer_ids and dspark_markov_rank") from None
+        if d.block_size < 1 or d.markov_rank < 1 or d.num_stages < 1:
+            raise ConfigError(f"dspark_block_size={d.block_size}, dspark_markov_rank={d.markov_rank} and "
+                              f"num_nextn_predict_layers={d.num_stages} (drafter stages) must all be >= 1")
+        if not 0 <= d.noise_token_id < config.vocab_size:
+            raise ConfigError(f"dspark_noise_token_id={d.noise_token_id} is outside the vocabulary [0, {config.vocab_size})")
+        bad = [i for i in d.target_layer_ids if not 0 <= i < config.num_hidden_layers]
+        if bad or not d.target_layer_ids:
+            raise ConfigError(f"dspark_target_layer_ids={list(d.target_layer_ids)}: need one or more layer ids in "
+                              f"[0, {config.num_hidden_layers})")
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Serving-time sizes that fix the decode state's static shapes.
 
@@ -543,6 +586,15 @@ def tiny_config(**overrides) -> DSV4Config:
     )
     base.update(overrides)
     return DSV4Config(**base)
+
+
+def tiny_dspark_config(**overrides) -> DSV4Config:
+    """The tiny config with a 2-stage DSpark drafter (gamma 5, Markov rank 32) reading layers 3 and 5."""
+    base = dict(num_nextn_predict_layers=2, compress_ratios=(0, 0, 4, 16, 4, 16, 0, 0),
+                extra=dict(dspark_block_size=5, dspark_noise_token_id=3, dspark_target_layer_ids=[3, 5],
+                           dspark_markov_rank=32))
+    base.update(overrides)
+    return tiny_config(**base)
 
 
 def flash_config(**overrides) -> DSV4Config:

@@ -121,6 +121,20 @@ class Attention(nnx.Module):
         window = state.write_rows(cache.window, kv, length, n_valid)
         return out, LayerCache(window=window, compressor=compressor, indexer=indexer)
 
+    def draft(self, x: jax.Array, positions: jax.Array, ring: jax.Array, length: jax.Array) -> jax.Array:
+        """DSpark drafter attention (spec dspark.md §3.9 step 5): each of the S block rows sees the
+        context rows of the last `window` positions before `length` (from the drafter's ring) and
+        every block row, non-causally; sink, de-rotation and output as usual."""
+        b, s, _ = x.shape
+        q, _ = self.query(x, positions)
+        kv = self.window_kv(x, positions)
+        ring_pos = state.ring_positions(length, ring.shape[1])
+        context = (ring_pos >= 0) & (ring_pos >= length[:, None] - self.window)
+        mask = jnp.concatenate([jnp.broadcast_to(context[:, None, :], (b, s, ring.shape[1])),
+                                jnp.ones((b, s, s), bool)], axis=-1)
+        o = sink_attention(q, jnp.concatenate([ring, kv], axis=1), mask, self.attn_sink[...], self.head_dim ** -0.5)
+        return self.output(o, positions)
+
     def _attend(self, x, q, qr, positions, keys, mask, entries, index_keys) -> jax.Array:
         """Sink attention over window keys (mask given) plus the visible compressed entries: all of
         them (HCA) or the indexer's top-k (CSA); then de-rotation and the output projection."""

@@ -1,5 +1,6 @@
 """The DeepSeek-V4 network (spec §5): embed -> C streams -> blocks (mHC around attention and MoE)
--> HC head -> norm -> fp32 head; plus the MTP block(s) (spec §5.7).
+-> HC head -> norm -> fp32 head; plus the extra layers `mtp.*`: MTP blocks (spec §5.7), or the
+DSpark drafter's stages when the config has a drafter (spec dspark.md §3.9).
 
 Module attribute names follow the official checkpoint, so a tensor name maps to a parameter path
 (see `jdspark.checkpoint.names`).
@@ -12,74 +13,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdspark.config import DSV4Config
-from jdspark.model.attention import Attention
-from jdspark.model.hyper import HyperConnection, hc_head
+from jdspark.model.block import Block, HyperHead, MTPBlock
+from jdspark.model.draft import DraftStage
 from jdspark.model.layers import Embedding, Keys, Linear, RMSNorm
-from jdspark.model.moe import MoE
-from jdspark.model.state import DecodeState, LayerCache
-
-
-class HyperHead(nnx.Module):
-    """Parameters of the final stream collapse: fn [C, C*D], base [C], scale [1] (fp32)."""
-
-    def __init__(self, config: DSV4Config, *, rngs: Keys):
-        c, d = config.hc_mult, config.hidden_size
-        self.fn = nnx.Param(rngs.normal((c, c * d), jnp.float32, (c * d) ** -0.5))
-        self.base = nnx.Param(jnp.zeros((c,), jnp.float32))
-        self.scale = nnx.Param(jnp.ones((1,), jnp.float32))
-        self.hc_eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return hc_head(x, self.fn[...], self.base[...], self.scale[...], self.hc_eps, self.norm_eps)
-
-
-class Block(nnx.Module):
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
-        c = config
-        self.layer_id = layer_id
-        hc = dict(sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, rngs=rngs)
-        self.hc_attn = HyperConnection(c.hc_mult, c.hidden_size, **hc)
-        self.hc_ffn = HyperConnection(c.hc_mult, c.hidden_size, **hc)
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(c, layer_id, dtype=dtype, rngs=rngs)
-        self.ffn = MoE(c, layer_id, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x: jax.Array, positions: jax.Array, ids: jax.Array) -> jax.Array:
-        """x [B, S, C, D] streams -> streams (full sequence from position 0)."""
-        u, post, comb = self.hc_attn.pre(x)
-        x = HyperConnection.post(self.attn(self.attn_norm(u), positions), x, post, comb)
-        return self._ffn(x, ids)
-
-    def extend(self, x: jax.Array, positions: jax.Array, ids: jax.Array, cache: LayerCache,
-               length: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, LayerCache]:
-        """x [B, S, C, D] streams of a chunk after `length` held tokens -> (streams, updated cache)."""
-        u, post, comb = self.hc_attn.pre(x)
-        out, cache = self.attn.extend(self.attn_norm(u), positions, cache, length, n_valid)
-        return self._ffn(HyperConnection.post(out, x, post, comb), ids), cache
-
-    def _ffn(self, x: jax.Array, ids: jax.Array) -> jax.Array:
-        u, post, comb = self.hc_ffn.pre(x)
-        return HyperConnection.post(self.ffn(self.ffn_norm(u), ids), x, post, comb)
-
-
-class MTPBlock(Block):
-    """Multi-token prediction: (streams at t, token t+1) -> logits for token t+2 (window-only layer)."""
-
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
-        super().__init__(config, layer_id, dtype=dtype, rngs=rngs)
-        d, qat = config.hidden_size, config.qat_sim
-        self.e_proj = Linear(d, d, dtype=dtype, rngs=rngs, fp8_input=qat)
-        self.h_proj = Linear(d, d, dtype=dtype, rngs=rngs, fp8_input=qat)
-        self.enorm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
-        self.hnorm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
-        self.norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
-        self.hc_head = HyperHead(config, rngs=rngs)
-
-    def streams(self, x: jax.Array, next_embed: jax.Array, positions: jax.Array, next_ids: jax.Array) -> jax.Array:
-        """x [B, S, C, D] target streams, next_embed [B, S, D] -> this block's output streams."""
-        x0 = self.e_proj(self.enorm(next_embed))[..., None, :] + self.h_proj(self.hnorm(x))
-        return super().__call__(x0, positions, next_ids)
+from jdspark.model.state import DecodeState
 
 
 class DSV4(nnx.Module):
@@ -92,14 +29,17 @@ class DSV4(nnx.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.head = Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs, compute_dtype=jnp.float32)
         self.hc_head = HyperHead(c, rngs=rngs)
-        self.mtp = nnx.List([MTPBlock(c, c.num_hidden_layers + i, dtype=dtype, rngs=rngs)
-                             for i in range(c.num_nextn_predict_layers)])
+        if c.dspark is None:
+            self.mtp = nnx.List([MTPBlock(c, c.num_hidden_layers + i, dtype=dtype, rngs=rngs)
+                                 for i in range(c.num_nextn_predict_layers)])
+        else:
+            self.mtp = nnx.List([DraftStage(c, i, dtype=dtype, rngs=rngs) for i in range(c.dspark.num_stages)])
 
     def streams(self, ids: jax.Array, feature_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array | None]:
         """Final residual streams [B, S, C, D] (before the HC head) for tokens [B, S] from position 0,
         and the drafter features of `feature_layers` (see `extend`)."""
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-        x = self._embed_streams(ids)
+        x = self.embed_streams(ids)
         features = []
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, ids)
@@ -117,7 +57,7 @@ class DSV4(nnx.Module):
         """
         length = decode.length
         positions = length[:, None] + jnp.arange(ids.shape[1])
-        x = self._embed_streams(ids)
+        x = self.embed_streams(ids)
         caches, features = [], []
         for i, layer in enumerate(self.layers):
             x, cache = layer.extend(x, positions, ids, decode.layers[i], length, n_valid)
@@ -128,7 +68,7 @@ class DSV4(nnx.Module):
         new = DecodeState(layers=tuple(caches), length=length + n_valid, written=n_valid)
         return logits, _concat(features), new
 
-    def _embed_streams(self, ids: jax.Array) -> jax.Array:
+    def embed_streams(self, ids: jax.Array) -> jax.Array:
         """Token embeddings copied into the C residual streams: [B, S, C, D]."""
         h = self.embed(ids).astype(self.dtype)
         return jnp.broadcast_to(h[:, :, None, :], (*h.shape[:2], self.config.hc_mult, h.shape[-1]))

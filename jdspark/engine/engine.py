@@ -1,0 +1,213 @@
+"""The engine: slots of requests over one decode state, one step = draft, choose width, verify.
+
+The host owns the bookkeeping (which slot holds which request, its tokens, stop conditions,
+statistics); the device owns the model state. Per step only (n_accepted, token) per slot, the
+drafted tokens and their confidences come back to the host. Requests join a free slot (prefill in
+chunks of `prefill_chunk`, other slots idle in that call) and leave it when they finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdspark.config import EngineConfig
+from jdspark.drafter import dspark
+from jdspark.engine.executables import Executables, SlotSampling
+from jdspark.engine.request import CompletionStats, SamplingParams
+from jdspark.model.model import Model
+
+log = logging.getLogger(__name__)
+
+WidthPolicy = Callable[[np.ndarray], int]  # stale confidences [gamma] of one slot -> width k
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take (too long, no free slot, no drafter); the message says why."""
+
+
+@dataclasses.dataclass
+class Slot:
+    """One running request."""
+
+    prompt_len: int
+    params: SamplingParams
+    tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
+    anchor: int = 0  # the last emitted token: the next block's anchor (not yet in the state)
+    confidence: np.ndarray | None = None  # the previous proposal's confidences (stale on purpose)
+    finish_reason: str | None = None
+    stats: CompletionStats = dataclasses.field(default_factory=CompletionStats)
+    seed: int = 0
+    started: float = 0.0
+    steps: int = 0
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig, *, speculative: bool = True, prefill_chunk: int = 256,
+                 width_policy: WidthPolicy | None = None, widths: tuple[int, ...] | None = None,
+                 use_kernel: bool | None = None):
+        """`widths`: the verify widths to compile (default 0..gamma; only 0 without speculation);
+        `width_policy` maps a slot's stale confidences to a width (default: always gamma)."""
+        if speculative and model.config.dspark is None:
+            raise EngineError("speculative=True needs a checkpoint with a DSpark drafter (dspark_* config keys and "
+                              "mtp.* drafter tensors); this one has none: use speculative=False")
+        dspark_cfg = model.config.dspark
+        if dspark_cfg is not None and dspark_cfg.block_size != config.gamma:
+            raise EngineError(f"gamma={config.gamma} but the drafter was built for dspark_block_size="
+                              f"{dspark_cfg.block_size}; use gamma={dspark_cfg.block_size}")
+        self.model, self.config, self.speculative = model, config, speculative
+        self.width_policy = width_policy or (lambda confidence: config.gamma)
+        if use_kernel is None:
+            use_kernel = jax.default_backend() == "gpu"
+        if widths is None:
+            widths = tuple(range(config.gamma + 1)) if speculative else (0,)
+        bad = [k for k in widths if not 0 <= k <= config.gamma or (k and not speculative)]
+        if bad or not widths:
+            raise EngineError(f"widths={widths}: each must be in 0..gamma={config.gamma} (only 0 without speculation)")
+        self.exe = Executables(model, config, min(prefill_chunk, config.max_seq_len), use_kernel, widths)
+        self.decode = model.init_state(config)
+        self.draft = dspark.init_draft_cache(model.config, config.max_batch, model.dtype) if dspark_cfg else None
+        self.slots: list[Slot | None] = [None] * config.max_batch
+        start = time.perf_counter()
+        self.exe.compile(model.params, self.decode, self.draft, self._sampling())
+        log.info("compiled %d executables in %.1f s", 1 + (self.draft is not None) + len(self.exe.verify),
+                 time.perf_counter() - start)
+
+    # ---- requests -------------------------------------------------------------------------------
+    def add(self, prompt_ids, params: SamplingParams) -> int:
+        """Admit one request into a free slot and prefill it; returns the slot index."""
+        return self.add_many([(prompt_ids, params)])[0]
+
+    def add_many(self, requests: list[tuple[object, SamplingParams]]) -> list[int]:
+        """Admit several requests at once (their prompts are prefilled together); returns their
+        slots. Every request is checked before any is admitted."""
+        prompts = [self._check_prompt(ids, params) for ids, params in requests]
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if len(free) < len(requests):
+            raise EngineError(f"{len(requests)} request(s) but only {len(free)} of {self.config.max_batch} slots are free")
+        slots = free[:len(requests)]
+        now = time.perf_counter()
+        for b, ids, (_, params) in zip(slots, prompts, requests):
+            seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(2 ** 32))
+            self.slots[b] = Slot(prompt_len=len(ids), params=params, seed=seed, started=now,
+                                 confidence=np.ones(self.config.gamma, np.float32),  # inherits nothing
+                                 stats=CompletionStats.empty(len(ids), self.config.gamma))
+        chunk, batch = self.exe.prefill_chunk, self.config.max_batch
+        first = np.zeros(batch, np.int32)
+        for start in range(0, max(len(p) for p in prompts), chunk):
+            batch_ids = np.zeros((batch, chunk), np.int32)
+            n_valid = np.zeros(batch, np.int32)
+            reset = np.zeros(batch, bool)
+            for b, ids in zip(slots, prompts):
+                piece = ids[start:start + chunk]
+                batch_ids[b, :len(piece)] = piece
+                n_valid[b], reset[b] = len(piece), start == 0
+            token, self.decode, self.draft = self.exe.prefill(self.model.params, self.decode, self.draft, batch_ids,
+                                                              n_valid, reset, self._sampling())
+            token = np.asarray(token)
+            for b, ids in zip(slots, prompts):
+                if start < len(ids) <= start + chunk:  # this chunk held the prompt's last token
+                    first[b] = token[b]
+        for b in slots:
+            self.slots[b].stats.time_to_first_token_s = time.perf_counter() - self.slots[b].started
+            self._emit(b, [int(first[b])])
+        return slots
+
+    def _check_prompt(self, prompt_ids, params: SamplingParams) -> np.ndarray:
+        ids = np.asarray(prompt_ids)
+        vocab = self.model.config.vocab_size
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise EngineError(f"the prompt must be a non-empty list of token ids, got {prompt_ids!r:.80}")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise EngineError(f"token id {int(ids[(ids < 0) | (ids >= vocab)][0])} is outside the vocabulary [0, {vocab})")
+        need = len(ids) + params.max_tokens + self.config.spec_rows
+        if need > self.config.max_seq_len:
+            raise EngineError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) + {self.config.spec_rows} "
+                              f"speculative rows = {need} exceeds max_seq_len={self.config.max_seq_len}; shorten the "
+                              "prompt, lower max_tokens or raise max_seq_len")
+        return ids.astype(np.int32)
+
+    def release(self, b: int) -> None:
+        """Free slot b (its state is reset when the next request is prefilled into it)."""
+        self.slots[b] = None
+
+    @property
+    def active(self) -> list[int]:
+        return [i for i, s in enumerate(self.slots) if s is not None and s.finish_reason is None]
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self) -> dict[int, list[int]]:
+        """One draft + verify for every active slot; returns the tokens each slot emitted."""
+        active = self.active
+        if not active:
+            return {}
+        mask = np.zeros(self.config.max_batch, bool)
+        mask[active] = True
+        anchor = np.zeros(self.config.max_batch, np.int32)
+        for b in active:
+            anchor[b] = self.slots[b].anchor
+        sampling = self._sampling()
+        if self.speculative:
+            width = max(self.width_policy(self.slots[b].confidence) for b in active)
+            if width not in self.exe.verify:
+                raise EngineError(f"the width policy chose k={width}, but only widths {sorted(self.exe.verify)} "
+                                  "were compiled")
+            proposal = self.exe.draft(self.model.params, self.draft, anchor, sampling)
+            tokens, q, confidence = proposal.tokens, proposal.q, proposal.confidence
+        else:
+            width = 0
+            tokens = jnp.zeros((self.config.max_batch, self.config.gamma), jnp.int32)
+            q = jnp.zeros((self.config.max_batch, self.config.gamma, self.model.config.vocab_size), jnp.float32)
+            confidence = None
+        n_acc, token, self.decode, self.draft = self.exe.verify[width](
+            self.model.params, self.decode, self.draft, anchor, tokens, q, mask, sampling)
+        n_acc, token = np.asarray(n_acc), np.asarray(token)
+        drafts = np.asarray(tokens)
+        confidence = None if confidence is None else np.asarray(confidence)
+        emitted = {}
+        for b in active:
+            slot = self.slots[b]
+            slot.steps += 1
+            slot.stats.record_step(width, int(n_acc[b]))
+            if confidence is not None:
+                slot.confidence = confidence[b]
+            emitted[b] = self._emit(b, [*drafts[b, :n_acc[b]].tolist(), int(token[b])])
+        return emitted
+
+    def _emit(self, b: int, new: list[int]) -> list[int]:
+        """Append tokens to slot b up to the first stop condition; returns what was appended."""
+        slot, params = self.slots[b], self.slots[b].params
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.model.config.eos_token_id})
+        out = []
+        for t in new:
+            out.append(t)
+            if t in stops:
+                slot.finish_reason = "stop"
+                break
+            if len(slot.tokens) + len(out) >= params.max_tokens:
+                slot.finish_reason = "length"
+                break
+        slot.tokens.extend(out)
+        slot.anchor = out[-1]
+        slot.stats.generated_tokens = len(slot.tokens)
+        slot.stats.elapsed_s = time.perf_counter() - slot.started
+        return out
+
+    def _sampling(self) -> SlotSampling:
+        """Per-slot sampling arrays; idle slots get greedy defaults. The counter makes every call's
+        noise fresh (it counts the slot's own steps, so a seeded request is reproducible)."""
+        n = self.config.max_batch
+        temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
+        seed, counter = np.zeros(n, np.uint32), np.zeros(n, np.int32)
+        for b, slot in enumerate(self.slots):
+            if slot is not None:
+                p = slot.params
+                temperature[b], top_k[b], top_p[b] = p.temperature, p.top_k, p.top_p
+                seed[b], counter[b] = slot.seed, slot.steps
+        return SlotSampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, counter=counter)

@@ -1,0 +1,87 @@
+"""The DeepSeek-V4 block (spec §5.2): mHC around attention, then mHC around the MoE; the HC head
+parameters; the MTP block (spec §5.7). Three ways to run a block: the full sequence from position 0
+(`__call__`), a chunk after a decode state (`extend`), and a drafter block over a context ring
+(`draft`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jdspark.config import DSV4Config
+from jdspark.model.attention import Attention
+from jdspark.model.hyper import HyperConnection, hc_head
+from jdspark.model.layers import Keys, Linear, RMSNorm
+from jdspark.model.moe import MoE
+from jdspark.model.state import LayerCache
+
+
+class HyperHead(nnx.Module):
+    """Parameters of the final stream collapse: fn [C, C*D], base [C], scale [1] (fp32)."""
+
+    def __init__(self, config: DSV4Config, *, rngs: Keys):
+        c, d = config.hc_mult, config.hidden_size
+        self.fn = nnx.Param(rngs.normal((c, c * d), jnp.float32, (c * d) ** -0.5))
+        self.base = nnx.Param(jnp.zeros((c,), jnp.float32))
+        self.scale = nnx.Param(jnp.ones((1,), jnp.float32))
+        self.hc_eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return hc_head(x, self.fn[...], self.base[...], self.scale[...], self.hc_eps, self.norm_eps)
+
+
+class Block(nnx.Module):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
+        c = config
+        self.layer_id = layer_id
+        hc = dict(sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, rngs=rngs)
+        self.hc_attn = HyperConnection(c.hc_mult, c.hidden_size, **hc)
+        self.hc_ffn = HyperConnection(c.hc_mult, c.hidden_size, **hc)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
+        self.attn = Attention(c, layer_id, dtype=dtype, rngs=rngs)
+        self.ffn = MoE(c, layer_id, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, ids: jax.Array) -> jax.Array:
+        """x [B, S, C, D] streams -> streams (full sequence from position 0)."""
+        u, post, comb = self.hc_attn.pre(x)
+        x = HyperConnection.post(self.attn(self.attn_norm(u), positions), x, post, comb)
+        return self._ffn(x, ids)
+
+    def extend(self, x: jax.Array, positions: jax.Array, ids: jax.Array, cache: LayerCache,
+               length: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, LayerCache]:
+        """x [B, S, C, D] streams of a chunk after `length` held tokens -> (streams, updated cache)."""
+        u, post, comb = self.hc_attn.pre(x)
+        out, cache = self.attn.extend(self.attn_norm(u), positions, cache, length, n_valid)
+        return self._ffn(HyperConnection.post(out, x, post, comb), ids), cache
+
+    def draft(self, x: jax.Array, positions: jax.Array, ids: jax.Array, ring: jax.Array,
+              length: jax.Array) -> jax.Array:
+        """A drafter block: the rows attend to each other (non-causally) and to the context ring."""
+        u, post, comb = self.hc_attn.pre(x)
+        out = self.attn.draft(self.attn_norm(u), positions, ring, length)
+        return self._ffn(HyperConnection.post(out, x, post, comb), ids)
+
+    def _ffn(self, x: jax.Array, ids: jax.Array) -> jax.Array:
+        u, post, comb = self.hc_ffn.pre(x)
+        return HyperConnection.post(self.ffn(self.ffn_norm(u), ids), x, post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction: (streams at t, token t+1) -> logits for token t+2 (window-only layer)."""
+
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
+        super().__init__(config, layer_id, dtype=dtype, rngs=rngs)
+        d, qat = config.hidden_size, config.qat_sim
+        self.e_proj = Linear(d, d, dtype=dtype, rngs=rngs, fp8_input=qat)
+        self.h_proj = Linear(d, d, dtype=dtype, rngs=rngs, fp8_input=qat)
+        self.enorm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.hnorm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
+        self.hc_head = HyperHead(config, rngs=rngs)
+
+    def streams(self, x: jax.Array, next_embed: jax.Array, positions: jax.Array, next_ids: jax.Array) -> jax.Array:
+        """x [B, S, C, D] target streams, next_embed [B, S, D] -> this block's output streams."""
+        x0 = self.e_proj(self.enorm(next_embed))[..., None, :] + self.h_proj(self.hnorm(x))
+        return super().__call__(x0, positions, next_ids)
