@@ -1,8 +1,13 @@
 """Shared test set-up: float32 matmuls at full precision, the `gpu` marker skipped without a GPU,
-a compilation counter."""
+a compilation counter, and the tiny speculative model shared by the engine and API tests."""
 
 import jax
 import pytest
+
+from jdspark.config import EngineConfig, tiny_dspark_config
+from jdspark.engine.engine import Engine
+from jdspark.model.model import Model
+from jdspark.tokenizer.tokenizer import Tokenizer
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -34,3 +39,38 @@ _COMPILES = CompileCounter()
 @pytest.fixture
 def compile_counter() -> CompileCounter:
     return _COMPILES
+
+
+# ---- a tiny target + DSpark drafter over a 16-symbol vocabulary, shared by engine and API tests ----
+
+SPEC_CONFIG = tiny_dspark_config(
+    vocab_size=16, num_hidden_layers=3, compress_ratios=(0, 4, 16, 0, 0), num_hash_layers=1,
+    extra=dict(dspark_block_size=5, dspark_noise_token_id=3, dspark_target_layer_ids=[1, 2], dspark_markov_rank=16))
+CHARS = "abcdefghijklmn"  # token id i + 2 (0: BOS, 1: EOS)
+
+
+@pytest.fixture(scope="session")
+def spec_model():
+    return Model.random(SPEC_CONFIG, "float32", seed=3)
+
+
+@pytest.fixture(scope="session")
+def spec_engine(spec_model):
+    """Two slots, every width compiled once for the session; users set `speculative` and
+    `width_policy` and release their slots."""
+    return Engine(spec_model, EngineConfig(max_seq_len=128, gamma=5, max_batch=2), prefill_chunk=16)
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer(tmp_path_factory):
+    """A character-level tokenizer.json for SPEC_CONFIG's vocabulary."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+    hf = HFTokenizer(models.WordLevel({"<bos>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}},
+                                      unk_token="a"))
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    hf.decoder = decoders.Fuse()
+    hf.add_special_tokens(["<bos>", "<eos>"])
+    path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
+    hf.save(str(path))
+    return Tokenizer(path)

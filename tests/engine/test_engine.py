@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jdspark.config import EngineConfig, tiny_dspark_config
+from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import executables
 from jdspark.engine.engine import Engine, EngineError
@@ -14,23 +14,21 @@ from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
 from jdspark.spec.sampling import sample, warp_probs
 from jdspark.spec.verify import ref_rejection_sample
+from tests.conftest import SPEC_CONFIG
 
-CONFIG = tiny_dspark_config(
-    vocab_size=16, num_hidden_layers=3, compress_ratios=(0, 4, 16, 0, 0), num_hash_layers=1,
-    extra=dict(dspark_block_size=5, dspark_noise_token_id=3, dspark_target_layer_ids=[1, 2], dspark_markov_rank=16))
+CONFIG = SPEC_CONFIG
 PROMPT = np.array([5, 9, 2, 14, 7, 7, 1, 12, 0, 4, 8, 11], np.int32)
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return Model.random(CONFIG, "float32", seed=3)
+def model(spec_model):
+    return spec_model
 
 
 @pytest.fixture(scope="module")
-def engine(model):
-    """Two slots, every width compiled; tests set `width_policy` and must release their slots."""
-    return Engine(model, EngineConfig(max_seq_len=128, gamma=5, max_batch=2), prefill_chunk=16)
+def engine(spec_engine):
+    return spec_engine
 
 
 def run(engine, prompt, params, width=None):

@@ -1,0 +1,104 @@
+"""`Generator`: the Python API over one engine — text or token ids in, a `Completion` or a stream of
+text deltas out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from jdspark.checkpoint.loader import load_model
+from jdspark.config import EngineConfig
+from jdspark.engine.engine import Engine, EngineError
+from jdspark.engine.request import Completion, SamplingParams
+from jdspark.model.model import Model
+from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
+
+
+class Generator:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None):
+        self.engine, self.tokenizer = engine, tokenizer
+
+    @classmethod
+    def from_model(cls, model: Model, tokenizer: Tokenizer | None = None, *, speculative: bool = True,
+                   gamma: int | None = None, max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 256,
+                   use_kernel: bool | None = None) -> "Generator":
+        """Compile an engine for `model` (every width 0..gamma when speculative)."""
+        if gamma is None:
+            gamma = model.config.dspark.block_size if model.config.dspark else 5
+        config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch)
+        return cls(Engine(model, config, speculative=speculative, prefill_chunk=prefill_chunk, use_kernel=use_kernel),
+                   tokenizer)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, speculative: bool = True, gamma: int | None = None,
+                        dtype: str = "bfloat16", max_seq_len: int = 4096, **engine_options) -> "Generator":
+        """Load a checkpoint directory (config.json, safetensors, optional tokenizer.json)."""
+        model = load_model(path, dtype=dtype)
+        tokenizer_file = Path(path) / "tokenizer.json"
+        tokenizer = None
+        if tokenizer_file.exists():
+            tokenizer = Tokenizer(tokenizer_file, model.config.bos_token_id, model.config.eos_token_id)
+        return cls.from_model(model, tokenizer, speculative=speculative, gamma=gamma, max_seq_len=max_seq_len,
+                              **engine_options)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
+        """Run one request to the end."""
+        stream = self._run(prompt, params or SamplingParams())
+        for _ in stream:
+            pass
+        return stream.completion
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas as blocks are accepted; they concatenate to `generate(...).text`."""
+        yield from self._run(prompt, params or SamplingParams())
+
+    def _run(self, prompt, params: SamplingParams) -> "_Run":
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise EngineError("a text prompt needs a tokenizer; this checkpoint has no tokenizer.json: "
+                                  "pass a list of token ids instead")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if params.stop and self.tokenizer is None:
+            raise EngineError(f"stop={list(params.stop)} needs a tokenizer; use stop_token_ids instead")
+        return _Run(self, ids, params)
+
+
+class _Run:
+    """One request's generation as an iterator of text deltas; `completion` is set at the end."""
+
+    def __init__(self, gen: Generator, ids: list[int], params: SamplingParams):
+        self.gen, self.params = gen, params
+        self.detok = Detokenizer(gen.tokenizer, params.stop) if gen.tokenizer else None
+        self.completion: Completion | None = None
+        self.slot = gen.engine.add(ids, params)
+        self.pending = list(gen.engine.slots[self.slot].tokens)  # the prefill's token
+
+    def __iter__(self):
+        engine = self.gen.engine
+        slot = engine.slots[self.slot]
+        try:
+            while True:
+                delta = self._text(self.pending)
+                if delta:
+                    yield delta
+                if slot.finish_reason is not None:
+                    break
+                self.pending = engine.step().get(self.slot, [])
+            tail = self.detok.finish() if self.detok else ""
+            if tail:
+                yield tail
+            text = self.detok.text if self.detok else None
+            self.completion = Completion(token_ids=list(slot.tokens), text=text, finish_reason=slot.finish_reason,
+                                         stats=slot.stats)
+        finally:
+            engine.release(self.slot)
+
+    def _text(self, tokens: list[int]) -> str:
+        if self.detok is None:
+            return ""
+        delta = self.detok.add(tokens)
+        if self.detok.stopped:
+            self.gen.engine.slots[self.slot].finish_reason = "stop"
+        return delta

@@ -1,0 +1,58 @@
+"""The Python API: text and token-id prompts, streaming that adds up to the completion, clear errors."""
+
+import pytest
+
+from jdspark import Generator, SamplingParams
+from jdspark.engine.engine import EngineError
+from tests.conftest import CHARS
+
+
+@pytest.fixture(scope="module")
+def generator(spec_engine, char_tokenizer):
+    spec_engine.speculative = True
+    spec_engine.width_policy = lambda confidence: 5
+    return Generator(spec_engine, char_tokenizer)
+
+
+def test_generate_from_text_and_from_ids(generator, char_tokenizer):
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    from_text = generator.generate("abcdmn", params)
+    from_ids = generator.generate(char_tokenizer.encode("abcdmn"), params)
+    assert from_text.token_ids == from_ids.token_ids and len(from_text.token_ids) == 30
+    assert from_text.text == "".join(CHARS[t - 2] for t in from_text.token_ids if t >= 2)
+    assert from_text.finish_reason == "length"
+    stats = from_text.stats
+    assert stats.tau >= 1 and len(stats.acceptance) == 5 and sum(stats.widths) == stats.steps
+    assert stats.tokens_per_s > 0
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=40, temperature=1.0, seed=7, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0.8, top_k=6, top_p=0.9, seed=8, ignore_eos=True),
+])
+def test_stream_concatenates_to_generate(generator, params):
+    deltas = list(generator.stream("hello", params))
+    completion = generator.generate("hello", params)
+    assert "".join(deltas) == completion.text and len(deltas) > 1
+
+
+def test_stop_string_ends_the_text(generator):
+    free = generator.generate("abc", SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True))
+    stop = free.text[10:12]
+    stopped = generator.generate("abc", SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True,
+                                                       stop=stop))
+    assert stopped.finish_reason == "stop" and stopped.text == free.text[:free.text.find(stop)]
+    streamed = "".join(generator.stream("abc", SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                                                             ignore_eos=True, stop=stop)))
+    assert streamed == stopped.text
+
+
+def test_token_ids_without_tokenizer_and_clear_errors(spec_engine):
+    bare = Generator(spec_engine)
+    out = bare.generate([0, 5, 6], SamplingParams(max_tokens=5, temperature=0.0))
+    assert out.text is None and 1 <= len(out.token_ids) <= 5
+    with pytest.raises(EngineError, match="a text prompt needs a tokenizer"):
+        bare.generate("hello")
+    with pytest.raises(EngineError, match="needs a tokenizer; use stop_token_ids"):
+        bare.generate([0, 5], SamplingParams(stop="x"))
+    assert all(s is None for s in spec_engine.slots)  # failed requests leave no slot behind
