@@ -1,6 +1,9 @@
 """Shared test set-up: float32 matmuls at full precision, the `gpu` marker skipped without a GPU,
 a compilation counter, and the tiny speculative model shared by the engine and API tests."""
 
+import os
+import tempfile
+
 import jax
 import pytest
 
@@ -10,6 +13,7 @@ from jdspark.model.model import Model
 from jdspark.tokenizer.tokenizer import Tokenizer
 
 jax.config.update("jax_default_matmul_precision", "highest")
+os.environ["JDSPARK_CACHE"] = tempfile.mkdtemp(prefix="jdspark-test-cache-")  # measured costs stay out of ~
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +20,11 @@ import numpy as np
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
+from jdspark.engine import costs
 from jdspark.engine.executables import Executables, SlotSampling
 from jdspark.engine.request import CompletionStats, SamplingParams
 from jdspark.model.model import Model
+from jdspark.spec.selector import AdaptiveWidth, FallbackBreaker
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +49,32 @@ class Slot:
     seed: int = 0
     started: float = 0.0
     steps: int = 0
+    breaker: FallbackBreaker | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOptions:
+    """How the engine speculates. `width=None` is adaptive (E(k)/(D+V(k)) from measured costs);
+    an integer fixes the width. `fallback_threshold` > 0 turns on the acceptance breaker (0.60 /
+    32 / 64 is the measured starting point of the reference). Costs are cached in `cost_cache_dir`
+    (default ~/.cache/jdspark/costs) unless `reprofile`."""
+
+    width: int | None = None
+    fallback_threshold: float = 0.0
+    fallback_min_drafted: int = 32
+    fallback_cooldown: int = 64
+    profile_runs: int = 7
+    cost_cache_dir: str | None = None
+    reprofile: bool = False
+    log_every: int = 0  # steps between engine log lines (0: never)
 
 
 class Engine:
     def __init__(self, model: Model, config: EngineConfig, *, speculative: bool = True, prefill_chunk: int = 256,
-                 width_policy: WidthPolicy | None = None, widths: tuple[int, ...] | None = None,
-                 use_kernel: bool | None = None):
+                 options: SpecOptions = SpecOptions(), width_policy: WidthPolicy | None = None,
+                 widths: tuple[int, ...] | None = None, use_kernel: bool | None = None):
         """`widths`: the verify widths to compile (default 0..gamma; only 0 without speculation);
-        `width_policy` maps a slot's stale confidences to a width (default: always gamma)."""
+        `width_policy` overrides the width choice (a function of a slot's stale confidences)."""
         if speculative and model.config.dspark is None:
             raise EngineError("speculative=True needs a checkpoint with a DSpark drafter (dspark_* config keys and "
                               "mtp.* drafter tensors); this one has none: use speculative=False")
@@ -61,8 +82,8 @@ class Engine:
         if dspark_cfg is not None and dspark_cfg.block_size != config.gamma:
             raise EngineError(f"gamma={config.gamma} but the drafter was built for dspark_block_size="
                               f"{dspark_cfg.block_size}; use gamma={dspark_cfg.block_size}")
-        self.model, self.config, self.speculative = model, config, speculative
-        self.width_policy = width_policy or (lambda confidence: config.gamma)
+        self.model, self.config, self.speculative, self.options = model, config, speculative, options
+        self._new_breaker()  # validates the fallback options before anything is compiled
         if use_kernel is None:
             use_kernel = jax.default_backend() == "gpu"
         if widths is None:
@@ -76,8 +97,38 @@ class Engine:
         self.slots: list[Slot | None] = [None] * config.max_batch
         start = time.perf_counter()
         self.exe.compile(model.params, self.decode, self.draft, self._sampling())
-        log.info("compiled %d executables in %.1f s", 1 + (self.draft is not None) + len(self.exe.verify),
+        log.info("compiled %d executables in %.1f s", 1 + (self.exe.draft is not None) + len(self.exe.verify),
                  time.perf_counter() - start)
+        self.selector: AdaptiveWidth | None = None
+        if width_policy is None and speculative:
+            if options.width is not None:
+                width_policy = lambda confidence: options.width  # noqa: E731
+            elif set(widths) == set(range(config.gamma + 1)):
+                self.selector = AdaptiveWidth(self._verify_costs(), config.gamma)
+                width_policy = self.selector
+            else:
+                raise EngineError(f"adaptive width needs every width 0..{config.gamma} compiled, got {widths}")
+        self.width_policy = width_policy or (lambda confidence: config.gamma)
+        self.window = _Window()
+        self._no_tokens = jnp.zeros((config.max_batch, config.gamma), jnp.int32)
+        self._no_q = jnp.zeros((config.max_batch, config.gamma, model.config.vocab_size), jnp.float32)
+
+    def _verify_costs(self) -> list[float]:
+        idle = np.zeros(self.config.max_batch, bool)
+        anchor = np.zeros(self.config.max_batch, np.int32)
+        tokens = jnp.zeros((self.config.max_batch, self.config.gamma), jnp.int32)
+        q = jnp.zeros((self.config.max_batch, self.config.gamma, self.model.config.vocab_size), jnp.float32)
+        sampling = self._sampling()
+
+        def run(k):
+            n_acc, _, self.decode, self.draft = self.exe.verify[k](self.model.params, self.decode, self.draft, anchor,
+                                                                  tokens, q, idle, sampling)
+            jax.block_until_ready(n_acc)
+
+        key = costs.cost_key(self.model.config.to_dict(), str(self.model.dtype), dataclasses.asdict(self.config))
+        cache_dir = Path(self.options.cost_cache_dir) if self.options.cost_cache_dir else None
+        return costs.load_or_measure(key, run, sorted(self.exe.verify), self.options.profile_runs, cache_dir,
+                                     self.options.reprofile)
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, prompt_ids, params: SamplingParams) -> int:
@@ -97,7 +148,8 @@ class Engine:
             seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(2 ** 32))
             self.slots[b] = Slot(prompt_len=len(ids), params=params, seed=seed, started=now,
                                  confidence=np.ones(self.config.gamma, np.float32),  # inherits nothing
-                                 stats=CompletionStats.empty(len(ids), self.config.gamma))
+                                 stats=CompletionStats.empty(len(ids), self.config.gamma),
+                                 breaker=self._new_breaker())
         chunk, batch = self.exe.prefill_chunk, self.config.max_batch
         first = np.zeros(batch, np.int32)
         for start in range(0, max(len(p) for p in prompts), chunk):
@@ -143,42 +195,74 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> dict[int, list[int]]:
-        """One draft + verify for every active slot; returns the tokens each slot emitted."""
+        """One draft + verify for every active slot; returns the tokens each slot emitted.
+
+        The width comes from confidences the host already holds (the previous step's), so the
+        choice never waits on the device and never sees the block it applies to. Speculation is
+        skipped (a plain decode step, no drafting) when every active slot's breaker is cooling down.
+        """
         active = self.active
         if not active:
             return {}
+        started = time.perf_counter()
         mask = np.zeros(self.config.max_batch, bool)
         mask[active] = True
         anchor = np.zeros(self.config.max_batch, np.int32)
         for b in active:
             anchor[b] = self.slots[b].anchor
         sampling = self._sampling()
-        if self.speculative:
+        speculate = self.speculative and any([self._breaker_allows(self.slots[b]) for b in active])
+        confidence = None
+        if speculate:
             width = max(self.width_policy(self.slots[b].confidence) for b in active)
             if width not in self.exe.verify:
                 raise EngineError(f"the width policy chose k={width}, but only widths {sorted(self.exe.verify)} "
                                   "were compiled")
+            timed = self.selector is not None and self.selector.wants_draft_timing()
             proposal = self.exe.draft(self.model.params, self.draft, anchor, sampling)
+            if timed:
+                jax.block_until_ready(proposal.tokens)
+                self.selector.record_draft(time.perf_counter() - started)
             tokens, q, confidence = proposal.tokens, proposal.q, proposal.confidence
+            confidence.copy_to_host_async()
         else:
-            width = 0
-            tokens = jnp.zeros((self.config.max_batch, self.config.gamma), jnp.int32)
-            q = jnp.zeros((self.config.max_batch, self.config.gamma, self.model.config.vocab_size), jnp.float32)
-            confidence = None
+            width, tokens, q = 0, self._no_tokens, self._no_q
         n_acc, token, self.decode, self.draft = self.exe.verify[width](
             self.model.params, self.decode, self.draft, anchor, tokens, q, mask, sampling)
         n_acc, token = np.asarray(n_acc), np.asarray(token)
-        drafts = np.asarray(tokens)
+        drafts = np.asarray(tokens) if width else None
         confidence = None if confidence is None else np.asarray(confidence)
-        emitted = {}
+        emitted, cost = {}, self.cost_summary()
         for b in active:
             slot = self.slots[b]
             slot.steps += 1
+            slot.stats.draft_cost_s, slot.stats.verify_costs_s = cost["draft_cost_s"], cost["verify_costs_s"]
             slot.stats.record_step(width, int(n_acc[b]))
+            if width and slot.breaker is not None:
+                slot.breaker.record(int(n_acc[b]), width)
             if confidence is not None:
                 slot.confidence = confidence[b]
-            emitted[b] = self._emit(b, [*drafts[b, :n_acc[b]].tolist(), int(token[b])])
+            new = [*drafts[b, :n_acc[b]].tolist(), int(token[b])] if width else [int(token[b])]
+            emitted[b] = self._emit(b, new)
+        self.window.record(width, n_acc[active], sum(len(t) for t in emitted.values()), time.perf_counter() - started)
+        if self.options.log_every and self.window.steps >= self.options.log_every:
+            log.info("%s", self.window.summary(self.cost_summary()))
+            self.window = _Window()
         return emitted
+
+    def cost_summary(self) -> dict:
+        """D and V(k) (seconds) the selector uses; None before they are known."""
+        if self.selector is None:
+            return {"draft_cost_s": None, "verify_costs_s": None}
+        return {"draft_cost_s": self.selector.draft_cost, "verify_costs_s": self.selector.verify_costs.tolist()}
+
+    def _breaker_allows(self, slot: Slot) -> bool:
+        return slot.breaker is None or slot.breaker.should_speculate()
+
+    def _new_breaker(self) -> FallbackBreaker | None:
+        o = self.options
+        return FallbackBreaker(o.fallback_threshold, o.fallback_min_drafted, o.fallback_cooldown) \
+            if o.fallback_threshold else None
 
     def _emit(self, b: int, new: list[int]) -> list[int]:
         """Append tokens to slot b up to the first stop condition; returns what was appended."""
@@ -211,3 +295,29 @@ class Engine:
                 temperature[b], top_k[b], top_p[b] = p.temperature, p.top_k, p.top_p
                 seed[b], counter[b] = slot.seed, slot.steps
         return SlotSampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, counter=counter)
+
+
+class _Window:
+    """Counters between two engine log lines."""
+
+    def __init__(self):
+        self.steps = self.tokens = self.drafted = self.accepted = 0
+        self.seconds = 0.0
+        self.widths: dict[int, int] = {}
+
+    def record(self, width: int, n_accepted: np.ndarray, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.seconds += seconds
+        self.drafted += width * len(n_accepted)
+        self.accepted += int(n_accepted.sum())
+        self.widths[width] = self.widths.get(width, 0) + 1
+
+    def summary(self, cost: dict) -> str:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        d, v = cost["draft_cost_s"], cost["verify_costs_s"]
+        costs_text = "" if v is None else (f" D={d * 1e3:.2f}ms" if d else " D=?") + " V=[" + \
+            ", ".join(f"{x * 1e3:.2f}" for x in v) + "]ms"
+        widths = " ".join(f"{k}:{n}" for k, n in sorted(self.widths.items()))
+        return (f"{self.steps} steps: {self.tokens / max(self.seconds, 1e-9):.1f} tok/s, acceptance {rate:.2f}, "
+                f"widths {{{widths}}}{costs_text}")

@@ -53,6 +53,8 @@ class CompletionStats:
     widths: list[int] = dataclasses.field(default_factory=list)  # widths[k]: steps that verified k drafts
     verified_at: list[int] = dataclasses.field(default_factory=list)  # position i was verified
     accepted_at: list[int] = dataclasses.field(default_factory=list)  # position i was accepted
+    draft_cost_s: float | None = None  # D the width selector used (None: fixed width or not yet known)
+    verify_costs_s: list[float] | None = None  # V(0..gamma) the width selector used
 
     @classmethod
     def empty(cls, prompt_tokens: int, gamma: int) -> "CompletionStats":
@@ -85,7 +87,7 @@ class CompletionStats:
         return dict(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
                     elapsed_s=self.elapsed_s, time_to_first_token_s=self.time_to_first_token_s,
                     tokens_per_s=self.tokens_per_s, steps=self.steps, tau=self.tau, widths=list(self.widths),
-                    acceptance=self.acceptance)
+                    acceptance=self.acceptance, draft_cost_s=self.draft_cost_s, verify_costs_s=self.verify_costs_s)
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ from jdspark.engine import executables
 from jdspark.engine.engine import Engine, EngineError
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
+from jdspark.spec.selector import AdaptiveWidth
 from jdspark.spec.sampling import sample, warp_probs
 from jdspark.spec.verify import ref_rejection_sample
 from tests.conftest import SPEC_CONFIG
@@ -153,9 +154,9 @@ def exact_joint(model, warp) -> np.ndarray:
 
 
 def sample_first_tokens(engine, warp, rounds) -> np.ndarray:
-    """[n, 3]: the prefill's token, then two more from the speculative steps (width 2)."""
-    engine.speculative, engine.width_policy = True, lambda confidence: 2
-    out = []
+    """[n, 3]: the prefill's token, then two more from the speculative steps."""
+    engine.speculative = True
+    out, engine.widths_used = [], np.zeros(6, int)
     for r in range(rounds):
         params = [SamplingParams(max_tokens=3, seed=r * BATCH + i, ignore_eos=True, **warp) for i in range(BATCH)]
         slots = engine.add_many([(STAT_PROMPT, p) for p in params])
@@ -163,6 +164,7 @@ def sample_first_tokens(engine, warp, rounds) -> np.ndarray:
             engine.step()
         for b in slots:
             out.append(engine.slots[b].tokens)
+            engine.widths_used += engine.slots[b].stats.widths
             engine.release(b)
     return np.array(out)
 
@@ -194,13 +196,21 @@ def lossless_p_values(engine, model, warp, rounds) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def stat_engine(model):
-    return Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH), prefill_chunk=4, widths=(2,))
+    """Adaptive widths: the E(k)/(D+V(k)) selector on injected costs that make it pick 1 or 2 from
+    each request's stale confidences (3+ are prohibitively expensive)."""
+    engine = Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH), prefill_chunk=4,
+                    widths=(0, 1, 2), width_policy=lambda confidence: 2)
+    selector = AdaptiveWidth([1e-3, 1e-3, 1.5e-3, 10.0, 10.0, 10.0], gamma=5)
+    selector.draft_samples = [1e-3] * 5
+    engine.width_policy = selector
+    return engine
 
 
 @pytest.mark.parametrize("warp", WARPS.values(), ids=WARPS.keys())
 def test_speculative_sampling_is_lossless(stat_engine, model, warp):
     p12, p23 = lossless_p_values(stat_engine, model, warp, ROUNDS)
     assert p12 > 1e-3 and p23 > 1e-3, (p12, p23)
+    assert stat_engine.widths_used[1] > 0 and stat_engine.widths_used[2] > 0  # the selector really chose
 
 
 def skip_residual(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
@@ -215,6 +225,7 @@ def skip_residual(target_logits, draft_probs, draft_tokens, uniforms, exponentia
 
 def test_the_lossless_test_catches_a_sampler_that_skips_the_residual(model, monkeypatch):
     monkeypatch.setattr(executables, "rejection_sample", skip_residual)
-    biased = Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH), prefill_chunk=4, widths=(2,))
+    biased = Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH), prefill_chunk=4, widths=(2,),
+                    width_policy=lambda confidence: 2)
     p12, p23 = lossless_p_values(biased, model, WARPS["T=1"], ROUNDS)
     assert min(p12, p23) < 1e-3, (p12, p23)

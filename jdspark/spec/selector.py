@@ -1,0 +1,116 @@
+"""Hardware-aware width selection (spec dspark.md §6-8).
+
+k* = argmax over k in 0..gamma of E(k) / (D + V(k)), E(k) = 1 + sum_{i<=k} S_i, S_i = prod_{j<=i} c_j,
+from *stale* confidences (the previous step's: a full argmax over the current block's confidences
+would leak the sampled tokens and break exactness, spec §5.7), the measured draft cost D and the
+measured verify cost curve V. Plus the acceptance fallback breaker that turns speculation off for
+a while on requests whose drafts keep getting rejected.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+
+WARMUP_DRAFT_SAMPLES = 5  # D = median of the first 5 real draft steps
+
+
+def monotone_costs(verify_costs) -> np.ndarray:
+    """V forced non-decreasing (running max) with a 1e-6 floor: noise never makes a longer span cheaper."""
+    v = np.asarray(verify_costs, np.float64)
+    return np.maximum.accumulate(np.maximum(v, 1e-6))
+
+
+def choose_width(confidences, draft_cost: float, verify_costs) -> int:
+    """The width k in 0..gamma that maximises expected tokens per unit time; ties keep the smaller k.
+
+    confidences: gamma conditional acceptance probabilities (stale); draft_cost: D >= 0;
+    verify_costs: V(0..gamma), gamma + 1 values (made monotone here).
+    """
+    c = np.asarray(confidences, np.float64)
+    v = np.asarray(verify_costs, np.float64)
+    if c.ndim != 1 or v.shape != (c.size + 1,):
+        raise ValueError(f"verify_costs has {v.size} values but {c.size} confidences need {c.size + 1} "
+                         "(V(0..gamma), one per width)")
+    if not np.all(np.isfinite(c)) or np.any((c < 0) | (c > 1)):
+        raise ValueError(f"confidences={c.tolist()}: each must be a probability in [0, 1]")
+    if not np.all(np.isfinite(v)) or np.any(v < 0):
+        raise ValueError(f"verify_costs={v.tolist()}: each must be finite and >= 0")
+    if not (math.isfinite(draft_cost) and draft_cost >= 0):
+        raise ValueError(f"draft_cost={draft_cost}: must be finite and >= 0")
+    expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(c))])  # E(0..gamma)
+    throughput = expected / np.maximum(draft_cost + monotone_costs(v), 1e-6)
+    best = 0
+    for k in range(1, c.size + 1):
+        if throughput[k] > throughput[best]:  # strict: ties keep the smaller width
+            best = k
+    return best
+
+
+class AdaptiveWidth:
+    """The engine's width policy: full gamma until D is measured, then `choose_width`."""
+
+    def __init__(self, verify_costs, gamma: int):
+        self.verify_costs = monotone_costs(verify_costs)
+        if self.verify_costs.shape != (gamma + 1,):
+            raise ValueError(f"need V(0..{gamma}): {gamma + 1} verify costs, got {len(self.verify_costs)}")
+        self.gamma = gamma
+        self.draft_samples: list[float] = []
+
+    @property
+    def draft_cost(self) -> float | None:
+        if len(self.draft_samples) < WARMUP_DRAFT_SAMPLES:
+            return None
+        return statistics.median(self.draft_samples[:WARMUP_DRAFT_SAMPLES])
+
+    def wants_draft_timing(self) -> bool:
+        return len(self.draft_samples) < WARMUP_DRAFT_SAMPLES
+
+    def record_draft(self, seconds: float) -> None:
+        self.draft_samples.append(seconds)
+
+    def __call__(self, confidences) -> int:
+        d = self.draft_cost
+        return self.gamma if d is None else choose_width(confidences, d, self.verify_costs)
+
+
+class FallbackBreaker:
+    """Per-request acceptance circuit breaker (spec §8): after >= min_drafted verified drafts with an
+    acceptance rate below `threshold`, `cooldown` target-only steps, then speculation resumes (the
+    first resumed step is a probe). Counters reset at every evaluation (a window, not a total)."""
+
+    def __init__(self, threshold: float, min_drafted: int = 32, cooldown: int = 64):
+        if not 0 < threshold <= 1:
+            raise ValueError(f"fallback threshold={threshold}: must be in (0, 1] (0 disables the breaker)")
+        if min_drafted < 1 or cooldown < 1:
+            raise ValueError(f"fallback min_drafted={min_drafted} and cooldown={cooldown} must be >= 1")
+        self.threshold, self.min_drafted, self.cooldown = threshold, min_drafted, cooldown
+        self.accepted = self.drafted = 0
+        self.cooldown_left = 0
+        self.probe = False
+        self.trips = 0
+
+    def should_speculate(self) -> bool:
+        """Called once per step, before drafting."""
+        if self.cooldown_left > 0:
+            self.cooldown_left -= 1
+            self.probe = self.cooldown_left == 0
+            return False
+        return True
+
+    def record(self, accepted: int, drafted: int) -> None:
+        """After a speculative step: `accepted` of `drafted` verified drafts."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted={accepted}, drafted={drafted}: need 0 <= accepted <= drafted")
+        self.probe = False
+        self.accepted += accepted
+        self.drafted += drafted
+        if self.drafted < self.min_drafted:
+            return
+        rate = self.accepted / self.drafted
+        self.accepted = self.drafted = 0
+        if rate < self.threshold:
+            self.cooldown_left = self.cooldown
+            self.trips += 1

@@ -1,0 +1,85 @@
+"""Adaptive widths in the engine: injected costs steer the choice, exactness holds, stale
+confidences reset per request, the breaker turns speculation off and on, and the engine reports."""
+
+import logging
+
+import numpy as np
+import pytest
+
+from jdspark.engine.engine import SpecOptions
+from jdspark.engine.request import SamplingParams
+from jdspark.spec.selector import AdaptiveWidth
+
+PROMPT = [5, 9, 2, 14, 7, 7, 1, 12, 0, 4, 8, 11]
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(spec_engine):
+    """The shared engine, restored to its defaults afterwards."""
+    saved = spec_engine.options, spec_engine.width_policy, spec_engine.selector, spec_engine.speculative
+    yield spec_engine
+    spec_engine.options, spec_engine.width_policy, spec_engine.selector, spec_engine.speculative = saved
+
+
+def generate(engine, params=GREEDY, prompt=PROMPT):
+    b = engine.add(prompt, params)
+    while engine.active:
+        engine.step()
+    slot = engine.slots[b]
+    engine.release(b)
+    return slot
+
+
+def test_startup_profile_measures_every_width(engine):
+    costs = engine.selector.verify_costs
+    assert costs.shape == (6,) and (costs > 0).all() and (np.diff(costs) >= 0).all()
+
+
+def test_expensive_wide_widths_make_the_engine_choose_narrow_ones(engine):
+    engine.speculative = False
+    reference = generate(engine).tokens
+    engine.speculative = True
+    engine.selector = AdaptiveWidth([0.010, 0.011, 5.0, 5.0, 5.0, 5.0], gamma=5)
+    engine.width_policy = engine.selector
+    slot = generate(engine)
+    assert slot.tokens == reference
+    widths = slot.stats.widths
+    assert widths[5] == 5 and sum(widths[2:5]) == 0  # the 5 warm-up steps verify the full block
+    assert widths[0] + widths[1] == slot.stats.steps - 5 > 0
+    assert slot.stats.draft_cost_s == engine.selector.draft_cost > 0
+    assert slot.stats.verify_costs_s[2] == 5.0
+
+
+def test_stale_confidences_reset_for_each_request(engine):
+    seen = []
+    engine.speculative = True
+    engine.width_policy = lambda confidence: seen.append(np.array(confidence)) or 3
+    first = generate(engine, SamplingParams(max_tokens=12, temperature=1.0, seed=1, ignore_eos=True))
+    first_calls = len(seen)
+    generate(engine, SamplingParams(max_tokens=12, temperature=1.0, seed=2, ignore_eos=True))
+    assert first_calls == first.stats.steps
+    np.testing.assert_array_equal(seen[0], np.ones(5))
+    np.testing.assert_array_equal(seen[first_calls], np.ones(5))  # the second request inherits nothing
+    assert not np.allclose(seen[1], 1.0)  # within a request, step t sees step t-1's confidences
+    assert not np.allclose(seen[first_calls + 1], 1.0)
+
+
+def test_fallback_breaker_switches_to_target_only_and_back(engine):
+    engine.speculative = False
+    reference = generate(engine).tokens
+    engine.speculative, engine.width_policy = True, lambda confidence: 5
+    engine.options = SpecOptions(fallback_threshold=0.9, fallback_min_drafted=10, fallback_cooldown=4)
+    slot = generate(engine)
+    assert slot.tokens == reference
+    assert slot.breaker.trips >= 1 and slot.stats.widths[0] >= 4  # cooled down without drafting
+    assert slot.stats.widths[5] >= 3  # and speculated again afterwards
+
+
+def test_engine_logs_throughput_acceptance_widths_and_costs(engine, caplog):
+    engine.speculative, engine.width_policy = True, engine.selector
+    engine.options = SpecOptions(log_every=4)
+    with caplog.at_level(logging.INFO, logger="jdspark.engine.engine"):
+        generate(engine, SamplingParams(max_tokens=30, temperature=1.0, seed=4, ignore_eos=True))
+    lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
+    assert lines and all("acceptance" in line and "widths {" in line and "V=[" in line for line in lines)

@@ -1,0 +1,84 @@
+"""Width selector (spec dspark.md §6.4 vectors and rules) and the fallback breaker (§8)."""
+
+import numpy as np
+import pytest
+
+from jdspark.spec.selector import AdaptiveWidth, FallbackBreaker, choose_width, monotone_costs
+
+
+@pytest.mark.parametrize("confidences,draft_cost,verify_costs,expected", [
+    ([0.9, 0.9], 0.0, [1, 1, 100], 1),  # stops before an expensive bucket (cliff)
+    ([0.5, 0.9], 0.0, [1, 1, 1.4], 1),  # cumulative survival 0.45, not the raw 0.9 (which gives 2)
+    ([1.0], 0.0, [1, 2], 0),  # ties keep the smaller width
+    ([0.3, 0.2, 0.9, 0.8, 0.7], 3.0, [1] * 6, 5),  # a flat curve admits the whole prefix
+    ([1e-3] * 5, 0.0, [1] * 6, 5),  # ... for any positive confidence
+    ([0.0] * 5, 0.0, [1] * 6, 0),  # zero survival: every width ties at E = 1
+])
+def test_reference_vectors(confidences, draft_cost, verify_costs, expected):
+    assert choose_width(confidences, draft_cost, verify_costs) == expected
+
+
+def test_draft_cost_favours_longer_widths():
+    c, v = [0.6, 0.6, 0.6], [1.0, 1.5, 2.0, 2.5]
+    assert choose_width(c, 0.0, v) < choose_width(c, 20.0, v) == 3
+
+
+def test_cost_curve_is_forced_monotone():
+    np.testing.assert_array_equal(monotone_costs([2.0, 1.0, 3.0, 0.0]), [2.0, 2.0, 3.0, 3.0])
+    # a noisy dip at width 2 (V = 1) would make it win (E(2)/V(2) = 1.55); forced to V = 2, width 0 wins
+    assert choose_width([0.5, 0.1], 0.0, [1.0, 2.0, 1.0]) == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (([0.5, 0.5], 1.0, [1, 1]), "verify_costs has 2 values but 2 confidences need 3"),
+    (([0.5, float("nan")], 1.0, [1, 1, 1]), "each must be a probability"),
+    (([0.5, 1.5], 1.0, [1, 1, 1]), "each must be a probability"),
+    (([0.5, 0.5], -1.0, [1, 1, 1]), "draft_cost=-1.0: must be finite and >= 0"),
+    (([0.5, 0.5], float("inf"), [1, 1, 1]), "draft_cost=inf"),
+    (([0.5, 0.5], 1.0, [1, -1, 1]), "verify_costs=.*must be finite and >= 0"),
+    (([0.5, 0.5], 1.0, [1, float("nan"), 1]), "verify_costs=.*must be finite and >= 0"),
+])
+def test_malformed_inputs_raise_clear_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        choose_width(*args)
+
+
+def test_adaptive_width_verifies_the_full_block_until_d_is_measured():
+    policy = AdaptiveWidth([1.0, 1.0, 50.0, 50.0], gamma=3)
+    for i in range(5):
+        assert policy([0.9, 0.9, 0.9]) == 3 and policy.draft_cost is None
+        policy.record_draft([0.5, 0.1, 0.2, 0.3, 0.4][i])
+    assert policy.draft_cost == pytest.approx(0.3) and not policy.wants_draft_timing()
+    assert policy([0.9, 0.9, 0.9]) == 1
+    with pytest.raises(ValueError, match="need V\\(0..3\\): 4 verify costs, got 3"):
+        AdaptiveWidth([1, 1, 1], gamma=3)
+
+
+def test_breaker_trips_cools_down_probes_and_resets_its_window():
+    breaker = FallbackBreaker(0.6, min_drafted=10, cooldown=3)
+    for _ in range(2):  # 10 drafted, 4 accepted: rate 0.4 < 0.6 -> trip at the second record
+        assert breaker.should_speculate()
+        breaker.record(2, 5)
+    assert breaker.trips == 1 and breaker.cooldown_left == 3
+    decisions = [breaker.should_speculate() for _ in range(4)]
+    assert decisions == [False, False, False, True]  # exactly `cooldown` target-only steps
+    assert breaker.probe  # the first resumed step is the probe
+    breaker.record(5, 5)  # counters were reset at the trip: 5 < min_drafted, no evaluation yet
+    assert not breaker.probe and breaker.cooldown_left == 0
+    breaker.record(1, 5)  # 6 / 10 = 0.6 >= threshold: no trip, window reset
+    assert breaker.trips == 1 and breaker.drafted == 0
+    breaker.record(0, 10)
+    assert breaker.trips == 2
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(threshold=0.0), "threshold=0.0: must be in \\(0, 1\\]"),
+    (dict(threshold=1.5), "threshold=1.5"),
+    (dict(threshold=0.6, min_drafted=0), "min_drafted=0 and cooldown=64 must be >= 1"),
+    (dict(threshold=0.6, cooldown=0), "cooldown=0 must be >= 1"),
+])
+def test_breaker_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FallbackBreaker(**kwargs)
+    with pytest.raises(ValueError, match="accepted=3, drafted=2"):
+        FallbackBreaker(0.5).record(3, 2)
