@@ -27,6 +27,75 @@ def _logits(args) -> int:
     return 0
 
 
+def _generator(args):
+    from jdspark.engine.engine import SpecOptions
+    from jdspark.generator import Generator
+    if args.model is None:
+        raise ValueError("no --model given and no embedded default model is installed; pass --model PATH")
+    width = None if args.width == "adaptive" else int(args.width)
+    options = SpecOptions(width=width, fallback_threshold=args.fallback_acceptance,
+                          fallback_min_drafted=args.fallback_min_drafted, fallback_cooldown=args.fallback_steps,
+                          reprofile=args.reprofile, log_every=args.log_every)
+    return Generator.from_pretrained(args.model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
+                                     max_seq_len=args.max_seq_len, options=options)
+
+
+def _prompt_and_params(args):
+    from jdspark.engine.request import SamplingParams
+    prompt = [int(t) for t in args.prompt.split(",")] if args.ids else args.prompt
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=tuple(args.stop))
+    return prompt, params
+
+
+def _generate(args) -> int:
+    generator = _generator(args)
+    prompt, params = _prompt_and_params(args)
+    run = generator.run(prompt, params)
+    for delta in run:
+        print(delta, end="", flush=True)
+    completion = run.completion
+    print("" if completion.text is not None else ",".join(map(str, completion.token_ids)))
+    if args.stats:
+        print(json.dumps(completion.stats.as_dict(), indent=1), file=sys.stderr)
+    return 0
+
+
+def _profile(args) -> int:
+    from jdspark.engine.profile import profile
+    generator = _generator(args)
+    prompt, params = _prompt_and_params(args)
+    report = profile(generator, prompt, params, args.out)
+    stats = report["stats"]
+    print(f"{stats['generated_tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}; "
+          f"wrote {args.out}/trace, profile.json, profile.png")
+    return 0
+
+
+def _add_generation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="text, or comma-separated token ids with --ids")
+    p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--ids", action="store_true", help="the prompt is comma-separated token ids")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,
+                   help="DSpark speculative decoding (--no-speculative: target only)")
+    p.add_argument("--gamma", type=int, help="draft block size (default: the drafter's)")
+    p.add_argument("--width", default="adaptive", help="verify width 0..gamma, or 'adaptive' (default)")
+    p.add_argument("--fallback-acceptance", type=float, default=0.0,
+                   help="acceptance breaker threshold in (0, 1]; 0 disables (reference starting point: 0.60)")
+    p.add_argument("--fallback-min-drafted", type=int, default=32)
+    p.add_argument("--fallback-steps", type=int, default=64)
+    p.add_argument("--reprofile", action="store_true", help="measure V(k) again instead of using the cache")
+    p.add_argument("--log-every", type=int, default=0, help="engine log line every N steps")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jdspark", description="DeepSeek-V4 serving engine (JAX/Pallas)")
     parser.add_argument("--version", action="version", version="jdspark 0.1.0")
@@ -40,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--top", type=int, default=5)
     p.set_defaults(run=_logits)
+    p = sub.add_parser("generate", help="generate a continuation (streams text when there is a tokenizer)")
+    _add_generation_options(p)
+    p.add_argument("--stats", action="store_true", help="print the completion's statistics as JSON on stderr")
+    p.set_defaults(run=_generate)
+    p = sub.add_parser("profile", help="generate under jax.profiler; write trace, costs/decisions JSON and a plot")
+    _add_generation_options(p)
+    p.add_argument("--out", default="profile_out")
+    p.set_defaults(run=_profile)
     return parser
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
-from jdspark.engine.engine import Engine, EngineError
+from jdspark.engine.engine import Engine, EngineError, SpecOptions
 from jdspark.engine.request import Completion, SamplingParams
 from jdspark.model.model import Model
 from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
@@ -21,13 +21,14 @@ class Generator:
     @classmethod
     def from_model(cls, model: Model, tokenizer: Tokenizer | None = None, *, speculative: bool = True,
                    gamma: int | None = None, max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 256,
-                   use_kernel: bool | None = None) -> "Generator":
+                   options: SpecOptions = SpecOptions(), use_kernel: bool | None = None) -> "Generator":
         """Compile an engine for `model` (every width 0..gamma when speculative)."""
         if gamma is None:
             gamma = model.config.dspark.block_size if model.config.dspark else 5
         config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch)
-        return cls(Engine(model, config, speculative=speculative, prefill_chunk=prefill_chunk, use_kernel=use_kernel),
-                   tokenizer)
+        engine = Engine(model, config, speculative=speculative, prefill_chunk=prefill_chunk, options=options,
+                        use_kernel=use_kernel)
+        return cls(engine, tokenizer)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, speculative: bool = True, gamma: int | None = None,
@@ -43,16 +44,18 @@ class Generator:
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Completion:
         """Run one request to the end."""
-        stream = self._run(prompt, params or SamplingParams())
-        for _ in stream:
+        run = self.run(prompt, params)
+        for _ in run:
             pass
-        return stream.completion
+        return run.completion
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas as blocks are accepted; they concatenate to `generate(...).text`."""
-        yield from self._run(prompt, params or SamplingParams())
+        yield from self.run(prompt, params)
 
-    def _run(self, prompt, params: SamplingParams) -> "_Run":
+    def run(self, prompt: str | list[int], params: SamplingParams | None = None) -> "Run":
+        """Admit the request now; iterate the result for text deltas, then read `.completion`."""
+        params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise EngineError("a text prompt needs a tokenizer; this checkpoint has no tokenizer.json: "
@@ -62,10 +65,10 @@ class Generator:
             ids = list(prompt)
         if params.stop and self.tokenizer is None:
             raise EngineError(f"stop={list(params.stop)} needs a tokenizer; use stop_token_ids instead")
-        return _Run(self, ids, params)
+        return Run(self, ids, params)
 
 
-class _Run:
+class Run:
     """One request's generation as an iterator of text deltas; `completion` is set at the end."""
 
     def __init__(self, gen: Generator, ids: list[int], params: SamplingParams):

@@ -110,6 +110,7 @@ class Engine:
                 raise EngineError(f"adaptive width needs every width 0..{config.gamma} compiled, got {widths}")
         self.width_policy = width_policy or (lambda confidence: config.gamma)
         self.window = _Window()
+        self.decisions: list[dict] | None = None  # set to [] to record every step's choice (profiling)
         self._no_tokens = jnp.zeros((config.max_batch, config.gamma), jnp.int32)
         self._no_q = jnp.zeros((config.max_batch, config.gamma, model.config.vocab_size), jnp.float32)
 
@@ -211,10 +212,11 @@ class Engine:
         for b in active:
             anchor[b] = self.slots[b].anchor
         sampling = self._sampling()
+        stale = {b: self.slots[b].confidence for b in active}  # the previous step's: what the choice reads
         speculate = self.speculative and any([self._breaker_allows(self.slots[b]) for b in active])
         confidence = None
         if speculate:
-            width = max(self.width_policy(self.slots[b].confidence) for b in active)
+            width = max(self.width_policy(stale[b]) for b in active)
             if width not in self.exe.verify:
                 raise EngineError(f"the width policy chose k={width}, but only widths {sorted(self.exe.verify)} "
                                   "were compiled")
@@ -244,7 +246,12 @@ class Engine:
                 slot.confidence = confidence[b]
             new = [*drafts[b, :n_acc[b]].tolist(), int(token[b])] if width else [int(token[b])]
             emitted[b] = self._emit(b, new)
-        self.window.record(width, n_acc[active], sum(len(t) for t in emitted.values()), time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.window.record(width, n_acc[active], sum(len(t) for t in emitted.values()), seconds)
+        if self.decisions is not None:
+            self.decisions.append({"width": width, "seconds": seconds, "slots": {
+                b: {"stale_confidence": stale[b].tolist(), "n_accepted": int(n_acc[b]), "emitted": emitted[b]}
+                for b in active}})
         if self.options.log_every and self.window.steps >= self.options.log_every:
             log.info("%s", self.window.summary(self.cost_summary()))
             self.window = _Window()

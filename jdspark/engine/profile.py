@@ -1,0 +1,65 @@
+"""`jdspark profile`: one generation under `jax.profiler`, plus the selector's view of it.
+
+Writes into the output directory: `trace/` (a jax.profiler trace for TensorBoard / Perfetto),
+`profile.json` (V(k), D, every step's width, stale confidences and acceptances, the completion
+stats) and `profile.png` (V(k) and D, E(k)/(D+V(k)) for the observed mean confidence profile, and
+acceptance by draft position).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jdspark.engine.request import SamplingParams
+from jdspark.generator import Generator
+
+
+def profile(generator: Generator, prompt, params: SamplingParams, out_dir: str | Path) -> dict:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    engine = generator.engine
+    engine.decisions = []
+    try:
+        with jax.profiler.trace(str(out / "trace")):
+            completion = generator.generate(prompt, params)
+    finally:
+        decisions, engine.decisions = engine.decisions, None
+    report = {"costs": engine.cost_summary(), "stats": completion.stats.as_dict(), "steps": decisions,
+              "text": completion.text, "token_ids": completion.token_ids}
+    (out / "profile.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "profile.png")
+    return report
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stats, costs = report["stats"], report["costs"]
+    fig, (ax_cost, ax_tput, ax_acc) = plt.subplots(1, 3, figsize=(15, 4))
+    widths = np.arange(len(stats["widths"]))
+    v, d = costs["verify_costs_s"], costs["draft_cost_s"]
+    if v is not None:
+        ax_cost.plot(widths, np.array(v) * 1e3, "o-", label="V(k) verify")
+        if d is not None:
+            ax_cost.axhline(d * 1e3, color="tab:orange", label="D draft")
+            stale = [s["stale_confidence"] for step in report["steps"] for s in step["slots"].values()]
+            c = np.mean(stale, axis=0) if stale else np.ones(len(widths) - 1)
+            expected = 1 + np.concatenate([[0.0], np.cumsum(np.cumprod(c))])
+            ax_tput.plot(widths, expected / (d + np.array(v)) / 1e3, "o-")
+    ax_cost.set(xlabel="width k", ylabel="ms", title="measured costs")
+    ax_cost.legend()
+    ax_tput.set(xlabel="width k", ylabel="E(k) / (D + V(k))  [tokens / ms]", title="selector objective (mean conf.)")
+    ax_acc.bar(np.arange(1, len(stats["acceptance"]) + 1), stats["acceptance"], label="acceptance")
+    ax_acc.bar(widths + 0.3, np.array(stats["widths"]) / max(1, sum(stats["widths"])), width=0.3,
+               label="share of steps at width k")
+    ax_acc.set(xlabel="draft position / width", title=f"tau = {stats['tau']:.2f}, {stats['tokens_per_s']:.1f} tok/s")
+    ax_acc.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
