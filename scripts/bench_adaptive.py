@@ -1,0 +1,112 @@
+"""Adaptive verification vs every fixed width, on a random-weight DSV4 + DSpark drafter.
+
+A random drafter is never accepted, so the acceptance regime is synthetic: the verifier is
+replaced by one that accepts each draft with probability `a` (the drafted tokens are emitted) and
+the drafter's confidences are set to `a` (perfectly calibrated). Costs are real: the same
+executables, shapes and state traffic as exact verification. Output is NOT the model's
+distribution; this measures only the width choice. Prints a table and writes JSON.
+
+    python scripts/bench_adaptive.py [--tokens 128] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdspark.config import EngineConfig, tiny_dspark_config
+from jdspark.engine import executables
+from jdspark.engine.engine import Engine
+from jdspark.engine.request import SamplingParams
+from jdspark.model.model import Model
+
+REGIMES = {"high": 0.85, "low": 0.35}
+
+
+def bench_config():
+    """A small random model with the real structure (window, CSA + indexer, HCA, hash, MoE, 2 stages)."""
+    return tiny_dspark_config(
+        vocab_size=32768, hidden_size=1024, num_attention_heads=8, head_dim=128, q_lora_rank=512, o_groups=2,
+        o_lora_rank=256, sliding_window=128, compress_ratios=(0, 0, 4, 128, 4, 128, 0, 0), index_n_heads=8,
+        index_head_dim=64, index_topk=64, n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=512,
+        max_position_embeddings=8192,
+        extra=dict(dspark_block_size=5, dspark_noise_token_id=3, dspark_target_layer_ids=[3, 5], dspark_markov_rank=64))
+
+
+def synthetic_acceptor(rate: float):
+    def accept(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
+               use_kernel=False):
+        k = draft_tokens.shape[1]
+        accepted = jnp.cumprod((uniforms < rate).astype(jnp.int32), axis=1).sum(axis=1) if k else \
+            jnp.zeros(target_logits.shape[0], jnp.int32)
+        token = jnp.argmax(target_logits[:, -1] / exponentials, axis=-1).astype(jnp.int32)
+        return accepted.astype(jnp.int32), token
+    return accept
+
+
+def run(engine, prompt, tokens, width) -> dict:
+    """Decode `tokens` tokens; width None = adaptive, -1 = target only. Times the decode steps only."""
+    engine.speculative = width != -1
+    if width is None:
+        engine.width_policy = engine.selector
+    elif width >= 0:
+        engine.width_policy = lambda confidence, k=width: k
+    b = engine.add(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    start = time.perf_counter()
+    while engine.active:
+        engine.step()
+    seconds = time.perf_counter() - start
+    slot = engine.slots[b]
+    engine.release(b)
+    return {"tok_s": (len(slot.tokens) - 1) / seconds, "tau": slot.stats.tau, "widths": slot.stats.widths}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    parser.add_argument("--tiny", action="store_true", help="the CPU test config (a smoke test of this script)")
+    args = parser.parse_args()
+    config = tiny_dspark_config() if args.tiny else bench_config()
+    model = Model.random(config, "bfloat16", seed=0)
+    prompt = np.random.default_rng(0).integers(4, config.vocab_size, 64)
+    results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "tokens": args.tokens, "regimes": {}}
+    original_propose = executables.dspark.propose
+    for name, rate in REGIMES.items():
+        executables.rejection_sample = synthetic_acceptor(rate)
+        executables.dspark.propose = lambda *a, r=rate, **k: (lambda p: p.replace(
+            confidence=jnp.full_like(p.confidence, r)))(original_propose(*a, **k))
+        start = time.perf_counter()
+        engine = Engine(model, EngineConfig(max_seq_len=1024, gamma=5, max_batch=1), prefill_chunk=64)
+        compile_s = time.perf_counter() - start
+        run(engine, prompt, 16, None)  # warm-up: measures D over its first 5 steps
+        rows = {}
+        for label, width in [("target-only", -1), *[(f"k={k}", k) for k in range(6)], ("adaptive", None)]:
+            samples = [run(engine, prompt, args.tokens, width) for _ in range(args.repeats)]
+            rows[label] = {"tok_s": statistics.median(s["tok_s"] for s in samples), "tau": samples[-1]["tau"],
+                           "widths": samples[-1]["widths"]}
+        best = max(v["tok_s"] for k, v in rows.items() if k.startswith("k="))
+        results["regimes"][name] = {"acceptance": rate, "engine_start_s": compile_s, **engine.cost_summary(),
+                                    "rows": rows, "adaptive_vs_best_fixed": rows["adaptive"]["tok_s"] / best}
+        print(f"\nregime {name} (acceptance {rate}): D = {engine.selector.draft_cost * 1e3:.2f} ms, "
+              f"V(k) = {[round(float(v) * 1e3, 2) for v in engine.selector.verify_costs]} ms, start {compile_s:.0f} s")
+        print(f"{'mode':>12} {'tok/s':>8} {'tau':>5}  widths")
+        for label, row in rows.items():
+            print(f"{label:>12} {row['tok_s']:8.1f} {row['tau']:5.2f}  {row['widths']}")
+        print(f"adaptive / best fixed = {results['regimes'][name]['adaptive_vs_best_fixed']:.3f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_adaptive.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
