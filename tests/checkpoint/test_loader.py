@@ -13,6 +13,7 @@ from jdspark.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, 
 from jdspark.cli import main
 from jdspark.config import tiny_config
 from jdspark.model.model import Model
+from jdspark.model.quantized import is_expert
 
 CFG = tiny_config(num_hidden_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1)
 
@@ -23,7 +24,7 @@ def official_tensors(model: Model) -> dict[str, np.ndarray]:
     out = {}
     for kp, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(model.params))[0]:
         path, value = tuple(k.key for k in kp), np.asarray(leaf)
-        if path[-2] == "experts":
+        if is_expert(path):
             for e in range(value.shape[0]):
                 out[path_to_official(path, e)] = value[e]
         else:
@@ -61,7 +62,8 @@ def test_names_round_trip():
         path, expert = official_to_path(name)
         assert expert is None and path_to_official(path) == name
     path, expert = official_to_path("layers.7.ffn.experts.12.w3.weight")
-    assert path == ("layers", 7, "ffn", "experts", "w3") and expert == 12
+    assert path == ("layers", 7, "ffn", "experts", "w3", "weight") and expert == 12
+    assert path_to_official(path, expert) == "layers.7.ffn.experts.12.w3.weight"
     assert hf_to_official("model.layers.2.self_attn.compressor.indexer.scorer.weights_proj.weight") == \
         "layers.2.attn.indexer.weights_proj.weight"
     assert hf_to_official("model.layers.2.self_attn.compressor.kv_norm.weight") == "layers.2.attn.compressor.norm.weight"
@@ -70,14 +72,14 @@ def test_names_round_trip():
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda t: t.pop("layers.1.attn.wq_a.weight"), r"missing 1 tensor\(s\), first \['layers.1.attn.wq_a.weight'\]"),
+    (lambda t: t.pop("layers.1.attn.wq_a.weight"), r"missing 1 tensor\(s\), first 'layers.1.attn.wq_a.weight' \(BF16/F16/F32 \[128, 256\]\)"),
     (lambda t: t.pop("layers.2.ffn.experts.5.w2.weight"), "layers.2.ffn.experts.5.w2.weight"),
     (lambda t: t.update({"layers.1.attn.wq_a.weight": np.zeros((3, 3), np.float32)}),
      r"'layers.1.attn.wq_a.weight' in model.safetensors has shape \[3, 3\], expected \[128, 256\]"),
     (lambda t: t.update({"layers.9.attn_norm.weight": np.ones(256, np.float32)}),
      "unexpected tensor 'layers.9.attn_norm.weight'"),
     (lambda t: t.update({"layers.1.attn.wq_a.weight": np.zeros((128, 256), ml_dtypes.float8_e4m3fn)}),
-     "stored as F8_E4M3"),
+     r"mixed storage: FP8 linear weights .* 'layers.1.attn.wq_a.weight' in model.safetensors as F8_E4M3"),
     (lambda t: t.update({"layers.0.ffn.gate.tid2eid": np.full((512, 2), 8, np.int64)}), r"expert ids must lie in \[0, 8\)"),
 ])
 def test_bad_checkpoints_raise_clear_errors(source, tmp_path, edit, match):
