@@ -16,7 +16,7 @@ from jdspark.checkpoint.names import Piece, path_to_official
 from jdspark.checkpoint.safetensors_io import CheckpointDir, CheckpointError
 from jdspark.config import DSV4Config, QuantConfig
 from jdspark.model.dequant import FP4_BLOCK, FP8_BLOCK
-from jdspark.model.quantized import Storage, is_expert, is_fp8_linear
+from jdspark.model.quantized import Storage, is_expert, is_fp8_linear, is_weight_scale
 
 FLOAT = frozenset({"F32", "BF16", "F16"})
 INT = frozenset({"I64", "I32"})
@@ -32,7 +32,8 @@ class TensorSpec:
     dtype: str  # official storage dtype
     leaf: tuple  # the in-memory parameter it fills
     experts: int | None = None  # E for a stacked routed-expert parameter
-    fmt: str | None = None  # "fp8" / "fp4": the in-memory parameter is float, dequantized at load
+    fmt: str | None = None  # "fp8" / "fp4" for a quantized weight and its scale
+    dequant: bool = False  # the in-memory parameter is float: dequantized at load
 
     def name(self, expert: int | None = None) -> str:
         return path_to_official(self.path, expert)
@@ -58,32 +59,34 @@ def disk_specs(leaves: dict[tuple, jnp.ndarray], storage: Storage) -> dict[tuple
         experts = leaf.shape[0] if is_expert(path) else None
         shape = tuple(leaf.shape[1:] if experts else leaf.shape)
         dtype = jnp.dtype(leaf.dtype)
-        fmt = storage.format_of(path) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize > 1 else None
-        if fmt is None:
-            specs[path] = TensorSpec(path, shape, _stored_dtype(path, dtype), path, experts)
-            continue
-        n, k = shape
-        scale_path = (*path[:-1], "scale")
-        if fmt == "fp4":
-            specs[path] = TensorSpec(path, (n, k // 2), "I8", path, experts, fmt)
-            specs[scale_path] = TensorSpec(scale_path, (n, k // FP4_BLOCK), "F8_E8M0", path, experts, fmt)
+        if is_weight_scale(path):  # kept as stored
+            fmt = "fp4" if is_expert(path) and storage.experts == "fp4" else "fp8"
+            specs[path] = TensorSpec(path, shape, "F8_E8M0" if dtype == jnp.uint8 else "F32", path, experts, fmt)
+        elif dtype in (jnp.float8_e4m3fn, jnp.int8):  # kept as stored
+            fmt = "fp8" if dtype == jnp.float8_e4m3fn else "fp4"
+            specs[path] = TensorSpec(path, shape, "F8_E4M3" if fmt == "fp8" else "I8", path, experts, fmt)
+        elif jnp.issubdtype(dtype, jnp.floating) and storage.format_of(path):
+            specs.update(_dequantized_at_load(path, shape, experts, storage))
+        elif jnp.issubdtype(dtype, jnp.integer):
+            specs[path] = TensorSpec(path, shape, "I64", path, experts)
         else:
-            specs[path] = TensorSpec(path, shape, "F8_E4M3", path, experts, fmt)
-            specs[scale_path] = TensorSpec(scale_path, (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK)),
-                                           _SCALE[storage.scale_dtype], path, experts, fmt)
+            specs[path] = TensorSpec(path, shape, "F32" if dtype == jnp.float32 else "BF16", path, experts)
     return specs
 
 
-def _stored_dtype(path: tuple, dtype: jnp.dtype) -> str:
-    if dtype == jnp.float8_e4m3fn:
-        return "F8_E4M3"
-    if dtype == jnp.int8:
-        return "I8"
-    if dtype == jnp.uint8:
-        return "F8_E8M0"
-    if jnp.issubdtype(dtype, jnp.integer):
-        return "I64"
-    return "F32" if dtype == jnp.float32 else "BF16"
+def _dequantized_at_load(path: tuple, shape: tuple, experts: int | None, storage: Storage) -> dict:
+    """Weight and scale specs of a float parameter that the checkpoint stores quantized."""
+    n, k = shape
+    scale_path = (*path[:-1], "scale")
+    fmt = storage.format_of(path)
+    if fmt == "fp4":
+        weight = TensorSpec(path, (n, k // 2), "I8", path, experts, fmt, True)
+        scale = TensorSpec(scale_path, (n, k // FP4_BLOCK), "F8_E8M0", path, experts, fmt, True)
+    else:
+        weight = TensorSpec(path, shape, "F8_E4M3", path, experts, fmt, True)
+        scale = TensorSpec(scale_path, (math.ceil(n / FP8_BLOCK), math.ceil(k / FP8_BLOCK)),
+                           _SCALE[storage.scale_dtype], path, experts, fmt, True)
+    return {path: weight, scale_path: scale}
 
 
 def detect_storage(ckpt: CheckpointDir, pieces: dict[str, list[Piece]], config: DSV4Config) -> Storage:
@@ -93,9 +96,11 @@ def detect_storage(ckpt: CheckpointDir, pieces: dict[str, list[Piece]], config: 
     seen: dict[str, dict[str, str]] = {"linear": {}, "expert": {}, "linear scale": {}, "expert scale": {}}
     for name, parts in pieces.items():
         path = parts[0].path if parts else ()
-        kind = "expert" if is_expert(path) else "linear" if is_fp8_linear((*path[:-1], "weight")) else None
-        if kind and path[-1] in ("weight", "scale"):
-            seen[kind if path[-1] == "weight" else f"{kind} scale"].setdefault(ckpt.dtype_name(name), name)
+        kind = "expert" if is_expert(path) else "linear"
+        if is_weight_scale(path):
+            seen[f"{kind} scale"].setdefault(ckpt.dtype_name(name), name)
+        elif is_expert(path) or is_fp8_linear(path):
+            seen[kind].setdefault(ckpt.dtype_name(name), name)
     linears = _classify(ckpt, seen["linear"], "FP8 linear weights", {"F8_E4M3": "fp8", **dict.fromkeys(FLOAT)})
     experts = _classify(ckpt, seen["expert"], "routed expert weights",
                         {"I8": "fp4", "F8_E4M3": "fp8", **dict.fromkeys(FLOAT)})

@@ -134,7 +134,7 @@ class _Staging:
             self.left[spec.path] = 0
             return
         if spec.path not in self.parts:
-            cast = spec.fmt is None and jnp.issubdtype(self.leaf.dtype, jnp.floating)
+            cast = not spec.dequant and jnp.issubdtype(self.leaf.dtype, jnp.floating)
             self.parts[spec.path] = np.empty((spec.experts, *spec.shape), self.leaf.dtype if cast else array.dtype)
         if piece.expert is None:
             self.parts[spec.path][...] = array
@@ -148,7 +148,7 @@ class _Staging:
 
     def finish(self, leaf_path: tuple, config: DSV4Config) -> jax.Array:
         spec = self.specs[leaf_path]
-        if spec.fmt is not None:
+        if spec.dequant:
             scale = self.parts[(*leaf_path[:-1], "scale")]
             dequant = fp4_dequant if spec.fmt == "fp4" else fp8_block_dequant
             return dequant(jnp.asarray(self.parts[leaf_path]), jnp.asarray(scale), self.leaf.dtype)
@@ -182,3 +182,14 @@ def _read(ckpt: CheckpointDir, plan: dict[str, list[tuple[Piece, TensorSpec]]], 
                         values[spec.leaf] = staging.pop(spec.leaf).finish(spec.leaf, config)
                 bar.update(f.nbytes(name))
     return values
+
+
+def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", dequantize: bool = False,
+            progress: bool = True) -> Path:
+    """`jdspark convert`: load `src` and save its exact in-memory layout to `dst` (orbax), which
+    `load_model(dst, dtype)` then restores directly."""
+    dst = Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise CheckpointError(f"{dst}: exists and is not empty; choose a new directory")
+    model = load_model(src, dtype=dtype, dequantize=dequantize, progress=progress)
+    return orbax_io.save(model, Storage() if dequantize else Storage.from_config(model.config), dst)

@@ -38,6 +38,11 @@ def is_fp8_linear(path: tuple) -> bool:
             and path[-3] not in ("compressor", "experts"))
 
 
+def is_weight_scale(path: tuple) -> bool:
+    """Whether `path` is the block scale of an FP8 linear or of a routed-expert weight."""
+    return path[-1:] == ("scale",) and (is_expert(path) or is_fp8_linear((*path[:-1], "weight")))
+
+
 def is_expert(path: tuple) -> bool:
     """Whether `path` is a stacked routed-expert parameter ([E, ...])."""
     return len(path) >= 3 and path[-3] == "experts"
