@@ -45,10 +45,15 @@ class TensorSpec:
                 return stored in family
         return stored == self.dtype
 
+    def dtypes(self) -> str:
+        """The accepted stored dtype(s), for messages."""
+        for family in (FLOAT, INT):
+            if self.dtype in family:
+                return "/".join(sorted(family))
+        return self.dtype
+
     def describe(self) -> str:
-        family = "/".join(sorted(FLOAT)) if self.dtype in FLOAT else "/".join(sorted(INT)) \
-            if self.dtype in INT else self.dtype
-        return f"{family} {list(self.shape)}"
+        return f"{self.dtypes()} {list(self.shape)}"
 
 
 def disk_specs(leaves: dict[tuple, jnp.ndarray], storage: Storage) -> dict[tuple, TensorSpec]:

@@ -96,7 +96,7 @@ def _plan(ckpt: CheckpointDir, pieces: dict[str, list[Piece]], specs: dict[tuple
             shape = np.broadcast_to(np.empty((), np.uint8), ckpt.shape(name))[piece.index].shape
             if shape != tuple(want):
                 raise CheckpointError(f"tensor {ckpt.describe(name)} has shape {list(shape)}, expected "
-                                      f"{list(want)} ({spec.dtype}) from the config")
+                                      f"{list(want)} ({spec.dtypes()}) from the config")
             if piece.expert is not None and not 0 <= piece.expert < spec.experts:
                 raise CheckpointError(f"tensor {ckpt.describe(name)}: expert {piece.expert} is outside "
                                       f"[0, {spec.experts}) (n_routed_experts={config.n_routed_experts})")

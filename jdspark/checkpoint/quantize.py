@@ -14,7 +14,9 @@ import math
 import ml_dtypes
 import numpy as np
 
+from jdspark.checkpoint.names import official_to_path
 from jdspark.model.dequant import FP4_BLOCK, FP8_BLOCK
+from jdspark.model.quantized import Storage
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -65,3 +67,20 @@ def quantize_fp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     codes = q.reshape(w.shape).view(np.uint8) & 0xF
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed.view(np.int8), e8m0_encode(scale)
+
+
+def quantize_tensors(tensors: dict[str, np.ndarray], storage: Storage) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Official-named float tensors -> the tensors a checkpoint of format `storage` stores (FP8 /
+    FP4 weights with their `.scale`), and the safetensors dtype names of the e8m0 scales."""
+    out, dtype_names = {}, {}
+    for name, value in tensors.items():
+        path, _ = official_to_path(name)
+        fmt = storage.format_of(path)
+        if fmt is None:
+            out[name] = value
+            continue
+        scale_name = name.removesuffix(".weight") + ".scale"
+        out[name], out[scale_name] = quantize_fp4(value) if fmt == "fp4" else quantize_fp8(value, storage.scale_dtype)
+        if out[scale_name].dtype == np.uint8:
+            dtype_names[scale_name] = "F8_E8M0"
+    return out, dtype_names

@@ -63,8 +63,8 @@ class SafetensorsFile:
         self.path = Path(path)
         self.table, data_start = read_header(self.path)
         size = self.path.stat().st_size
-        for name, info in self.table.items():
-            self._check(name, info, size - data_start)
+        for name in self.in_file_order():  # the first tensor cut off is named
+            self._check(name, self.table[name], size - data_start)
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=data_start, shape=(size - data_start,)) \
             if size > data_start else np.zeros((0,), np.uint8)
 
@@ -187,6 +187,9 @@ class CheckpointDir:
         self.where: dict[str, SafetensorsFile] = {}
         for f in self.files.values():
             for key in f.keys():
+                if key in self.where:
+                    raise CheckpointError(f"{self.path}: tensor {key!r} is in both {self.where[key].path.name} "
+                                          f"and {f.path.name}")
                 self.where[key] = f
         if weight_map is not None:
             missing = [k for k, shard in weight_map.items() if k not in self.files[shard].table]
