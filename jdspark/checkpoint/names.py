@@ -12,8 +12,6 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-import numpy as np
-
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
 _EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 # transformers stacks the routed experts: gate_up_proj [E, 2F, D] = (w1 | w3) on rows, down_proj = w2.
@@ -113,17 +111,3 @@ def locate(name: str, shape: tuple[int, ...]) -> list[Piece]:
     half = shape[1] // 2 if len(shape) > 1 else 0
     return [Piece((*prefix, "w1", leaf), None, (slice(None), slice(0, half))),
             Piece((*prefix, "w3", leaf), None, (slice(None), slice(half, None)))]
-
-
-def official_tensors_from_hf(state_dict: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Rename a transformers state dict to official names, unstacking the routed experts."""
-    out = {}
-    for key, value in state_dict.items():
-        for piece in locate(key, value.shape):
-            part = value[piece.index]
-            if piece.expert is None and piece.path[-3:-2] == ("experts",):
-                for e in range(part.shape[0]):
-                    out[path_to_official(piece.path, e)] = part[e]
-            else:
-                out[path_to_official(piece.path, piece.expert)] = part
-    return out
