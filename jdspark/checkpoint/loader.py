@@ -30,6 +30,7 @@ from jdspark.model.model import Model
 from jdspark.model.quantized import Storage, abstract_model
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_DEQUANT = {"fp4": jax.jit(fp4_dequant, static_argnums=2), "fp8": jax.jit(fp8_block_dequant, static_argnums=2)}
 
 
 def read_config(path: str | Path) -> DSV4Config:
@@ -150,13 +151,13 @@ class _Staging:
         spec = self.specs[leaf_path]
         if spec.dequant:
             scale = self.parts[(*leaf_path[:-1], "scale")]
-            dequant = fp4_dequant if spec.fmt == "fp4" else fp8_block_dequant
-            return dequant(jnp.asarray(self.parts[leaf_path]), jnp.asarray(scale), self.leaf.dtype)
+            return _DEQUANT[spec.fmt](self.parts[leaf_path], scale, self.leaf.dtype)
         array = np.asarray(self.parts[leaf_path])
         if leaf_path[-1] == "tid2eid" and (array.min() < 0 or array.max() >= config.n_routed_experts):
             raise CheckpointError(f"{spec.name()}: expert ids must lie in [0, {config.n_routed_experts}), "
                                   f"found {array.min()}..{array.max()}")
-        return jnp.array(array, dtype=self.leaf.dtype)
+        # device_put copies (jnp.asarray may alias host memory on the CPU: here, the mapped file)
+        return jax.device_put(array.astype(self.leaf.dtype, copy=False))
 
 
 def _read(ckpt: CheckpointDir, plan: dict[str, list[tuple[Piece, TensorSpec]]], specs: dict[tuple, TensorSpec],

@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from jdspark.checkpoint.safetensors_io import CheckpointError
@@ -34,6 +33,7 @@ def save(model: Model, storage: Storage, dst: str | Path) -> Path:
     if dst.exists() and any(dst.iterdir()):
         raise CheckpointError(f"{dst}: exists and is not empty; choose a new directory")
     dst.mkdir(parents=True, exist_ok=True)
+    import orbax.checkpoint as ocp  # only converted checkpoints need orbax
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save((dst / "params").absolute(), nnx.to_pure_dict(model.params))
         checkpointer.wait_until_finished()
@@ -55,6 +55,7 @@ def restore(path: Path, dtype: str, qat_sim: bool = False) -> Model:
     graphdef, state = abstract_model(config, dtype, Storage(**layout["storage"]))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(state))
+    import orbax.checkpoint as ocp  # only converted checkpoints need orbax
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             pure = checkpointer.restore((path / "params").absolute(), target)
