@@ -104,8 +104,8 @@ def main(argv=None) -> int:
     identical = bool(np.array_equal(logits["safetensors"], logits["orbax"]))
 
     print(f"\n{args.preset} layers={config.num_hidden_layers} experts={config.n_routed_experts} dtype={args.dtype} "
-          f"device={jax.devices()[0].device_kind} jax={jax.__version__}; params on device {device_bytes / 2**30:.2f} GiB; "
-          f"identical logits: {identical}")
+          f"device={jax.devices()[0].device_kind} jax={jax.__version__}; params on device "
+          f"{device_bytes / 2**30:.2f} GiB; identical logits: {identical}")
     print(f"{'step':40s} {'seconds':>9s} {'GiB':>8s} {'GiB/s':>7s} {'cold':>5s}")
     for step, seconds, nbytes, dropped in rows:
         cold = "" if dropped is None else "yes" if dropped else "no"

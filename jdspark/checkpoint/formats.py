@@ -113,13 +113,14 @@ def detect_storage(ckpt: CheckpointDir, pieces: dict[str, list[Piece]], config: 
     scale_dtype = _classify(ckpt, scales, "FP8 block scales", {"F8_E8M0": "e8m0", "F32": "float32"}) or "e8m0"
     if config.expert_dtype is not None and experts != config.expert_dtype and seen["expert"]:
         name = next(iter(seen["expert"].values()))
+        expected = "I8" if config.expert_dtype == "fp4" else "F8_E4M3"
         raise CheckpointError(f"config/weights mismatch: the config says expert_dtype={config.expert_dtype!r}, "
                               f"but routed expert tensor {ckpt.describe(name)} is stored as "
-                              f"{ckpt.dtype_name(name)} (expected {'I8' if config.expert_dtype == 'fp4' else 'F8_E4M3'})")
+                              f"{ckpt.dtype_name(name)} (expected {expected})")
     if config.quantization is not None and linears is None and seen["linear"]:
         name = next(iter(seen["linear"].values()))
-        raise CheckpointError(f"config/weights mismatch: the config declares FP8 quantization, but {ckpt.describe(name)} "
-                              f"is stored as {ckpt.dtype_name(name)} (expected F8_E4M3)")
+        raise CheckpointError(f"config/weights mismatch: the config declares FP8 quantization, but "
+                              f"{ckpt.describe(name)} is stored as {ckpt.dtype_name(name)} (expected F8_E4M3)")
     if linears and experts is None and seen["expert"]:
         raise CheckpointError(f"{ckpt.path}: FP8 linears with float routed experts is not a DeepSeek-V4 format "
                               f"(the reference stores experts as FP4 or FP8 when its linears are FP8)")

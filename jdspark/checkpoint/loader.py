@@ -85,9 +85,9 @@ def _plan(ckpt: CheckpointDir, pieces: dict[str, list[Piece]], specs: dict[tuple
             spec = specs.get(piece.path)
             if spec is None or (piece.expert is not None and spec.experts is None):
                 raise CheckpointError(
-                    f"unexpected tensor {ckpt.describe(name)}: the config (num_hidden_layers={config.num_hidden_layers}, "
-                    f"compress_ratios={list(config.compress_ratios)}, num_hash_layers={config.num_hash_layers}) "
-                    f"has no such parameter")
+                    f"unexpected tensor {ckpt.describe(name)}: the config (num_hidden_layers="
+                    f"{config.num_hidden_layers}, compress_ratios={list(config.compress_ratios)}, "
+                    f"num_hash_layers={config.num_hash_layers}) has no such parameter")
             stored = ckpt.dtype_name(name)
             if not spec.accepts(stored):
                 raise CheckpointError(f"tensor {ckpt.describe(name)} is stored as {stored}, expected {spec.describe()} "

@@ -10,10 +10,10 @@ import pytest
 from flax import nnx
 
 import jdspark
-from jdspark.checkpoint.formats import config_with
-from jdspark.checkpoint.names import path_to_official
+from jdspark.checkpoint.formats import config_with, detect_storage
+from jdspark.checkpoint.names import locate, path_to_official
 from jdspark.checkpoint.quantize import quantize_tensors
-from jdspark.checkpoint.safetensors_io import CheckpointError, save_file
+from jdspark.checkpoint.safetensors_io import CheckpointDir, CheckpointError, save_file
 from jdspark.config import tiny_config
 from jdspark.model.layers import Linear
 from jdspark.model.model import Model
@@ -105,10 +105,7 @@ def test_dequantize_at_load_gives_identical_logits(floats, tmp_path):
 
 
 def test_format_is_detected_from_the_tensors(stored):
-    storage, config, _, _, path = stored
-    from jdspark.checkpoint.formats import detect_storage
-    from jdspark.checkpoint.names import locate
-    from jdspark.checkpoint.safetensors_io import CheckpointDir
+    storage, _, _, _, path = stored
     ckpt = CheckpointDir(path)
     pieces = {n: locate(n, ckpt.shape(n)) for n in ckpt.names()}
     assert detect_storage(ckpt, pieces, CFG) == storage  # the float config states no format: tensors decide
@@ -132,7 +129,8 @@ def rescale(t: dict, names: dict, name: str, value: np.ndarray) -> None:
 @pytest.mark.parametrize("edit,match", [
     (lambda t, names: t.pop("layers.0.attn.wq_a.scale"),
      r"missing 1 tensor\(s\), first 'layers.0.attn.wq_a.scale' \(F8_E8M0 \[2, 2\]\)"),
-    (lambda t, names: t.pop("layers.2.ffn.experts.7.w2.weight"), r"'layers.2.ffn.experts.7.w2.weight' \(I8 \[256, 48\]\)"),
+    (lambda t, names: t.pop("layers.2.ffn.experts.7.w2.weight"),
+     r"'layers.2.ffn.experts.7.w2.weight' \(I8 \[256, 48\]\)"),
     (lambda t, names: t.update({"layers.1.ffn.experts.3.w2.weight": np.zeros((256, 96), np.int8)}),
      r"'layers.1.ffn.experts.3.w2.weight' in model.safetensors has shape \[256, 96\], expected \[256, 48\] \(I8\)"),
     (lambda t, names: rescale(t, names, "layers.1.attn.wq_b.scale", np.ones((4, 2), ml_dtypes.bfloat16)),

@@ -39,7 +39,8 @@ def test_round_trip_bitwise_and_bf16_storage(source, tmp_path):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda t: t.pop("layers.1.attn.wq_a.weight"), r"missing 1 tensor\(s\), first 'layers.1.attn.wq_a.weight' \(BF16/F16/F32 \[128, 256\]\)"),
+    (lambda t: t.pop("layers.1.attn.wq_a.weight"),
+     r"missing 1 tensor\(s\), first 'layers.1.attn.wq_a.weight' \(BF16/F16/F32 \[128, 256\]\)"),
     (lambda t: t.pop("layers.2.ffn.experts.5.w2.weight"), "layers.2.ffn.experts.5.w2.weight"),
     (lambda t: t.update({"layers.1.attn.wq_a.weight": np.zeros((3, 3), np.float32)}),
      r"'layers.1.attn.wq_a.weight' in model.safetensors has shape \[3, 3\], expected \[128, 256\]"),
@@ -47,7 +48,8 @@ def test_round_trip_bitwise_and_bf16_storage(source, tmp_path):
      "unexpected tensor 'layers.9.attn_norm.weight'"),
     (lambda t: t.update({"layers.1.attn.wq_a.weight": np.zeros((128, 256), ml_dtypes.float8_e4m3fn)}),
      r"mixed storage: FP8 linear weights .* 'layers.1.attn.wq_a.weight' in model.safetensors as F8_E4M3"),
-    (lambda t: t.update({"layers.0.ffn.gate.tid2eid": np.full((512, 2), 8, np.int64)}), r"expert ids must lie in \[0, 8\)"),
+    (lambda t: t.update({"layers.0.ffn.gate.tid2eid": np.full((512, 2), 8, np.int64)}),
+     r"expert ids must lie in \[0, 8\)"),
 ])
 def test_bad_checkpoints_raise_clear_errors(source, tmp_path, edit, match):
     tensors = official_tensors(source)

@@ -18,7 +18,8 @@ def test_names_round_trip():
     assert path_to_official(path, expert) == "layers.7.ffn.experts.12.w3.weight"
     assert hf_to_official("model.layers.2.self_attn.compressor.indexer.scorer.weights_proj.weight") == \
         "layers.2.attn.indexer.weights_proj.weight"
-    assert hf_to_official("model.layers.2.self_attn.compressor.kv_norm.weight") == "layers.2.attn.compressor.norm.weight"
+    assert hf_to_official("model.layers.2.self_attn.compressor.kv_norm.weight") == \
+        "layers.2.attn.compressor.norm.weight"
     assert hf_to_official("model.layers.2.self_attn.kv_norm.weight") == "layers.2.attn.kv_norm.weight"
     assert hf_to_official("model.layers.0.attn_hc.fn") == "layers.0.hc_attn_fn"
 

@@ -28,13 +28,15 @@ def test_official_layout_and_dtypes(checkpoint):
     index = json.loads((checkpoint / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(ckpt.names()) == {name for name, _, _ in tensor_list(FLASH_LIKE)}
     expect = {  # spec §7.2, tiny dimensions
-        "embed.weight": ("BF16", (512, 256)), "hc_head_fn": ("F32", (4, 1024)), "layers.2.attn_norm.weight": ("BF16", (256,)),
+        "embed.weight": ("BF16", (512, 256)), "hc_head_fn": ("F32", (4, 1024)),
+        "layers.2.attn_norm.weight": ("BF16", (256,)), "layers.2.attn.attn_sink": ("F32", (4,)),
         "layers.2.attn.wq_a.weight": ("F8_E4M3", (128, 256)), "layers.2.attn.wq_a.scale": ("F8_E8M0", (1, 2)),
-        "layers.2.attn.wo_a.weight": ("F8_E4M3", (128, 256)), "layers.2.attn.compressor.wkv.weight": ("BF16", (256, 256)),
-        "layers.2.attn.indexer.wq_b.scale": ("F8_E8M0", (16, 1)), "layers.2.attn.attn_sink": ("F32", (4,)),
+        "layers.2.attn.wo_a.weight": ("F8_E4M3", (128, 256)), "layers.2.attn.indexer.wq_b.scale": ("F8_E8M0", (16, 1)),
+        "layers.2.attn.compressor.wkv.weight": ("BF16", (256, 256)),
         "layers.0.ffn.gate.tid2eid": ("I64", (512, 2)), "layers.3.ffn.gate.bias": ("F32", (8,)),
-        "layers.3.ffn.experts.7.w1.weight": ("I8", (128, 128)), "layers.3.ffn.experts.7.w1.scale": ("F8_E8M0", (128, 8)),
-        "layers.3.ffn.experts.0.w2.weight": ("I8", (256, 64)), "layers.3.ffn.shared_experts.w2.weight": ("F8_E4M3", (256, 128)),
+        "layers.3.ffn.experts.7.w1.weight": ("I8", (128, 128)),
+        "layers.3.ffn.experts.7.w1.scale": ("F8_E8M0", (128, 8)), "layers.3.ffn.experts.0.w2.weight": ("I8", (256, 64)),
+        "layers.3.ffn.shared_experts.w2.weight": ("F8_E4M3", (256, 128)),
         "mtp.0.e_proj.scale": ("F8_E8M0", (2, 2)), "mtp.0.hc_head_scale": ("F32", (1,)),
     }
     for name, (dtype, shape) in expect.items():
