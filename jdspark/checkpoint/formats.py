@@ -102,13 +102,13 @@ def detect_storage(ckpt: CheckpointDir, pieces: dict[str, list[Piece]], config: 
     for name, parts in pieces.items():
         path = parts[0].path if parts else ()
         kind = "expert" if is_expert(path) else "linear"
+        stored = ckpt.dtype_name(name)
         if is_weight_scale(path):
-            seen[f"{kind} scale"].setdefault(ckpt.dtype_name(name), name)
-        elif is_expert(path) or is_fp8_linear(path):
-            seen[kind].setdefault(ckpt.dtype_name(name), name)
-    linears = _classify(ckpt, seen["linear"], "FP8 linear weights", {"F8_E4M3": "fp8", **dict.fromkeys(FLOAT)})
-    experts = _classify(ckpt, seen["expert"], "routed expert weights",
-                        {"I8": "fp4", "F8_E4M3": "fp8", **dict.fromkeys(FLOAT)})
+            seen[f"{kind} scale"].setdefault(stored, name)
+        elif is_expert(path) or is_fp8_linear(path):  # any float dtype counts as one format here
+            seen[kind].setdefault("float" if stored in FLOAT else stored, name)
+    linears = _classify(ckpt, seen["linear"], "FP8 linear weights", {"F8_E4M3": "fp8", "float": None})
+    experts = _classify(ckpt, seen["expert"], "routed expert weights", {"I8": "fp4", "F8_E4M3": "fp8", "float": None})
     scales = seen["linear scale"] if linears else seen["expert scale"] if experts == "fp8" else {}
     scale_dtype = _classify(ckpt, scales, "FP8 block scales", {"F8_E8M0": "e8m0", "F32": "float32"}) or "e8m0"
     if config.expert_dtype is not None and experts != config.expert_dtype and seen["expert"]:
@@ -129,9 +129,9 @@ def detect_storage(ckpt: CheckpointDir, pieces: dict[str, list[Piece]], config: 
 
 def _classify(ckpt: CheckpointDir, seen: dict[str, str], what: str, formats: dict[str, str | None]) -> str | None:
     if len(seen) > 1:
-        (a, na), (b, nb) = list(seen.items())[:2]
-        raise CheckpointError(f"mixed storage: {what} must share one format, but {ckpt.describe(na)} is stored as {a} "
-                              f"and {ckpt.describe(nb)} as {b}")
+        a, b = list(seen.values())[:2]
+        raise CheckpointError(f"mixed storage: {what} must share one format, but {ckpt.describe(a)} is stored as "
+                              f"{ckpt.dtype_name(a)} and {ckpt.describe(b)} as {ckpt.dtype_name(b)}")
     for dtype, name in seen.items():
         if dtype not in formats:
             raise CheckpointError(f"tensor {ckpt.describe(name)} is stored as {dtype}; {what} are stored as "

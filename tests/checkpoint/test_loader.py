@@ -34,6 +34,7 @@ def test_round_trip_bitwise_and_bf16_storage(source, tmp_path):
     ids = np.arange(30) % CFG.vocab_size
     np.testing.assert_array_equal(loaded.logits(ids), source.logits(ids))
     bf16 = {k: v.astype(ml_dtypes.bfloat16) if v.dtype == np.float32 else v for k, v in tensors.items()}
+    bf16["layers.1.attn.wq_a.weight"] = tensors["layers.1.attn.wq_a.weight"]  # float dtypes may mix
     model = jdspark.load_model(write(tmp_path / "bf16", bf16), dtype="bfloat16")
     assert np.isfinite(model.logits(ids)).all()
 
