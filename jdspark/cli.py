@@ -96,6 +96,13 @@ def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-every", type=int, default=0, help="engine log line every N steps")
 
 
+def _convert(args) -> int:
+    from jdspark.checkpoint.loader import convert
+    dst = convert(args.src, args.dst, dtype=args.dtype, dequantize=args.dequantize)
+    print(f"wrote {dst}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jdspark", description="DeepSeek-V4 serving engine (JAX/Pallas)")
     parser.add_argument("--version", action="version", version="jdspark 0.1.0")
@@ -117,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_options(p)
     p.add_argument("--out", default="profile_out")
     p.set_defaults(run=_profile)
+    p = sub.add_parser("convert", help="convert a checkpoint to the orbax format of the in-memory layout "
+                                       "(faster start; load_model restores it directly)")
+    p.add_argument("src", help="checkpoint directory (safetensors, official or transformers names)")
+    p.add_argument("dst", help="new output directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dequantize", action="store_true", help="store FP8 / FP4 weights expanded to --dtype")
+    p.set_defaults(run=_convert)
     return parser
 
 

@@ -1,8 +1,13 @@
-"""`load_model`: a checkpoint directory in the official layout -> `Model`.
+"""`load_model`: a checkpoint directory -> `Model`.
 
-Every tensor is checked (name, shape, dtype) before anything is placed on the device, so a bad
-checkpoint raises one clear `CheckpointError` and never yields a half-loaded model. This stage reads
-float (F32 / BF16 / F16) weights; the quantized FP8 / FP4 formats come with the checkpoint-format work.
+Safetensors in the official layout or transformers' names, float or quantized (FP8 block-scaled
+linears, ds_fp4 or FP8 experts, e8m0 or float32 scales, detected from the tensor dtypes), or a
+directory written by `jdspark convert` (restored directly, `orbax_io`).
+
+Every tensor is checked (name, shape, dtype) and the set checked complete from the headers alone,
+before anything is read; then the shards are read in file order through the memory map, each
+parameter placed on the device as soon as its pieces (all experts; weight and scale) are in. A bad
+checkpoint raises one clear `CheckpointError` and never yields a half-loaded model.
 """
 
 from __future__ import annotations
@@ -13,18 +18,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
-from jdspark.model.layers import Keys
-
-from jdspark.checkpoint.names import is_duplicate, official_to_path, path_to_official
+from jdspark.checkpoint import orbax_io
+from jdspark.checkpoint.formats import TensorSpec, config_with, detect_storage, disk_specs
+from jdspark.checkpoint.names import Piece, locate
 from jdspark.checkpoint.safetensors_io import CheckpointDir, CheckpointError
 from jdspark.config import DSV4Config
-from jdspark.model.dsv4 import DSV4
+from jdspark.model.dequant import fp4_dequant, fp8_block_dequant
 from jdspark.model.model import Model
+from jdspark.model.quantized import Storage, abstract_model
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_FLOAT = {"F32", "BF16", "F16"}
-_INT = {"I64", "I32"}
+_DEQUANT = {"fp4": jax.jit(fp4_dequant, static_argnums=2), "fp8": jax.jit(fp8_block_dequant, static_argnums=2)}
 
 
 def read_config(path: str | Path) -> DSV4Config:
@@ -36,66 +42,155 @@ def read_config(path: str | Path) -> DSV4Config:
     raise CheckpointError(f"{path}: no config.json or inference/config.json")
 
 
-def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False) -> Model:
-    """Load a DeepSeek-V4 checkpoint directory. dtype: "bfloat16" (serving) or "float32" (parity)."""
+def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False, dequantize: bool = False,
+               progress: bool = True) -> Model:
+    """Load a DeepSeek-V4 checkpoint directory. dtype: "bfloat16" (serving) or "float32" (parity).
+    Quantized weights stay compact on the device and are dequantized inside the jitted forward;
+    `dequantize=True` expands them to `dtype` at load instead (debugging)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+    path = Path(path)
+    if orbax_io.is_converted(path):
+        if dequantize:
+            raise CheckpointError(f"{path}: a converted checkpoint restores its stored layout; "
+                                  f"convert again with --dequantize instead")
+        return orbax_io.restore(path, dtype=dtype, qat_sim=qat_sim)
     config = read_config(path).replace(qat_sim=qat_sim)
-    abstract = nnx.eval_shape(lambda: DSV4(config, dtype=DTYPES[dtype], rngs=Keys(0)))
-    graphdef, state = nnx.split(abstract)
+    ckpt = CheckpointDir(path)
+    pieces = {name: locate(name, ckpt.shape(name)) for name in ckpt.names()}
+    storage = detect_storage(ckpt, pieces, config)
+    config = config_with(config, storage)
+    graphdef, state = abstract_model(config, DTYPES[dtype], Storage() if dequantize else storage)
     pure = nnx.to_pure_dict(state)
-    expected = {tuple(k.key for k in kp): v for kp, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
-    values = _read_tensors(CheckpointDir(path), expected, config)
-    _set_leaves(pure, values)
+    leaves = {tuple(k.key for k in kp): v for kp, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
+    specs = disk_specs(leaves, storage)
+    plan = _plan(ckpt, pieces, specs, config)
+    values = _read(ckpt, plan, specs, leaves, config, progress)
+    for leaf, array in values.items():
+        node = pure
+        for key in leaf[:-1]:
+            node = node[key]
+        node[leaf[-1]] = array
     nnx.replace_by_pure_dict(state, pure)
     return Model(graphdef, state)
 
 
-def _read_tensors(ckpt: CheckpointDir, expected: dict, config: DSV4Config) -> dict:
-    values: dict[tuple, np.ndarray] = {}
-    experts_seen: dict[tuple, set] = {}
-    for name in ckpt.names():
-        if is_duplicate(name):
-            continue
-        path, expert = official_to_path(name)
-        if path not in expected:
-            raise CheckpointError(f"unexpected tensor {ckpt.describe(name)}: the config (num_hidden_layers="
-                                  f"{config.num_hidden_layers}, compress_ratios={list(config.compress_ratios)}, "
-                                  f"num_hash_layers={config.num_hash_layers}) has no such parameter")
-        want = expected[path]
-        shape = want.shape[1:] if expert is not None else want.shape
-        if ckpt.shape(name) != tuple(shape):
-            raise CheckpointError(f"tensor {ckpt.describe(name)} has shape {list(ckpt.shape(name))}, "
-                                  f"expected {list(shape)} from the config")
-        stored = ckpt.where[name].dtype_name(name)
-        allowed = _INT if jnp.issubdtype(want.dtype, jnp.integer) else _FLOAT
-        if stored not in allowed:
-            raise CheckpointError(f"tensor {ckpt.describe(name)} is stored as {stored}; this loader reads "
-                                  f"{sorted(allowed)} (quantized FP8/FP4 checkpoints need the quantized loader)")
-        array = np.asarray(ckpt.get(name)).astype(want.dtype)
-        if expert is None:
-            values[path] = array
-        else:
-            if path not in values:
-                values[path] = np.zeros(want.shape, want.dtype)
-                experts_seen[path] = set()
-            values[path][expert] = array
-            experts_seen[path].add(expert)
-    missing = [path_to_official(p) for p in expected if p not in values]
-    missing += [path_to_official(p, e) for p, seen in experts_seen.items()
-                for e in range(expected[p].shape[0]) if e not in seen]
+def _plan(ckpt: CheckpointDir, pieces: dict[str, list[Piece]], specs: dict[tuple, TensorSpec],
+          config: DSV4Config) -> dict[str, list[tuple[Piece, TensorSpec]]]:
+    """Check every tensor against the expected layout and that nothing is missing or repeated."""
+    plan: dict[str, list[tuple[Piece, TensorSpec]]] = {}
+    covered: dict[tuple, dict[int | None, str]] = {path: {} for path in specs}
+    for name, parts in pieces.items():
+        for piece in parts:
+            spec = specs.get(piece.path)
+            if spec is None or (piece.expert is not None and spec.experts is None):
+                raise CheckpointError(
+                    f"unexpected tensor {ckpt.describe(name)}: the config (num_hidden_layers="
+                    f"{config.num_hidden_layers}, compress_ratios={list(config.compress_ratios)}, "
+                    f"num_hash_layers={config.num_hash_layers}) has no such parameter")
+            stored = ckpt.dtype_name(name)
+            if not spec.accepts(stored):
+                raise CheckpointError(f"tensor {ckpt.describe(name)} is stored as {stored}, expected {spec.describe()} "
+                                      f"(the checkpoint's format: {_storage_words(specs)})")
+            whole = spec.experts is not None and piece.expert is None
+            want = (spec.experts, *spec.shape) if whole else spec.shape
+            shape = np.broadcast_to(np.empty((), np.uint8), ckpt.shape(name))[piece.index].shape
+            if shape != tuple(want):
+                raise CheckpointError(f"tensor {ckpt.describe(name)} has shape {list(shape)}, expected "
+                                      f"{list(want)} ({spec.dtypes()}) from the config")
+            if piece.expert is not None and not 0 <= piece.expert < spec.experts:
+                raise CheckpointError(f"tensor {ckpt.describe(name)}: expert {piece.expert} is outside "
+                                      f"[0, {spec.experts}) (n_routed_experts={config.n_routed_experts})")
+            slots = range(spec.experts) if whole else [piece.expert]
+            for slot in slots:
+                if slot in covered[spec.path]:
+                    raise CheckpointError(f"tensor {ckpt.describe(name)} repeats {spec.name(slot)!r}, already "
+                                          f"given by {ckpt.describe(covered[spec.path][slot])}")
+                covered[spec.path][slot] = name
+            plan.setdefault(name, []).append((piece, spec))
+    missing = [(spec, e) for path, spec in specs.items()
+               for e in (range(spec.experts) if spec.experts else [None]) if e not in covered[path]]
     if missing:
-        raise CheckpointError(f"{ckpt.path}: missing {len(missing)} tensor(s), first {missing[:3]}")
-    for path, array in values.items():
-        if path[-1] == "tid2eid" and (array.min() < 0 or array.max() >= config.n_routed_experts):
-            raise CheckpointError(f"{path_to_official(path)}: expert ids must lie in "
-                                  f"[0, {config.n_routed_experts}), found {array.min()}..{array.max()}")
+        listed = ", ".join(f"{spec.name(e)!r} ({spec.describe()})" for spec, e in missing[:3])
+        raise CheckpointError(f"{ckpt.path}: missing {len(missing)} tensor(s), first {listed}")
+    return plan
+
+
+def _storage_words(specs: dict[tuple, TensorSpec]) -> str:
+    formats = {spec.dtype for spec in specs.values()} - {"BF16", "F32", "I64"}
+    return "float" if not formats else "quantized " + "/".join(sorted(formats))
+
+
+class _Staging:
+    """The pieces of one parameter on the host until all have arrived (experts are stacked here)."""
+
+    def __init__(self, specs: list[TensorSpec], leaf):
+        self.leaf, self.specs = leaf, {spec.path: spec for spec in specs}
+        self.parts: dict[tuple, np.ndarray] = {}
+        self.left = {spec.path: spec.experts or 1 for spec in specs}
+
+    def put(self, spec: TensorSpec, piece: Piece, array: np.ndarray) -> None:
+        if spec.experts is None:
+            self.parts[spec.path] = array
+            self.left[spec.path] = 0
+            return
+        if spec.path not in self.parts:
+            cast = not spec.dequant and jnp.issubdtype(self.leaf.dtype, jnp.floating)
+            self.parts[spec.path] = np.empty((spec.experts, *spec.shape), self.leaf.dtype if cast else array.dtype)
+        if piece.expert is None:
+            self.parts[spec.path][...] = array
+            self.left[spec.path] = 0
+        else:
+            self.parts[spec.path][piece.expert] = array
+            self.left[spec.path] -= 1
+
+    def done(self) -> bool:
+        return not any(self.left.values())
+
+    def finish(self, leaf_path: tuple, config: DSV4Config) -> jax.Array:
+        spec = self.specs[leaf_path]
+        if spec.dequant:
+            scale = self.parts[(*leaf_path[:-1], "scale")]
+            return _DEQUANT[spec.fmt](self.parts[leaf_path], scale, self.leaf.dtype)
+        array = np.asarray(self.parts[leaf_path])
+        if leaf_path[-1] == "tid2eid" and (array.min() < 0 or array.max() >= config.n_routed_experts):
+            raise CheckpointError(f"{spec.name()}: expert ids must lie in [0, {config.n_routed_experts}), "
+                                  f"found {array.min()}..{array.max()}")
+        # device_put copies (jnp.asarray may alias host memory on the CPU: here, the mapped file)
+        return jax.device_put(array.astype(self.leaf.dtype, copy=False))
+
+
+def _read(ckpt: CheckpointDir, plan: dict[str, list[tuple[Piece, TensorSpec]]], specs: dict[tuple, TensorSpec],
+          leaves: dict, config: DSV4Config, progress: bool) -> dict[tuple, jax.Array]:
+    """Read shard by shard in file order; each parameter goes to the device once complete."""
+    by_leaf: dict[tuple, list[TensorSpec]] = {}
+    for spec in specs.values():
+        by_leaf.setdefault(spec.leaf, []).append(spec)
+    staging: dict[tuple, _Staging] = {}
+    values: dict[tuple, jax.Array] = {}
+    total = sum(ckpt.where[name].nbytes(name) for name in plan)
+    with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"loading {ckpt.path.name}",
+              disable=not progress) as bar:
+        for f in ckpt.files.values():
+            for name in f.in_file_order():
+                if name not in plan:
+                    continue
+                array = f.get(name)
+                for piece, spec in plan[name]:
+                    stage = staging.setdefault(spec.leaf, _Staging(by_leaf[spec.leaf], leaves[spec.leaf]))
+                    stage.put(spec, piece, array[piece.index])
+                    if stage.done():
+                        values[spec.leaf] = staging.pop(spec.leaf).finish(spec.leaf, config)
+                bar.update(f.nbytes(name))
     return values
 
 
-def _set_leaves(tree: dict, values: dict) -> None:
-    for path, array in values.items():
-        node = tree
-        for key in path[:-1]:
-            node = node[key]
-        node[path[-1]] = jnp.asarray(array)
+def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", dequantize: bool = False,
+            progress: bool = True) -> Path:
+    """`jdspark convert`: load `src` and save its exact in-memory layout to `dst` (orbax), which
+    `load_model(dst, dtype)` then restores directly."""
+    dst = Path(dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise CheckpointError(f"{dst}: exists and is not empty; choose a new directory")
+    model = load_model(src, dtype=dtype, dequantize=dequantize, progress=progress)
+    return orbax_io.save(model, Storage() if dequantize else Storage.from_config(model.config), dst)

@@ -1,19 +1,21 @@
 """One name table: HF (transformers) names -> official checkpoint names -> parameter paths.
 
-Official names (`layers.3.attn.wq_a.weight`, no `model.` prefix) are the hub of the table: the
-module tree mirrors them, except that mHC parameters live in small submodules
-(`hc_attn_fn` -> `hc_attn.fn`) and routed experts are stacked (`ffn.experts.5.w1.weight` ->
-`ffn.experts.w1[5]`).
+Official names (`layers.3.attn.wq_a.weight`, `.scale` for a quantized weight's scales, no `model.`
+prefix) are the hub of the table: the module tree mirrors them, except that mHC parameters live in
+small submodules (`hc_attn_fn` -> `hc_attn.fn`) and routed experts are stacked
+(`ffn.experts.5.w1.weight` -> `ffn.experts.w1.weight[5]`). `locate` sends a tensor of either
+vocabulary to its parameter path; nothing else reads checkpoint names.
 """
 
 from __future__ import annotations
 
 import re
-
-import numpy as np
+from typing import NamedTuple
 
 _HC = re.compile(r"(^|\.)hc_(attn|ffn|head)_(fn|base|scale)$")
-_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
+# transformers stacks the routed experts: gate_up_proj [E, 2F, D] = (w1 | w3) on rows, down_proj = w2.
+_HF_STACKED = re.compile(r"^(.*\.ffn\.experts)\.(gate_up_proj|down_proj)(_scale_inv)?$")
 # Copies of the shared embedding / head that some MTP checkpoints carry; the official converter skips them.
 _DUPLICATE = re.compile(r"^mtp\.\d+\.(emb\..*|head\.weight)$")
 
@@ -27,7 +29,7 @@ def official_to_path(name: str) -> tuple[tuple, int | None]:
     expert = None
     m = _EXPERT.match(name)
     if m:
-        name, expert = f"{m.group(1)}.{m.group(3)}", int(m.group(2))
+        name, expert = f"{m.group(1)}.{m.group(3)}.{m.group(4)}", int(m.group(2))
     else:
         name = _HC.sub(lambda g: f"{g.group(1)}hc_{g.group(2)}.{g.group(3)}", name)
     path = tuple(int(p) if p.isdigit() else p for p in name.split("."))
@@ -38,7 +40,7 @@ def path_to_official(path: tuple, expert: int | None = None) -> str:
     """Inverse of `official_to_path`."""
     parts = [str(p) for p in path]
     if expert is not None:
-        return ".".join(parts[:-1] + [str(expert), parts[-1], "weight"])
+        return ".".join(parts[:-2] + [str(expert)] + parts[-2:])
     if len(parts) >= 2 and parts[-2] in ("hc_attn", "hc_ffn", "hc_head"):
         parts = parts[:-2] + [f"{parts[-2]}_{parts[-1]}"]
     return ".".join(parts)
@@ -72,6 +74,7 @@ _HF_TO_OFFICIAL = [
     (r"\.shared_experts\.gate_proj\.", ".shared_experts.w1."),
     (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
     (r"\.shared_experts\.down_proj\.", ".shared_experts.w2."),
+    (r"\.weight_scale_inv$", ".scale"),  # transformers' name for a block-quantized weight's scales
 ]
 
 
@@ -83,21 +86,28 @@ def hf_to_official(name: str) -> str:
     return name
 
 
-def official_tensors_from_hf(state_dict: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Rename a transformers state dict to official names, unstacking the routed experts
-    (`gate_up_proj[e]` = concat(w1_e, w3_e) on rows, `down_proj[e]` = w2_e)."""
-    out = {}
-    for key, value in state_dict.items():
-        name = hf_to_official(key)
-        if name.endswith(".experts.gate_up_proj"):
-            prefix, f = name.removesuffix(".gate_up_proj"), value.shape[1] // 2
-            for e in range(value.shape[0]):
-                out[f"{prefix}.{e}.w1.weight"] = value[e, :f]
-                out[f"{prefix}.{e}.w3.weight"] = value[e, f:]
-        elif name.endswith(".experts.down_proj"):
-            prefix = name.removesuffix(".down_proj")
-            for e in range(value.shape[0]):
-                out[f"{prefix}.{e}.w2.weight"] = value[e]
-        else:
-            out[name] = value
-    return out
+class Piece(NamedTuple):
+    """Where (part of) a checkpoint tensor goes: parameter `path`, routed-expert index (None: the
+    whole parameter, or all experts of a stacked one) and the `index` into the stored tensor."""
+
+    path: tuple
+    expert: int | None
+    index: tuple = ()
+
+
+def locate(name: str, shape: tuple[int, ...]) -> list[Piece]:
+    """The parameter piece(s) a checkpoint tensor of either vocabulary fills; [] for a duplicate
+    the official converter skips. transformers' stacked `gate_up_proj` fills w1 and w3 halves."""
+    name = hf_to_official(name)
+    if is_duplicate(name):
+        return []
+    m = _HF_STACKED.match(name)
+    if m is None:
+        return [Piece(*official_to_path(name))]
+    prefix = tuple(int(p) if p.isdigit() else p for p in m.group(1).split("."))
+    leaf = "scale" if m.group(3) else "weight"
+    if m.group(2) == "down_proj":
+        return [Piece((*prefix, "w2", leaf), None)]
+    half = shape[1] // 2 if len(shape) > 1 else 0
+    return [Piece((*prefix, "w1", leaf), None, (slice(None), slice(0, half))),
+            Piece((*prefix, "w3", leaf), None, (slice(None), slice(half, None)))]

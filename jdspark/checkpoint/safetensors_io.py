@@ -56,20 +56,37 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 
 class SafetensorsFile:
-    """Memory-mapped access to one .safetensors file."""
+    """Memory-mapped access to one .safetensors file; every tensor's dtype and byte span are
+    checked when the file is opened, so a truncated file fails before anything is read."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.table, data_start = read_header(self.path)
         size = self.path.stat().st_size
-        end = max((info["data_offsets"][1] for info in self.table.values()), default=0)
-        if data_start + end > size:
-            raise CheckpointError(f"{self.path}: truncated: tensors need {data_start + end} bytes, file has {size}")
+        for name in self.in_file_order():  # the first tensor cut off is named
+            self._check(name, self.table[name], size - data_start)
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=data_start, shape=(size - data_start,)) \
             if size > data_start else np.zeros((0,), np.uint8)
 
+    def _check(self, name: str, info: dict, data_size: int) -> None:
+        if info["dtype"] not in DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']} "
+                                  f"(known: {sorted(DTYPES)})")
+        start, end = info["data_offsets"]
+        nbytes = int(np.prod(info["shape"], dtype=np.int64)) * DTYPES[info["dtype"]].itemsize
+        if end - start != nbytes:
+            raise CheckpointError(f"{self.path}: tensor {name!r} spans {end - start} bytes, "
+                                  f"expected {nbytes} for {info['dtype']} {info['shape']}")
+        if end > data_size:
+            raise CheckpointError(f"{self.path}: truncated: tensor {name!r} ends at data byte {end}, "
+                                  f"but the file holds only {max(data_size, 0)} data bytes")
+
     def keys(self):
         return self.table.keys()
+
+    def in_file_order(self) -> list[str]:
+        """Tensor names by position in the file (sequential reads)."""
+        return sorted(self.table, key=lambda name: self.table[name]["data_offsets"][0])
 
     def dtype_name(self, name: str) -> str:
         return self.table[name]["dtype"]
@@ -77,38 +94,76 @@ class SafetensorsFile:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.table[name]["shape"])
 
+    def nbytes(self, name: str) -> int:
+        start, end = self.table[name]["data_offsets"]
+        return end - start
+
     def get(self, name: str) -> np.ndarray:
+        """The tensor as a read-only view of the mapped file (F8_E8M0 as raw uint8 exponents)."""
         info = self.table[name]
-        if info["dtype"] not in DTYPES:
-            raise CheckpointError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        dtype = DTYPES[info["dtype"]]
         start, end = info["data_offsets"]
-        count = int(np.prod(info["shape"], dtype=np.int64))
-        if end - start != count * dtype.itemsize:
-            raise CheckpointError(f"{self.path}: tensor {name!r} spans {end - start} bytes, "
-                                  f"expected {count * dtype.itemsize} for {info['dtype']} {info['shape']}")
-        return self._data[start:end].view(dtype).reshape(info["shape"])
+        return self._data[start:end].view(DTYPES[info["dtype"]]).reshape(info["shape"])
+
+
+class ShardWriter:
+    """Streams one .safetensors file: the header first (from the declared tensors), then each tensor
+    in declaration order, so a shard never has to be held in memory as a whole."""
+
+    def __init__(self, path: str | Path, tensors: list[tuple[str, str, tuple[int, ...]]]):
+        """tensors: (name, safetensors dtype string, shape) in the order they will be written."""
+        self.path = Path(path)
+        self.pending = list(tensors)
+        header, offset = {}, 0
+        for name, dtype, shape in tensors:
+            if dtype not in DTYPES:
+                raise CheckpointError(f"cannot store tensor {name!r} as {dtype} (known: {sorted(DTYPES)})")
+            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.file = open(self.path, "wb")
+        self.file.write(struct.pack("<Q", len(blob)))
+        self.file.write(blob)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        if not self.pending or self.pending[0][0] != name:
+            raise CheckpointError(f"{self.path}: tensor {name!r} written out of order "
+                                  f"(next declared: {self.pending[0][0] if self.pending else None!r})")
+        _, dtype, shape = self.pending.pop(0)
+        if array.dtype != DTYPES[dtype] or tuple(array.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor {name!r} is {array.dtype} {list(array.shape)}, "
+                                  f"declared {dtype} {list(shape)}")
+        self.file.write(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.pending:
+            raise CheckpointError(f"{self.path}: closed with {len(self.pending)} declared tensor(s) unwritten, "
+                                  f"first {self.pending[0][0]!r}")
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self.file.close()
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str | Path, dtype_names: dict[str, str] | None = None) -> None:
     """Write tensors to one .safetensors file. `dtype_names` overrides the stored dtype string (F8_E8M0)."""
     dtype_names = dtype_names or {}
-    header, offset, arrays = {}, 0, []
+    declared = []
     for name, array in tensors.items():
-        array = np.ascontiguousarray(array)
-        dtype = dtype_names.get(name) or _NAMES.get(array.dtype)
+        dtype = dtype_names.get(name) or _NAMES.get(np.dtype(array.dtype))
         if dtype is None:
             raise CheckpointError(f"cannot store tensor {name!r} of dtype {array.dtype} in safetensors")
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
-        arrays.append(array)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for array in arrays:
-            f.write(array.tobytes())
+        declared.append((name, dtype, tuple(array.shape)))
+    with ShardWriter(path, declared) as writer:
+        for name, array in tensors.items():
+            writer.write(name, np.asarray(array))
 
 
 class CheckpointDir:
@@ -118,7 +173,10 @@ class CheckpointDir:
         self.path = Path(path)
         index = self.path / "model.safetensors.index.json"
         if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index (no valid weight_map): {e}") from None
             shards = sorted(set(weight_map.values()))
         else:
             shards = sorted(p.name for p in self.path.glob("*.safetensors"))
@@ -129,6 +187,9 @@ class CheckpointDir:
         self.where: dict[str, SafetensorsFile] = {}
         for f in self.files.values():
             for key in f.keys():
+                if key in self.where:
+                    raise CheckpointError(f"{self.path}: tensor {key!r} is in both {self.where[key].path.name} "
+                                          f"and {f.path.name}")
                 self.where[key] = f
         if weight_map is not None:
             missing = [k for k, shard in weight_map.items() if k not in self.files[shard].table]
@@ -144,6 +205,9 @@ class CheckpointDir:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.where[name].shape(name)
+
+    def dtype_name(self, name: str) -> str:
+        return self.where[name].dtype_name(name)
 
     def describe(self, name: str) -> str:
         return f"{name!r} in {self.where[name].path.name}"

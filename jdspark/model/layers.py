@@ -54,12 +54,16 @@ class Linear(nnx.Module):
         self.fp8_input = fp8_input
         self.compute_dtype = compute_dtype
 
+    def dense_weight(self, dtype) -> jax.Array:
+        """The [out, in] weight in `dtype`; quantized subclasses dequantize here, inside the jit."""
+        return self.weight[...].astype(dtype)
+
     def __call__(self, x: jax.Array) -> jax.Array:
         dtype = self.compute_dtype or x.dtype
         x = x.astype(dtype)
         if self.fp8_input:
             x = quant_sim.fp8_sim(x, 128)
-        y = jnp.einsum("...i,oi->...o", x, self.weight[...].astype(dtype), preferred_element_type=jnp.float32)
+        y = jnp.einsum("...i,oi->...o", x, self.dense_weight(dtype), preferred_element_type=jnp.float32)
         return y.astype(dtype)
 
 

@@ -54,30 +54,43 @@ class Gate(nnx.Module):
         return weights * self.route_scale, idx
 
 
+class ExpertWeights(nnx.Module):
+    """One projection of all routed experts, `weight` [E, out, in] in the model dtype. Quantized
+    subclasses (`jdspark.model.quantized`) keep the checkpoint's compact storage instead."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, *, dtype, rngs: Keys):
+        self.weight = nnx.Param(rngs.normal((n_experts, out_features, in_features), dtype, in_features ** -0.5))
+
+    def dense(self, dtype) -> jax.Array:
+        """[E, out, in] in `dtype`; quantized subclasses dequantize here, inside the jit."""
+        return self.weight[...].astype(dtype)
+
+
 class Experts(nnx.Module):
     """Routed experts stacked on a leading E axis: w1, w3 [E, F, D], w2 [E, D, F]."""
 
     def __init__(self, config: DSV4Config, *, dtype, rngs: Keys):
         e, f, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-        self.w1 = nnx.Param(rngs.normal((e, f, d), dtype, d ** -0.5))
-        self.w3 = nnx.Param(rngs.normal((e, f, d), dtype, d ** -0.5))
-        self.w2 = nnx.Param(rngs.normal((e, d, f), dtype, f ** -0.5))
+        self.w1 = ExpertWeights(e, d, f, dtype=dtype, rngs=rngs)
+        self.w3 = ExpertWeights(e, d, f, dtype=dtype, rngs=rngs)
+        self.w2 = ExpertWeights(e, f, d, dtype=dtype, rngs=rngs)
+        self.n_experts = e
         self.limit = config.swiglu_limit
         self.qat_sim = config.qat_sim
 
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """Reference path: every expert on every token, weighted by a dense [N, E] routing matrix
         (exactly zero for unselected experts). Returns fp32 [N, D]."""
-        dense = jnp.sum(jax.nn.one_hot(idx, self.w1.shape[0], dtype=jnp.float32) * weights[..., None], axis=-2)
+        dense = jnp.sum(jax.nn.one_hot(idx, self.n_experts, dtype=jnp.float32) * weights[..., None], axis=-2)
         dtype = x.dtype
         if self.qat_sim:
             x = fp8_sim(x, 128)
-        gate = jnp.einsum("nd,efd->nef", x, self.w1[...].astype(dtype), preferred_element_type=jnp.float32)
-        up = jnp.einsum("nd,efd->nef", x, self.w3[...].astype(dtype), preferred_element_type=jnp.float32)
+        gate = jnp.einsum("nd,efd->nef", x, self.w1.dense(dtype), preferred_element_type=jnp.float32)
+        up = jnp.einsum("nd,efd->nef", x, self.w3.dense(dtype), preferred_element_type=jnp.float32)
         h = (swiglu(gate.astype(dtype), up.astype(dtype), self.limit) * dense[..., None]).astype(dtype)
         if self.qat_sim:
             h = fp8_sim(h, 128)
-        out = jnp.einsum("nef,edf->ned", h, self.w2[...].astype(dtype), preferred_element_type=jnp.float32)
+        out = jnp.einsum("nef,edf->ned", h, self.w2.dense(dtype), preferred_element_type=jnp.float32)
         return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
 
 

@@ -14,9 +14,13 @@ import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-from jdspark.checkpoint.names import official_tensors_from_hf
+from jdspark.checkpoint.formats import config_with
+from jdspark.checkpoint.names import locate, path_to_official
+from jdspark.checkpoint.quantize import quantize_tensors
 from jdspark.checkpoint.safetensors_io import save_file
 from jdspark.config import DSV4Config
+from jdspark.model.quantized import Storage, is_expert
+from tests.model.dequant_ref import dequantize_tensors
 
 _KIND_TO_HF = {"window": "sliding_attention", "csa": "compressed_sparse_attention",
                "hca": "heavily_compressed_attention"}
@@ -89,6 +93,7 @@ class Oracle:
         torch.manual_seed(seed)
         gen = torch.Generator().manual_seed(seed)
         self.cfg = cfg
+        self.stored, self.dtype_names = None, {}
         self.model = DeepseekV4ForCausalLM(hf_config(cfg)).eval()
         randomize(self.model, gen, cfg.n_routed_experts)
         self.mtp = None
@@ -104,30 +109,58 @@ class Oracle:
             randomize(self.mtp, gen, cfg.n_routed_experts)
             self.rotary = hf.DeepseekV4RotaryEmbedding(ext)
 
+    def _pieces(self):
+        """(tensor, Piece) for every weight of the transformers model and of the assembled MTP block;
+        the MTP block's decoder layer is built as layer `num_hidden_layers` and renamed to `mtp.0`."""
+        for key, t in self.model.state_dict().items():
+            if "rotary_emb" not in key:
+                yield from ((t, piece) for piece in locate(key, tuple(t.shape)))
+        if self.mtp is None:
+            return
+        n = self.cfg.num_hidden_layers
+        for key, t in self.mtp.state_dict().items():
+            name = f"layers.{n}.{key.removeprefix('layer.')}" if key.startswith("layer.") else key
+            for piece in locate(name, tuple(t.shape)):
+                path = piece.path[2:] if key.startswith("layer.") else piece.path
+                yield t, piece._replace(path=("mtp", 0, *path))
+
     def official_tensors(self) -> dict[str, np.ndarray]:
-        sd = {k: v.detach().numpy() for k, v in self.model.state_dict().items() if "rotary_emb" not in k}
-        out = official_tensors_from_hf(sd)
-        if self.mtp is not None:
-            layer = {f"layers.{self.cfg.num_hidden_layers}.{k}": v.detach().numpy()
-                     for k, v in self.mtp["layer"].state_dict().items()}
-            for name, value in official_tensors_from_hf(layer).items():
-                out[name.replace(f"layers.{self.cfg.num_hidden_layers}.", "mtp.0.", 1)] = value
-            for part in ("e_proj", "h_proj", "enorm", "hnorm", "norm"):
-                out[f"mtp.0.{part}.weight"] = self.mtp[part].weight.detach().numpy()
-            for leaf in ("fn", "base", "scale"):
-                out[f"mtp.0.hc_head_{leaf}"] = getattr(self.mtp["hc_head"], f"hc_{leaf}").detach().numpy()
+        out = {}
+        for t, piece in self._pieces():
+            value = t.detach().numpy()[piece.index]
+            if piece.expert is None and is_expert(piece.path):
+                out.update({path_to_official(piece.path, e): value[e] for e in range(value.shape[0])})
+            else:
+                out[path_to_official(piece.path, piece.expert)] = value
         return out
+
+    @torch.no_grad()
+    def load_official(self, tensors: dict[str, np.ndarray]) -> None:
+        """Set the weights from official-named tensors (the inverse of `official_tensors`)."""
+        for t, piece in self._pieces():
+            if piece.expert is None and is_expert(piece.path):
+                value = np.stack([tensors[path_to_official(piece.path, e)] for e in range(t.shape[0])])
+            else:
+                value = tensors[path_to_official(piece.path, piece.expert)]
+            t[piece.index].copy_(torch.from_numpy(np.asarray(value)))
+
+    def quantize(self, storage: Storage) -> None:
+        """Round the weights to the values a checkpoint of format `storage` stores (quantized the way
+        the official files are); `write` then writes that format."""
+        self.stored, self.dtype_names = quantize_tensors(self.official_tensors(), storage)
+        self.load_official(dequantize_tensors(self.stored))
+        self.cfg = config_with(self.cfg, storage)
 
     def write(self, path: Path, vocabulary: str = "hf", shards: int = 2) -> Path:
         """Official layout: sharded safetensors + index, config in the HF or the official vocabulary."""
         path.mkdir(parents=True, exist_ok=True)
-        tensors = self.official_tensors()
+        tensors = self.stored if self.stored is not None else self.official_tensors()
         names = sorted(tensors)
         weight_map = {}
         for i in range(shards):
             shard = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
             part = {n: tensors[n] for n in names[i::shards]}
-            save_file(part, path / shard)
+            save_file(part, path / shard, self.dtype_names)
             weight_map.update({n: shard for n in part})
         (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
         if vocabulary == "hf":

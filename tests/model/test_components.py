@@ -249,7 +249,7 @@ def test_experts_apply_routing_weight_before_w2_and_clamp():
     idx = np.stack([RNG.permutation(8)[:2] for _ in range(5)])
     wts = RNG.uniform(0.2, 1.0, size=(5, 2)).astype(np.float32)
     out = np.asarray(ex(jnp.asarray(x), jnp.asarray(wts), jnp.asarray(idx)))
-    w1, w2, w3 = (np.asarray(v[...], np.float64) for v in (ex.w1, ex.w2, ex.w3))
+    w1, w2, w3 = (np.asarray(v.weight[...], np.float64) for v in (ex.w1, ex.w2, ex.w3))
     ref = np.zeros((5, CFG.hidden_size))
     for n in range(5):
         for k in range(2):

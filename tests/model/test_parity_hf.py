@@ -2,7 +2,9 @@
 
 Two schedules: Flash-like (window, window, CSA, HCA, CSA, HCA + MTP, hash layers covering a CSA
 layer) and a Pro-like one with other sizes, ratios, top-k and 3 HC streams. Weights are written in
-the official layout and loaded through `jdspark.load_model`.
+the official layout and loaded through `jdspark.load_model`: in float32, and in the quantized
+storage of the real checkpoints (FP8 linears + ds_fp4 experts; the -Base FP8 experts with float32
+scales) after rounding the oracle's weights to those formats; and in transformers' own names.
 """
 
 import numpy as np
@@ -13,6 +15,7 @@ pytest.importorskip("transformers", reason="parity tests need transformers==5.23
 
 import jdspark  # noqa: E402
 from jdspark.config import tiny_config  # noqa: E402
+from jdspark.model.quantized import Storage  # noqa: E402
 from tests.model.hf_oracle import Oracle  # noqa: E402
 
 FLASH_LIKE = tiny_config()
@@ -24,18 +27,27 @@ PRO_LIKE = tiny_config(
     swiglu_limit=0.7, hc_mult=3, hc_sinkhorn_iters=12, original_seq_len=48, rope_factor=8.0,
     rope_theta=5000.0, compress_rope_theta=80000.0, max_position_embeddings=384,
 )
-# (config, sequence length, config vocabulary, seed); seeds keep every top-k gap above MIN_GAP
-CASES = {"flash_like": (FLASH_LIKE, 96, "hf", 1234), "pro_like": (PRO_LIKE, 88, "official", 3)}
+FLASH = Storage(linears="fp8", experts="fp4", scale_dtype="e8m0")  # FP8 linears, ds_fp4 experts
+BASE = Storage(linears="fp8", experts="fp8", scale_dtype="float32")  # the -Base variants
+# (config, sequence length, config vocabulary, seed, checkpoint format); seeds keep every top-k gap
+# above MIN_GAP. Quantized cases round the oracle's weights to the format first, then write that format.
+CASES = {"flash_like": (FLASH_LIKE, 96, "hf", 1234, None), "pro_like": (PRO_LIKE, 88, "official", 3, None),
+         "flash_like_fp8_fp4": (FLASH_LIKE, 96, "hf", 1, FLASH),
+         "pro_like_base_fp8": (PRO_LIKE, 88, "official", 3, BASE)}
 MIN_GAP = 1e-4  # a smaller top-k gap would make the selection depend on op order
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request, tmp_path_factory):
-    cfg, length, vocabulary, seed = CASES[request.param]
+    cfg, length, vocabulary, seed, storage = CASES[request.param]
     oracle = Oracle(cfg, seed=seed)
+    if storage is not None:
+        oracle.quantize(storage)
     path = oracle.write(tmp_path_factory.mktemp(request.param), vocabulary=vocabulary)
+    hf_path = tmp_path_factory.mktemp(f"{request.param}_hf_names")
+    oracle.model.save_pretrained(hf_path, save_original_format=False)
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, length)
-    return cfg, path, ids, oracle.forward(ids)
+    return oracle.cfg, path, ids, oracle.forward(ids), hf_path
 
 
 def _topk_gaps(scores: np.ndarray, k: int) -> float:
@@ -46,7 +58,7 @@ def _topk_gaps(scores: np.ndarray, k: int) -> float:
 
 
 def test_case_exercises_selection_without_ties(case):
-    cfg, _, ids, ref = case
+    cfg, _, ids, ref, _ = case
     s = len(ids)
     assert s // 4 > cfg.index_topk, "the indexer must select among more entries than index_topk"
     hca = [r for r in cfg.compress_ratios if r not in (0, 4)]
@@ -61,7 +73,7 @@ def test_case_exercises_selection_without_ties(case):
 
 
 def test_logits_match_transformers_float32(case):
-    cfg, path, ids, ref = case
+    cfg, path, ids, ref, _ = case
     model = jdspark.load_model(path, dtype="float32")
     assert model.config == cfg
     logits = model.logits(ids)
@@ -71,10 +83,19 @@ def test_logits_match_transformers_float32(case):
 
 
 def test_mtp_matches_assembled_reference_float32(case):
-    cfg, path, ids, ref = case
+    cfg, path, ids, ref, _ = case
     model = jdspark.load_model(path, dtype="float32")
     mtp = model.mtp_logits(ids)
     np.testing.assert_array_less(np.abs(mtp - ref["mtp_logits"]).max(), 1e-4)
+
+
+def test_transformers_named_layout_loads(case):
+    """transformers' own state-dict names (`save_pretrained(save_original_format=False)`: `model.`
+    prefix, stacked `gate_up_proj` experts, its config vocabulary) load through the same table."""
+    _, _, ids, ref, hf_path = case
+    assert (hf_path / "model.safetensors").exists() and not (hf_path / "model.safetensors.index.json").exists()
+    model = jdspark.load_model(hf_path, dtype="float32")
+    np.testing.assert_array_less(np.abs(model.logits(ids) - ref["logits"]).max(), 1e-4)
 
 
 # bfloat16 tolerance. bfloat16 rounds every weight and every residual-stream write to 8 mantissa bits
@@ -92,7 +113,7 @@ BF16_ARGMAX_AGREEMENT = 0.85
 
 
 def test_logits_bfloat16_within_stated_tolerance(case):
-    cfg, path, ids, ref = case
+    cfg, path, ids, ref, _ = case
     logits = jdspark.load_model(path, dtype="bfloat16").logits(ids)
     err = np.abs(logits - ref["logits"])
     assert np.median(err.max(-1)) < BF16_MEDIAN_ROW_MAX, np.median(err.max(-1))

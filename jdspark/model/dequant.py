@@ -1,0 +1,52 @@
+"""Decoding the checkpoint's quantized weight formats (spec §7.3-7.4), in jnp so it runs inside jit.
+
+- e8m0 scale byte b: the power of two 2^(b - 127) (ue8m0; byte 255 is NaN in the format and never
+  written). Kept as raw uint8 in memory.
+- FP8 linears: e4m3fn weight [..., N, K] times one scale per 128 x 128 block [..., ceil(N/128),
+  ceil(K/128)] (e8m0 bytes, or float32 in the -Base variants). The scale multiplies.
+- ds_fp4 experts: int8 [..., N, K/2], two E2M1 codes per byte, low nibble = even element; one e8m0
+  scale per 32 consecutive K elements [..., N, K/32]. Code 8 (negative zero) decodes to +0.0, as in
+  the official converter's table.
+
+Every decoded value is a small integer times a power of two, so the float32 products are exact; the
+cast to bfloat16 is exact too for e8m0 scales (e4m3 and e2m1 have fewer mantissa bits than bf16).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8_BLOCK = 128
+FP4_BLOCK = 32
+# E2M1 code -> value; bit 3 is the sign.
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def scale_to_f32(scale: jax.Array) -> jax.Array:
+    """e8m0 bytes (uint8) -> 2^(b - 127) in float32, exactly (ldexp is a bit operation); float32
+    scales pass through."""
+    if scale.dtype == jnp.uint8:
+        return jnp.ldexp(jnp.ones(scale.shape, jnp.float32), scale.astype(jnp.int32) - 127)
+    return scale.astype(jnp.float32)
+
+
+def fp8_block_dequant(weight: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """e4m3 [..., N, K] x block scales [..., ceil(N/128), ceil(K/128)] -> [..., N, K] in `dtype`."""
+    n, k = weight.shape[-2:]
+    s = jnp.repeat(jnp.repeat(scale_to_f32(scale), FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :n, :k]
+    return (weight.astype(jnp.float32) * s).astype(dtype)
+
+
+def fp4_unpack_codes(packed: jax.Array) -> jax.Array:
+    """int8 [..., K/2] -> E2M1 codes uint8 [..., K], low nibble first."""
+    b = jax.lax.bitcast_convert_type(packed, jnp.uint8)
+    return jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
+
+
+def fp4_dequant(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """ds_fp4 int8 [..., N, K/2] with e8m0 scales [..., N, K/32] -> [..., N, K] in `dtype`."""
+    values = jnp.asarray(E2M1_VALUES)[fp4_unpack_codes(packed).astype(jnp.int32)]
+    return (values * jnp.repeat(scale_to_f32(scale), FP4_BLOCK, axis=-1)).astype(dtype)

@@ -1,0 +1,149 @@
+"""Compact in-memory storage of the checkpoint-quantized weights, dequantized inside the jit.
+
+`Storage` says how the FP8-stored linears and the routed experts live in device memory; `build`
+makes a DSV4 with that layout. Parameters keep the checkpoint's names (`weight`, `scale`), so the
+name table of `jdspark.checkpoint.names` covers every layout. Bytes per parameter: FP8 linears
+1 + 1/128^2 (e8m0 scales) or 1 + 4/128^2 (float32 scales); ds_fp4 experts 0.5 + 1/32 = 0.53125.
+
+Which linears are FP8 on disk follows the official model: every `Linear` built with the default
+(FP8) dtype there, i.e. all except the compressors' wkv / wgate, the indexer's weights_proj and the
+head. `wo_a` is FP8 on disk, but the reference applies it as a bfloat16 einsum on the raw weight
+(its converter dequantizes it), and so does our attention: it stays in the model dtype and is
+dequantized at load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jdspark.config import DSV4Config
+from jdspark.model.dequant import FP4_BLOCK, FP8_BLOCK, fp4_dequant, fp8_block_dequant
+from jdspark.model.dsv4 import DSV4
+from jdspark.model.layers import Keys, Linear
+from jdspark.model.moe import ExpertWeights
+
+FP8_LINEARS = frozenset({"wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3", "e_proj", "h_proj", "main_proj"})
+DEQUANTIZED_AT_LOAD = frozenset({"wo_a"})
+_SCALE_DTYPES = {"e8m0": jnp.uint8, "float32": jnp.float32}
+
+
+def is_fp8_linear(path: tuple) -> bool:
+    """Whether the parameter at `path` is an FP8 block-quantized linear weight in a quantized checkpoint."""
+    return (len(path) >= 3 and path[-1] == "weight" and path[-2] in FP8_LINEARS
+            and path[-3] not in ("compressor", "experts"))
+
+
+def is_weight_scale(path: tuple) -> bool:
+    """Whether `path` is the block scale of an FP8 linear or of a routed-expert weight."""
+    return path[-1:] == ("scale",) and (is_expert(path) or is_fp8_linear((*path[:-1], "weight")))
+
+
+def is_expert(path: tuple) -> bool:
+    """Whether `path` is a stacked routed-expert parameter ([E, ...])."""
+    return len(path) >= 3 and path[-3] == "experts"
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    """Format of the quantized weights: linears "fp8" or None (model dtype); experts "fp4", "fp8"
+    or None; FP8 scales "e8m0" (uint8 bytes) or "float32" (the -Base variants)."""
+
+    linears: str | None = None
+    experts: str | None = None
+    scale_dtype: str = "e8m0"
+
+    def __post_init__(self):
+        if self.linears not in (None, "fp8") or self.experts not in (None, "fp4", "fp8"):
+            raise ValueError(f"unknown storage {self}")
+        if self.scale_dtype not in _SCALE_DTYPES:
+            raise ValueError(f"scale_dtype={self.scale_dtype!r}: expected one of {sorted(_SCALE_DTYPES)}")
+
+    @classmethod
+    def from_config(cls, config: DSV4Config) -> "Storage":
+        """The reference's reading: `quantization` makes FP8 the default linear format, and routed
+        experts follow `expert_dtype`, else the default format."""
+        q = config.quantization
+        return cls(linears="fp8" if q else None, experts=config.expert_dtype or ("fp8" if q else None),
+                   scale_dtype=q.scale_dtype if q else "e8m0")
+
+    def format_of(self, path: tuple) -> str | None:
+        """The checkpoint format ("fp8", "fp4" or None) of the float parameter at `path`."""
+        if is_expert(path) and path[-1] == "weight":
+            return self.experts
+        return self.linears if is_fp8_linear(path) else None
+
+
+class FP8Linear(Linear):
+    """A linear kept as e4m3 `weight` [out, in] + block `scale` [ceil(out/128), ceil(in/128)]."""
+
+    def __init__(self, in_features: int, out_features: int, *, scale_dtype: str, fp8_input: bool = False,
+                 compute_dtype=None):
+        self.weight = nnx.Param(jnp.zeros((out_features, in_features), jnp.float8_e4m3fn))
+        self.scale = nnx.Param(jnp.zeros(_block_shape(out_features, in_features), _SCALE_DTYPES[scale_dtype]))
+        self.fp8_input = fp8_input
+        self.compute_dtype = compute_dtype
+
+    def dense_weight(self, dtype) -> jax.Array:
+        return fp8_block_dequant(self.weight[...], self.scale[...], dtype)
+
+
+class FP8ExpertWeights(ExpertWeights):
+    """Routed experts as e4m3 `weight` [E, out, in] + block `scale` [E, ceil(out/128), ceil(in/128)]."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int, *, scale_dtype: str):
+        self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), jnp.float8_e4m3fn))
+        self.scale = nnx.Param(jnp.zeros((n_experts, *_block_shape(out_features, in_features)),
+                                         _SCALE_DTYPES[scale_dtype]))
+
+    def dense(self, dtype) -> jax.Array:
+        return fp8_block_dequant(self.weight[...], self.scale[...], dtype)
+
+
+class FP4ExpertWeights(ExpertWeights):
+    """Routed experts packed as ds_fp4: `weight` int8 [E, out, in/2] + e8m0 `scale` [E, out, in/32]."""
+
+    def __init__(self, n_experts: int, in_features: int, out_features: int):
+        if in_features % FP4_BLOCK:
+            raise ValueError(f"FP4 experts need in_features % {FP4_BLOCK} == 0, got {in_features}")
+        self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features // 2), jnp.int8))
+        self.scale = nnx.Param(jnp.zeros((n_experts, out_features, in_features // FP4_BLOCK), jnp.uint8))
+
+    def dense(self, dtype) -> jax.Array:
+        return fp4_dequant(self.weight[...], self.scale[...], dtype)
+
+
+def _block_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    return math.ceil(out_features / FP8_BLOCK), math.ceil(in_features / FP8_BLOCK)
+
+
+def build(config: DSV4Config, dtype, storage: Storage, rngs: Keys) -> DSV4:
+    """A DSV4 whose quantized weights use `storage` (zero-initialised: a checkpoint fills them).
+    Cheap under `nnx.eval_shape`, which is how the loader and the shape tests use it."""
+    model = DSV4(config, dtype=dtype, rngs=rngs)
+    swaps = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Linear) and storage.linears and is_fp8_linear((*path, "weight")) \
+                and path[-1] not in DEQUANTIZED_AT_LOAD:
+            out_features, in_features = node.weight.shape
+            swaps.append((path, FP8Linear(in_features, out_features, scale_dtype=storage.scale_dtype,
+                                          fp8_input=node.fp8_input, compute_dtype=node.compute_dtype)))
+        elif isinstance(node, ExpertWeights) and storage.experts:
+            e, out_features, in_features = node.weight.shape
+            swaps.append((path, FP4ExpertWeights(e, in_features, out_features) if storage.experts == "fp4"
+                          else FP8ExpertWeights(e, in_features, out_features, scale_dtype=storage.scale_dtype)))
+    for path, module in swaps:
+        parent = model
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        setattr(parent, path[-1], module)
+    return model
+
+
+def abstract_model(config: DSV4Config, dtype, storage: Storage) -> tuple[nnx.GraphDef, nnx.State]:
+    """Graph and shape-only parameters of `build`, allocating nothing (full-size configs are fine)."""
+    return nnx.split(nnx.eval_shape(lambda: build(config, dtype, storage, Keys(0))))

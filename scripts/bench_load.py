@@ -1,0 +1,127 @@
+"""Start-up time: `load_model` from the official safetensors vs. from the `jdspark convert` (orbax)
+directory of the same model, on the current default device.
+
+Writes a synthetic checkpoint in the official storage (FP8 linears, ds_fp4 experts), converts it,
+loads each format `--repeats` times (parameters on the device, `block_until_ready`), checks that
+both give identical logits, prints a table and writes JSON. `--drop-caches` (root) empties the page
+cache before each load, so the numbers include reading the disk; without it the files just written
+are usually still cached and the numbers measure decoding and the host-to-device copy.
+
+    python scripts/bench_load.py --preset flash --layers 4 --json load.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jdspark.checkpoint.loader import convert, load_model
+from jdspark.checkpoint.synthetic import write_checkpoint
+from jdspark.config import QuantConfig, flash_config, pro_config, tiny_config
+
+PRESETS = {"tiny": lambda: tiny_config(expert_dtype="fp4", quantization=QuantConfig()),
+           "flash": flash_config, "pro": pro_config}
+
+
+def config_for(args):
+    config = PRESETS[args.preset]()
+    changes = {}
+    if args.layers is not None:
+        changes.update(num_hidden_layers=args.layers, num_hash_layers=min(config.num_hash_layers, args.layers),
+                       compress_ratios=config.compress_ratios[:args.layers] + (0,) * config.num_nextn_predict_layers)
+    if args.experts is not None:
+        changes.update(n_routed_experts=args.experts)
+    return config.replace(**changes)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def drop_caches() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def timed_load(path: Path, dtype: str, cold: bool):
+    dropped = drop_caches() if cold else False
+    start = time.perf_counter()
+    model = load_model(path, dtype=dtype, progress=False)
+    jax.block_until_ready(model.params)
+    return model, time.perf_counter() - start, dropped
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="flash")
+    parser.add_argument("--layers", type=int, default=4, help="main layers (default 4; the MTP block is kept)")
+    parser.add_argument("--experts", type=int, default=None, help="routed experts (default: the preset's)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/jdspark_bench_load"))
+    parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each load (root)")
+    parser.add_argument("--keep", action="store_true", help="keep the written checkpoints")
+    parser.add_argument("--json", type=Path, default=Path("bench_load.json"))
+    args = parser.parse_args(argv)
+
+    config = config_for(args)
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    src, dst = args.workdir / "safetensors", args.workdir / "orbax"
+    rows = []
+
+    start = time.perf_counter()
+    write_checkpoint(config, src, progress=True)
+    rows.append(("write synthetic safetensors", time.perf_counter() - start, dir_bytes(src), None))
+    start = time.perf_counter()
+    convert(src, dst, dtype=args.dtype, progress=False)
+    rows.append(("jdspark convert (load + orbax save)", time.perf_counter() - start, dir_bytes(dst), None))
+
+    ids = np.arange(16) * 7 % config.vocab_size
+    logits, device_bytes = {}, None
+    for fmt, path in (("safetensors", src), ("orbax", dst)):
+        for r in range(args.repeats):
+            model, seconds, dropped = timed_load(path, args.dtype, args.drop_caches)
+            rows.append((f"load {fmt} #{r + 1}", seconds, dir_bytes(path), dropped))
+            if r == 0:
+                logits[fmt] = model.logits(ids)
+                device_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(model.params))
+            del model
+            gc.collect()
+    identical = bool(np.array_equal(logits["safetensors"], logits["orbax"]))
+
+    print(f"\n{args.preset} layers={config.num_hidden_layers} experts={config.n_routed_experts} dtype={args.dtype} "
+          f"device={jax.devices()[0].device_kind} jax={jax.__version__}; params on device "
+          f"{device_bytes / 2**30:.2f} GiB; identical logits: {identical}")
+    print(f"{'step':40s} {'seconds':>9s} {'GiB':>8s} {'GiB/s':>7s} {'cold':>5s}")
+    for step, seconds, nbytes, dropped in rows:
+        cold = "" if dropped is None else "yes" if dropped else "no"
+        print(f"{step:40s} {seconds:9.2f} {nbytes / 2**30:8.2f} {nbytes / 2**30 / seconds:7.2f} {cold:>5s}")
+    result = {
+        "preset": args.preset, "config": config.to_dict(), "dtype": args.dtype, "device": str(jax.devices()[0]),
+        "jax": jax.__version__, "device_param_bytes": device_bytes, "identical_logits": identical,
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rows": [{"step": s, "seconds": t, "bytes": b, "page_cache_dropped": d} for s, t, b, d in rows],
+    }
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    if not args.keep:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    return 0 if identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Compact storage layouts: which modules are quantized, that they compute with the decoded weights,
+and that full-size models have the checkpoint's size in memory."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+from jdspark.config import QuantConfig, flash_config, pro_config, tiny_config
+from jdspark.model.layers import Keys, Linear
+from jdspark.model.moe import ExpertWeights
+from jdspark.model.quantized import (FP4ExpertWeights, FP8ExpertWeights, FP8Linear, Storage, abstract_model, build,
+                                     is_fp8_linear)
+from tests.model.dequant_ref import decode_fp4, decode_fp8
+
+FLASH = Storage(linears="fp8", experts="fp4", scale_dtype="e8m0")
+BASE = Storage(linears="fp8", experts="fp8", scale_dtype="float32")
+
+
+def modules(model) -> dict[str, nnx.Module]:
+    return {".".join(map(str, path)): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)}
+
+
+def test_fp8_linears_are_those_of_the_official_checkpoint():
+    model = build(tiny_config(), jnp.float32, Storage(), Keys(0, concrete=True))
+    fp8 = {name.split(".", 2)[-1] for name, m in modules(model).items()  # relative to layers.i / mtp.0
+           if isinstance(m, Linear) and is_fp8_linear((*name.split("."), "weight"))}
+    assert fp8 == {  # spec §7.2: the F8_E4M3 tensors with a .scale
+        "attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "attn.indexer.wq_b",
+        "ffn.shared_experts.w1", "ffn.shared_experts.w2", "ffn.shared_experts.w3", "e_proj", "h_proj"}
+
+
+@pytest.mark.parametrize("storage", [FLASH, BASE], ids=["flash", "base"])
+def test_build_swaps_in_compact_modules(storage):
+    model = build(tiny_config(), jnp.bfloat16, storage, Keys(0, concrete=True))
+    mods = modules(model)
+    assert isinstance(mods["layers.2.attn.wq_a"], FP8Linear)
+    assert isinstance(mods["mtp.0.e_proj"], FP8Linear) and isinstance(mods["layers.0.ffn.shared_experts.w2"], FP8Linear)
+    assert type(mods["layers.2.attn.wo_a"]) is Linear  # bf16 einsum in the reference: dequantized at load
+    assert type(mods["layers.2.attn.compressor.wkv"]) is Linear and type(mods["head"]) is Linear
+    experts = FP4ExpertWeights if storage.experts == "fp4" else FP8ExpertWeights
+    assert isinstance(mods["layers.1.ffn.experts.w1"], experts)
+    scale = mods["layers.2.attn.wq_b"].scale
+    assert scale.dtype == (jnp.uint8 if storage.scale_dtype == "e8m0" else jnp.float32)
+    assert scale.shape == (4, 1)  # [ceil(512 / 128), ceil(128 / 128)]
+
+
+def test_quantized_modules_compute_with_the_decoded_weights():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((5, 200)), jnp.float32)
+    lin = FP8Linear(200, 136, scale_dtype="e8m0")
+    lin.weight[...] = rng.integers(0, 0x7F, (136, 200), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    lin.scale[...] = rng.integers(115, 130, (2, 2), dtype=np.uint8)
+    dense = decode_fp8(np.asarray(lin.weight[...]), np.asarray(lin.scale[...]))
+    want = np.asarray(x) @ dense.T
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda m, x: m(x))(lin, x)), want, atol=1e-5 * np.abs(want).max())
+    bank = FP4ExpertWeights(3, 64, 10)
+    bank.weight[...] = rng.integers(-128, 128, (3, 10, 32), dtype=np.int8)
+    bank.scale[...] = rng.integers(115, 130, (3, 10, 2), dtype=np.uint8)
+    np.testing.assert_array_equal(np.asarray(bank.dense(jnp.float32)),
+                                  decode_fp4(np.asarray(bank.weight[...]), np.asarray(bank.scale[...])))
+    assert isinstance(bank, ExpertWeights)
+
+
+def test_storage_from_config():
+    assert Storage.from_config(tiny_config()) == Storage()
+    assert Storage.from_config(flash_config()) == FLASH
+    base = flash_config(expert_dtype=None, quantization=QuantConfig(scale_fmt=None, scale_dtype="float32"))
+    assert Storage.from_config(base) == BASE  # the reference: experts take the default (FP8) format
+
+
+def _device_bytes(cfg) -> tuple[float, float]:
+    _, state = abstract_model(cfg, jnp.bfloat16, Storage.from_config(cfg))
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(state))[0]
+    total = sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for _, x in leaves)
+    wo_a = sum(int(np.prod(x.shape)) for kp, x in leaves if kp[-2].key == "wo_a")
+    return total, wo_a
+
+
+@pytest.mark.parametrize("make,checkpoint_bytes", [(flash_config, 159.6e9), (pro_config, 805 * 2 ** 30)])
+def test_full_size_models_are_compact(make, checkpoint_bytes):
+    """Spec §7.6 / §7.1: Flash + MTP ~159.6 GB; the Pro files hold 805 GiB. In memory, wo_a is bf16
+    (2 bytes instead of ~1 per parameter); everything else has the checkpoint's size."""
+    total, wo_a = _device_bytes(make())
+    assert abs((total - wo_a) / checkpoint_bytes - 1) < 0.01, (total, wo_a)
