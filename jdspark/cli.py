@@ -29,9 +29,11 @@ def _logits(args) -> int:
 
 def _generator(args):
     from jdspark.engine.engine import SpecOptions
+    from jdspark.engine.executables import enable_compile_cache
     from jdspark.generator import Generator
     if args.model is None:
         raise ValueError("no --model given and no embedded default model is installed; pass --model PATH")
+    enable_compile_cache()
     width = None if args.width == "adaptive" else int(args.width)
     options = SpecOptions(width=width, fallback_threshold=args.fallback_acceptance,
                           fallback_min_drafted=args.fallback_min_drafted, fallback_cooldown=args.fallback_steps,
@@ -49,8 +51,8 @@ def _prompt_and_params(args):
 
 
 def _generate(args) -> int:
-    generator = _generator(args)
     prompt, params = _prompt_and_params(args)
+    generator = _generator(args)
     run = generator.run(prompt, params)
     for delta in run:
         print(delta, end="", flush=True)
@@ -63,8 +65,8 @@ def _generate(args) -> int:
 
 def _profile(args) -> int:
     from jdspark.engine.profile import profile
-    generator = _generator(args)
     prompt, params = _prompt_and_params(args)
+    generator = _generator(args)
     report = profile(generator, prompt, params, args.out)
     stats = report["stats"]
     print(f"{stats['generated_tokens']} tokens, {stats['tokens_per_s']:.1f} tok/s, tau {stats['tau']:.2f}; "

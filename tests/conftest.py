@@ -82,3 +82,15 @@ def char_tokenizer(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     hf.save(str(path))
     return Tokenizer(path)
+
+
+@pytest.fixture(scope="session")
+def spec_checkpoint(tmp_path_factory, char_tokenizer):
+    """A random SPEC_CONFIG checkpoint in the official layout, with the character tokenizer."""
+    import shutil
+
+    from jdspark.checkpoint.synthetic import write_checkpoint
+    path = tmp_path_factory.mktemp("spec_checkpoint")
+    write_checkpoint(SPEC_CONFIG, path, seed=1)
+    shutil.copy(char_tokenizer.path, path / "tokenizer.json")
+    return path

@@ -1,5 +1,7 @@
 """The Python API: text and token-id prompts, streaming that adds up to the completion, clear errors."""
 
+import json
+
 import pytest
 
 from jdspark import Generator, SamplingParams
@@ -56,3 +58,26 @@ def test_token_ids_without_tokenizer_and_clear_errors(spec_engine):
     with pytest.raises(EngineError, match="needs a tokenizer; use stop_token_ids"):
         bare.generate([0, 5], SamplingParams(stop="x"))
     assert all(s is None for s in spec_engine.slots)  # failed requests leave no slot behind
+
+
+def test_from_pretrained_loads_drafter_and_tokenizer(spec_checkpoint):
+    gen = Generator.from_pretrained(spec_checkpoint, dtype="float32", max_seq_len=128, max_batch=2,
+                                    prefill_chunk=16)
+    assert gen.tokenizer is not None and gen.engine.exe.draft is not None
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    speculative = gen.generate("hello", params)
+    gen.engine.speculative = False
+    assert gen.generate("hello", params).token_ids == speculative.token_ids
+    assert speculative.stats.verify_costs_s is not None and len(speculative.stats.verify_costs_s) == 6
+
+
+def test_profile_writes_trace_decisions_and_plot(generator, tmp_path):
+    from jdspark.engine.profile import profile
+    report = profile(generator, "abc", SamplingParams(max_tokens=24, temperature=1.0, seed=1, ignore_eos=True),
+                     tmp_path)
+    assert (tmp_path / "profile.png").stat().st_size > 10_000
+    assert any((tmp_path / "trace").rglob("*.xplane.pb"))
+    saved = json.loads((tmp_path / "profile.json").read_text())
+    assert len(saved["steps"]) == report["stats"]["steps"] > 0
+    step = saved["steps"][0]
+    assert step["width"] in range(6) and len(next(iter(step["slots"].values()))["stale_confidence"]) == 5

@@ -14,6 +14,8 @@ counter) keys, so a request's samples depend only on its own seed and step.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -37,6 +39,17 @@ class SlotSampling:
     top_p: jax.Array  # f32, 1 = off
     seed: jax.Array  # u32
     counter: jax.Array  # i32: the slot's step number, so every call draws fresh noise
+
+
+def enable_compile_cache(path: str | None = None) -> None:
+    """Keep compiled executables on disk (default $JDSPARK_CACHE/xla, ~/.cache/jdspark/xla), so a
+    restart with the same model and engine config skips compilation. Leaves a cache the caller
+    already configured alone."""
+    if jax.config.jax_compilation_cache_dir:
+        return
+    root = os.environ.get("JDSPARK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jdspark"))
+    jax.config.update("jax_compilation_cache_dir", path or os.path.join(root, "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def _keys(sampling: SlotSampling, purpose: int) -> jax.Array:

@@ -1,0 +1,17 @@
+"""`jdspark generate` end to end on a synthetic checkpoint with a tokenizer."""
+
+from jdspark.cli import main
+
+
+def test_generate_target_only_prints_text_and_stats(spec_checkpoint, capsys):
+    code = main(["generate", "--model", str(spec_checkpoint), "--dtype", "float32", "--max-seq-len", "64",
+                 "--max-tokens", "6", "--temperature", "0", "--no-speculative", "--stats", "abc"])
+    out, err = capsys.readouterr()
+    assert code == 0 and len(out.strip()) >= 1 and '"generated_tokens"' in err
+
+
+def test_generate_errors_exit_2(spec_checkpoint, capsys):
+    assert main(["generate", "--model", str(spec_checkpoint), "--no-speculative", "--temperature", "-1", "x"]) == 2
+    assert "temperature=-1.0: must be a number >= 0" in capsys.readouterr().err
+    assert main(["generate", "x"]) == 2
+    assert "pass --model PATH" in capsys.readouterr().err
