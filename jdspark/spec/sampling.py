@@ -13,7 +13,7 @@ logits is an error, not a silent broadcast along R.
 
 The warp (FreeToken's, spec §5.6), per row:
 - temperature <= 0: one-hot at the argmax of the raw logits (ties -> lowest index);
-- otherwise z = logits / T; top_k in 1..V-1 keeps tokens with z >= the k-th largest z (ties at the
+- otherwise z = logits * (1 / T); top_k in 1..V-1 keeps tokens with z >= the k-th largest z (ties at the
   k-th value are kept; top_k <= 0 or >= V is off); softmax; top_p < 1 then keeps the smallest
   descending-probability prefix whose mass reaches top_p (the first token always; ties with the
   last kept value are kept too) and renormalises.
@@ -38,14 +38,19 @@ VARIANTS = ("general", "sample", "greedy")
 
 
 class WarpStats(NamedTuple):
-    """The numbers that define each warped row; every field has the shape logits.shape[:-1]."""
+    """The numbers that define each warped row; every field has the shape logits.shape[:-1].
+
+    Per-row divisions are stored as reciprocals and applied by multiplication: XLA rewrites
+    x / broadcast(s) into x * broadcast(1 / s), so a division would round differently when a row
+    is evaluated whole than when single tokens are gathered first.
+    """
 
     greedy: jax.Array  # bool: temperature <= 0, the row is one-hot at `argmax`
     argmax: jax.Array  # int32: argmax of the raw logits, lowest index on ties
-    temperature: jax.Array  # f32: what the logits are divided by (1 on greedy rows)
-    z_max: jax.Array  # f32: max of logits / temperature
-    threshold: jax.Array  # f32: a token is kept iff logits / temperature >= threshold
-    norm: jax.Array  # f32: sum over kept tokens of exp(logits / temperature - z_max)
+    inv_temperature: jax.Array  # f32: 1 / temperature (1 on greedy rows); z = logits * this
+    z_max: jax.Array  # f32: max of z
+    threshold: jax.Array  # f32: a token is kept iff z >= threshold
+    inv_norm: jax.Array  # f32: 1 / (sum over kept tokens of exp(z - z_max))
 
 
 def check_variant(variant: str) -> None:
@@ -98,17 +103,20 @@ def warp_stats(logits, temperature, top_k, top_p, *, variant: str = "general") -
         return WarpStats(jnp.ones(rows, bool), argmax, ones, ones, no_threshold, ones)
     t = per_row(temperature, rows, "temperature", integer=False)
     greedy = t <= 0
-    t = jnp.where(greedy, 1.0, t)
-    z = logits / t[..., None]
-    # Division by t > 0 is monotone under rounding, so this is exactly max(z).
-    z_max = jnp.take_along_axis(logits, argmax[..., None], axis=-1)[..., 0] / t
+    inv_t = 1.0 / jnp.where(greedy, 1.0, t)
+    z = logits * inv_t[..., None]
+    # Scaling by inv_t > 0 is monotone under rounding, so this is exactly max(z).
+    z_max = jnp.take_along_axis(logits, argmax[..., None], axis=-1)[..., 0] * inv_t
     threshold = no_threshold
     if variant == "general":
         k = per_row(top_k, rows, "top_k", integer=True)
         p = per_row(top_p, rows, "top_p", integer=False)
         threshold = _filter_threshold(z, z_max, k, p)
     kept = jnp.where(z >= threshold[..., None], jnp.exp(z - z_max[..., None]), 0.0)
-    return WarpStats(greedy, argmax, t, z_max, threshold, jnp.sum(kept, axis=-1))
+    stats = WarpStats(greedy, argmax, inv_t, z_max, threshold, 1.0 / jnp.sum(kept, axis=-1))
+    # XLA may fuse the reductions above differently, and so sum in a different order, depending on
+    # what consumes them; behind the barrier every program computes the same stats.
+    return WarpStats(*jax.lax.optimization_barrier(tuple(stats)))
 
 
 def _filter_threshold(z, z_max, top_k, top_p):
@@ -118,7 +126,7 @@ def _filter_threshold(z, z_max, top_k, top_p):
     kth = jnp.take_along_axis(zs, (jnp.clip(top_k, 1, vocab) - 1)[..., None], axis=-1)[..., 0]
     thr_k = jnp.where((top_k > 0) & (top_k < vocab), kth, -jnp.inf)
     e = jnp.where(zs >= thr_k[..., None], jnp.exp(zs - z_max[..., None]), 0.0)
-    cum = jnp.cumsum(e / jnp.sum(e, axis=-1, keepdims=True), axis=-1)
+    cum = jnp.cumsum(e * (1.0 / jnp.sum(e, axis=-1, keepdims=True)), axis=-1)
     mass_before = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
     # mass_before never decreases, so the kept positions are a prefix of the sorted row.
     n_keep = jnp.maximum(jnp.sum(mass_before < top_p[..., None], axis=-1), 1)
@@ -133,8 +141,8 @@ def stats_probs(logits, stats: WarpStats) -> jax.Array:
     Elementwise: the stats fields must broadcast against `logits` (expand them with [..., None]
     to evaluate whole rows, or gather them to evaluate single tokens).
     """
-    z = logits / stats.temperature
-    return jnp.where(z >= stats.threshold, jnp.exp(z - stats.z_max) / stats.norm, 0.0)
+    z = logits * stats.inv_temperature
+    return jnp.where(z >= stats.threshold, jnp.exp(z - stats.z_max) * stats.inv_norm, 0.0)
 
 
 def warp_probs(logits, temperature, top_k, top_p, *, variant: str = "general") -> jax.Array:
