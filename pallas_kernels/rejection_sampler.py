@@ -12,12 +12,13 @@ return the same tokens bit for bit on any backend: the kernel applies only exact
 operations to its inputs (subtract, max, multiply, compare) and reduces with max and then the
 smallest index among the maxima, which is order-free and is jnp.argmax's lowest-index tie rule.
 
-Kernel layout: grid (B, S). Program (b, s) races S's share of request b's vocabulary in power-of-two
+Kernel layout: grid (B, S). Program (b, s) races its share of request b's vocabulary in power-of-two
 tiles (Triton needs power-of-two blocks); the last tile is shifted back to end at V, so no load is
 out of bounds and no lane is masked (an element seen twice cannot change a max / lowest-index
 result). It reads p_row, 1 / E and, unless the row is the bonus row, the draft row q[b, n_acc] once
-each: 12 bytes per vocabulary entry. S splits a request's vocabulary so that small batches still
-fill the GPU; a [B, S] combine in XLA picks each request's winner.
+each: 12 bytes per vocabulary entry. The vocabulary is split over S programs per request (by
+default one tile each) so that a batch of 1 still spreads over the GPU: one program per request
+would leave all but B of the H200's 132 SMs idle. A [B, S] combine in XLA picks each winner.
 
 `rejection_sample` / `ref_rejection_sample` at the end are the full verification (warp, accept,
 race) with the signature of `jdspark.spec.verify`, which owns the XLA part.
@@ -32,8 +33,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-TILE = 2048  # vocabulary entries per tile: 8 KB per input row
-PROGRAMS = 512  # aim for about this many programs (~4 per H200 SM) when splitting the vocabulary
+TILE = 2048  # vocabulary entries per tile by default: 8 KB of each input row
+MIN_TILE = 512
+PROGRAMS = 512  # small batches shrink the tile (down to MIN_TILE) to get about this many programs
 _NO_INDEX = jnp.iinfo(jnp.int32).max
 
 
@@ -99,15 +101,19 @@ def race(
 
 
 def layout(batch: int, vocab: int, tile: int | None, splits: int | None) -> tuple[int, int, int]:
-    """(tile, tiles per program, programs per request). The tile is a power of two <= vocab (default
-    TILE); splits default to about PROGRAMS / batch and are trimmed so no program is empty."""
-    tile = tile or TILE
-    if tile & (tile - 1):
+    """(tile, tiles per program, programs per request). By default every program races one tile,
+    and the tile (a power of two <= vocab) halves from TILE towards MIN_TILE while there are fewer
+    than PROGRAMS programs, so that a small batch still spreads over the GPU's SMs; splits=1 gives
+    one program per request. Splits are trimmed so that no program is empty."""
+    if tile is None:
+        tile = TILE
+        while tile > MIN_TILE and batch * -(-vocab // tile) < PROGRAMS:
+            tile //= 2
+    if tile < 1 or tile & (tile - 1):
         raise ValueError(f"tile={tile} is not a power of two; Triton blocks must be (e.g. {TILE})")
     tile = min(tile, 1 << (vocab.bit_length() - 1))
     n_tiles = -(-vocab // tile)
-    splits = min(splits or -(-PROGRAMS // batch), n_tiles)
-    tiles_per_program = -(-n_tiles // splits)
+    tiles_per_program = -(-n_tiles // min(splits or n_tiles, n_tiles))
     return tile, tiles_per_program, -(-n_tiles // tiles_per_program)
 
 

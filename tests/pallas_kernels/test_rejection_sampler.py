@@ -68,8 +68,9 @@ def test_race_falls_back_to_p_when_the_residual_is_zero():
 
 
 def test_layout():
-    assert layout(1, VOCAB, None, None) == (2048, 1, 64)
-    assert layout(32, VOCAB, None, None) == (2048, 4, 16)
+    assert layout(1, VOCAB, None, None) == (512, 1, 253)  # small batch: smaller tiles, more programs
+    assert layout(32, VOCAB, None, None) == (2048, 1, 64)
+    assert layout(32, VOCAB, None, 16) == (2048, 4, 16)
     assert layout(2, 6, None, None) == (4, 1, 2)
     for batch, vocab, tile, splits in [(1, 1000, 128, 3), (3, 70_001, 4096, 5), (8, VOCAB, 1024, 7)]:
         tile, per_program, programs = layout(batch, vocab, tile, splits)
