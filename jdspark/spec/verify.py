@@ -17,7 +17,8 @@ equals `ref_rejection_sample` exactly.
 
 Shapes: target_logits [B, K+1, V] f32, draft_probs [B, K, V] f32 (the exact distributions the
 drafts were sampled from), draft_tokens [B, K] int, uniforms [B, K] f32 in [0, 1),
-exponentials [B, V] f32 Exp(1) noise, temperature / top_p [B] f32, top_k [B] int. K (0..gamma) is
+exponentials [B, V] f32 Exp(1) noise, temperature / top_p [B] f32, top_k [B] int (or [B, 1], or
+scalars). K (0..gamma) is
 static, from the shapes. `variant` is static: see `jdspark.spec.sampling` ("general" is always
 exact; "sample" and "greedy" are faster when `choose_variant` allows them).
 """
@@ -87,8 +88,9 @@ def race_inputs(
     check_variant(variant)
     batch = target_logits.shape[0]
 
-    def per_request(value, name, integer):
-        return per_row(value, (batch,), name, integer)[:, None]
+    def per_request(value, name, integer):  # scalar, [B] or [B, 1] -> [B, 1]
+        value = jnp.asarray(value)
+        return per_row(value[:, 0] if value.shape[1:] == (1,) else value, (batch,), name, integer)[:, None]
 
     stats = warp_stats(
         target_logits,

@@ -216,6 +216,13 @@ def test_reference_equals_the_literal_spec_recipe(b, k, vocab):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_per_request_params_may_be_column_vectors():
+    args = random_inputs(6, 2, 30, seed=10)
+    columns = [*args[:5], *(a[:, None] for a in args[5:])]
+    for got, want in zip(reference(*columns), reference(*args)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_malformed_inputs_raise_clear_errors():
     logits, q, drafts, u, e, t, tk, tp = random_inputs(2, 3, 10, seed=9)
     with pytest.raises(ValueError, match=r"draft_probs has shape \(2, 2, 10\).*must be \(2, 3, 10\)"):
