@@ -62,8 +62,7 @@ def rejection_sample(
     """Verification with the race in the Pallas kernel (use_kernel) or in jnp; identical results."""
     check_inputs(target_logits, draft_probs, draft_tokens, uniforms, exponentials)
     if variant == "greedy":
-        n_accepted, token = greedy_verify(target_logits, draft_tokens)
-        return n_accepted, token
+        return greedy_verify(target_logits, draft_tokens)
     inputs = race_inputs(
         target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
         variant=variant,
