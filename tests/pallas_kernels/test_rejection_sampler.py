@@ -3,6 +3,8 @@ on fresh random inputs, exact ties and several layouts, and the full verifier ag
 `ref_rejection_sample` on random inputs and its edge cases. Interpret mode on CPU; the `gpu` tests
 run the same checks compiled through Triton."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -65,6 +67,16 @@ def test_race_falls_back_to_p_when_the_residual_is_zero():
     want = np.asarray(reference_race(p, q, n_acc, inv_e))
     np.testing.assert_array_equal(want[:2], np.argmax(np.where(p > 0, p * inv_e, -1), axis=-1)[:2])
     assert_race_matches((p, q, n_acc, inv_e))
+
+
+@pytest.mark.parametrize("k, tile, splits", [(5, None, None), (0, 1024, 4), (2, 4096, 1)])
+def test_kernel_lowers_to_triton_ir(k, tile, splits):
+    """Lowering for CUDA (no GPU needed) builds the kernel's Triton IR: power-of-two blocks and
+    supported primitives are checked on every CI run, not only on the GPU machine."""
+    shapes = [((8, VOCAB), jnp.float32), ((8, k, VOCAB), jnp.float32), ((8,), jnp.int32), ((8, VOCAB), jnp.float32)]
+    kernel_fn = jax.jit(functools.partial(race, tile=tile, splits=splits, interpret=False))
+    traced = kernel_fn.trace(*(jax.ShapeDtypeStruct(s, d) for s, d in shapes))
+    assert "triton" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_layout():
