@@ -1,35 +1,170 @@
-"""Temporary stand-in for the sampler helper's module (same interface): warp_probs, sample."""
+"""Token warping (temperature, top-k, top-p) and the exponential race (spec dspark.md §5.6, §5.8).
+
+The drafter samples q with these functions and the verifier evaluates p with them, so p and q are
+warped identically by construction. A warped row is described by a few per-row numbers
+(`WarpStats`); the probability of a token is an elementwise function of its logit and those numbers
+(`stats_probs`). The verifier therefore evaluates p only at the draft tokens and on the one row it
+samples from, and gets the same values `warp_probs` gives for the whole row.
+
+Shapes: logits [..., V] float32. `temperature`, `top_k` and `top_p` are per-row values: scalars,
+or arrays with one axis per row axis that broadcast to logits.shape[:-1] — [B] for [B, V] logits,
+[B, 1] (one value per batch entry) or [B, R] for [B, R, V] logits. A [B] array with [B, R, V]
+logits is an error, not a silent broadcast along R.
+
+The warp (FreeToken's, spec §5.6), per row:
+- temperature <= 0: one-hot at the argmax of the raw logits (ties -> lowest index);
+- otherwise z = logits * (1 / T); top_k in 1..V-1 keeps tokens with z >= the k-th largest z (ties at the
+  k-th value are kept; top_k <= 0 or >= V is off); softmax; top_p < 1 then keeps the smallest
+  descending-probability prefix whose mass reaches top_p (the first token always; ties with the
+  last kept value are kept too) and renormalises.
+
+Variants (static, chosen on the host with `choose_variant`): "general" honours every row's
+parameters and sorts each row for the top-k / top-p thresholds; "sample" promises that no row uses
+top-k or top-p (top_k <= 0 or >= V, top_p >= 1) and skips the sort; "greedy" treats every row as
+greedy and computes only the argmax (spec §5.8: greedy does not pay for softmax or top-p).
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.rejection_sampler import race_score
+
+VARIANTS = ("general", "sample", "greedy")
 
 
-def warp_probs(logits, temperature, top_k, top_p):
-    """Per-row temperature / top-k / top-p warp to probabilities (fp32); T <= 0 is greedy one-hot.
-    temperature, top_k, top_p broadcast against logits.shape[:-1]."""
-    logits = logits.astype(jnp.float32)
-    v = logits.shape[-1]
-    t = jnp.asarray(temperature, jnp.float32)[..., None]
-    greedy = jax.nn.one_hot(jnp.argmax(logits, -1), v, dtype=jnp.float32)
-    scaled = logits / jnp.where(t > 0, t, 1.0)
-    k = jnp.asarray(top_k, jnp.int32)[..., None]
-    sorted_desc = -jnp.sort(-scaled, axis=-1)
-    kth = jnp.take_along_axis(sorted_desc, jnp.clip(k - 1, 0, v - 1), axis=-1)
-    scaled = jnp.where((k > 0) & (k < v) & (scaled < kth), -jnp.inf, scaled)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    order = jnp.argsort(-probs, axis=-1)
-    sorted_p = jnp.take_along_axis(probs, order, axis=-1)
-    before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-    keep_sorted = before < jnp.asarray(top_p, jnp.float32)[..., None]
-    keep = jnp.zeros_like(keep_sorted).at[..., :].set(False)
-    keep = jnp.put_along_axis(keep, order, keep_sorted, axis=-1, inplace=False)
-    probs = jnp.where(keep, probs, 0.0)
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
-    return jnp.where(t > 0, probs, greedy)
+class WarpStats(NamedTuple):
+    """The numbers that define each warped row; every field has the shape logits.shape[:-1].
+
+    Per-row divisions are stored as reciprocals and applied by multiplication: XLA rewrites
+    x / broadcast(s) into x * broadcast(1 / s), so a division would round differently when a row
+    is evaluated whole than when single tokens are gathered first.
+    """
+
+    greedy: jax.Array  # bool: temperature <= 0, the row is one-hot at `argmax`
+    argmax: jax.Array  # int32: argmax of the raw logits, lowest index on ties
+    inv_temperature: jax.Array  # f32: 1 / temperature (1 on greedy rows); z = logits * this
+    z_max: jax.Array  # f32: max of z
+    threshold: jax.Array  # f32: a token is kept iff z >= threshold
+    inv_norm: jax.Array  # f32: 1 / (sum over kept tokens of exp(z - z_max))
 
 
-def sample(probs, exponentials):
-    """Exponential race: argmax_v probs_v / E_v, E ~ Exp(1) (a sample from probs)."""
-    return jnp.argmax(probs / exponentials, axis=-1).astype(jnp.int32)
+def check_variant(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r} is not one of {VARIANTS}; pick it with choose_variant")
+
+
+def choose_variant(temperature, top_k, top_p, vocab_size: int) -> str:
+    """The cheapest variant that is exact for these host-side per-row parameters."""
+    t, k, p = np.broadcast_arrays(np.asarray(temperature), np.asarray(top_k), np.asarray(top_p))
+    sampled = t > 0
+    if not sampled.any():
+        return "greedy"
+    filtered = ((k > 0) & (k < vocab_size)) | (p < 1)
+    return "general" if (filtered & sampled).any() else "sample"
+
+
+def check_logits(logits: jax.Array, name: str = "logits") -> None:
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"{name} has shape {logits.shape}; it needs a non-empty vocabulary axis last")
+    if logits.dtype != jnp.float32:
+        raise TypeError(f"{name} has dtype {logits.dtype}; pass float32 (cast with .astype(jnp.float32))")
+
+
+def per_row(value, rows: tuple[int, ...], name: str, integer: bool) -> jax.Array:
+    """`value` as an int32 / float32 array of shape `rows`, or an error naming it and the fix."""
+    arr = jnp.asarray(value)
+    if integer and not jnp.issubdtype(arr.dtype, jnp.integer):
+        raise TypeError(f"{name} has dtype {arr.dtype}; pass integers")
+    if not integer and not (jnp.issubdtype(arr.dtype, jnp.floating) or jnp.issubdtype(arr.dtype, jnp.integer)):
+        raise TypeError(f"{name} has dtype {arr.dtype}; pass real numbers")
+    if arr.ndim in (0, len(rows)) and all(a in (1, r) for a, r in zip(arr.shape, rows)):
+        return jnp.broadcast_to(arr.astype(jnp.int32 if integer else jnp.float32), rows)
+    one_per_entry = rows[:1] + (1,) * (len(rows) - 1)
+    raise ValueError(
+        f"{name} has shape {arr.shape}, which does not match the logits' rows {rows}; pass one value "
+        f"per row (shape {rows}), per batch entry (shape {one_per_entry}) or a scalar"
+    )
+
+
+def warp_stats(logits, temperature, top_k, top_p, *, variant: str = "general") -> WarpStats:
+    """Per-row description of the warped distribution of `logits` (see the module docstring)."""
+    check_variant(variant)
+    check_logits(logits)
+    rows = logits.shape[:-1]
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    ones = jnp.ones(rows, jnp.float32)
+    no_threshold = jnp.full(rows, -jnp.inf, jnp.float32)
+    if variant == "greedy":
+        return WarpStats(jnp.ones(rows, bool), argmax, ones, ones, no_threshold, ones)
+    t = per_row(temperature, rows, "temperature", integer=False)
+    greedy = t <= 0
+    inv_t = 1.0 / jnp.where(greedy, 1.0, t)
+    z = logits * inv_t[..., None]
+    # Scaling by inv_t > 0 is monotone under rounding, so this is exactly max(z).
+    z_max = jnp.take_along_axis(logits, argmax[..., None], axis=-1)[..., 0] * inv_t
+    threshold = no_threshold
+    if variant == "general":
+        k = per_row(top_k, rows, "top_k", integer=True)
+        p = per_row(top_p, rows, "top_p", integer=False)
+        threshold = _filter_threshold(z, z_max, k, p)
+    kept = jnp.where(z >= threshold[..., None], jnp.exp(z - z_max[..., None]), 0.0)
+    stats = WarpStats(greedy, argmax, inv_t, z_max, threshold, 1.0 / jnp.sum(kept, axis=-1))
+    # XLA may fuse the reductions above differently, and so sum in a different order, depending on
+    # what consumes them; behind the barrier every program computes the same stats.
+    return WarpStats(*jax.lax.optimization_barrier(tuple(stats)))
+
+
+def _filter_threshold(z, z_max, top_k, top_p):
+    """The smallest kept z per row under top-k then top-p (-inf where neither filters)."""
+    vocab = z.shape[-1]
+    zs = jnp.flip(jnp.sort(z, axis=-1), axis=-1)  # descending
+    kth = jnp.take_along_axis(zs, (jnp.clip(top_k, 1, vocab) - 1)[..., None], axis=-1)[..., 0]
+    thr_k = jnp.where((top_k > 0) & (top_k < vocab), kth, -jnp.inf)
+    e = jnp.where(zs >= thr_k[..., None], jnp.exp(zs - z_max[..., None]), 0.0)
+    cum = jnp.cumsum(e * (1.0 / jnp.sum(e, axis=-1, keepdims=True)), axis=-1)
+    mass_before = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
+    # mass_before never decreases, so the kept positions are a prefix of the sorted row.
+    n_keep = jnp.maximum(jnp.sum(mass_before < top_p[..., None], axis=-1), 1)
+    last_kept = jnp.take_along_axis(zs, (n_keep - 1)[..., None], axis=-1)[..., 0]
+    thr_p = jnp.where(top_p < 1, last_kept, -jnp.inf)
+    return jnp.maximum(thr_k, thr_p)
+
+
+def stats_probs(logits, stats: WarpStats) -> jax.Array:
+    """Probabilities of `logits` under the sampled (non-greedy) warp that `stats` describes.
+
+    Elementwise: the stats fields must broadcast against `logits` (expand them with [..., None]
+    to evaluate whole rows, or gather them to evaluate single tokens).
+    """
+    z = logits * stats.inv_temperature
+    return jnp.where(z >= stats.threshold, jnp.exp(z - stats.z_max) * stats.inv_norm, 0.0)
+
+
+def warp_probs(logits, temperature, top_k, top_p, *, variant: str = "general") -> jax.Array:
+    """The warped distribution of every row of `logits`, float32 [..., V]."""
+    stats = warp_stats(logits, temperature, top_k, top_p, variant=variant)
+    one_hot = (jnp.arange(logits.shape[-1]) == stats.argmax[..., None]).astype(jnp.float32)
+    if variant == "greedy":
+        return one_hot
+    probs = stats_probs(logits, jax.tree.map(lambda a: a[..., None], stats))
+    return jnp.where(stats.greedy[..., None], one_hot, probs)
+
+
+def sample(probs, exponentials) -> jax.Array:
+    """One token per row by the exponential race argmax_v probs_v / E_v, E ~ Exp(1) passed in.
+
+    Equal in distribution to sampling from probs / sum(probs); no normalisation needed. Computed
+    as race_score(probs, 1 / E), the same expression the verifier's race uses.
+    """
+    check_logits(probs, "probs")
+    if exponentials.shape != probs.shape or exponentials.dtype != jnp.float32:
+        raise ValueError(
+            f"exponentials has shape {exponentials.shape} and dtype {exponentials.dtype}; pass float32 "
+            f"Exp(1) noise of the probabilities' shape {probs.shape}"
+        )
+    return jnp.argmax(race_score(probs, 1.0 / exponentials), axis=-1).astype(jnp.int32)

@@ -1,32 +1,154 @@
-"""Temporary stand-in for the sampler helper's module (same interface)."""
+"""Exact verification of K drafts per request (spec dspark.md §5.2-5.4, §5.8).
+
+p = warp(target_logits) with the warp q was sampled under. Draft j is rejected iff
+p_j(x_j) <= u_j * q_j(x_j); n_accepted is the accepted prefix. The emitted token is drawn from
+normalise(max(p_n - q_n, 0)) at the first rejected row n (from p_n when that residual is all zero),
+or from the bonus row p_K when all K drafts were accepted (K = 0: no drafts, a draw from p_0).
+Greedy rows (temperature <= 0) accept while x_j == argmax p_j and emit the argmax of the first
+mismatching row or of row K. Only (n_accepted, token) leave the device; EOS / stop tokens are the
+engine's business.
+
+Two stages. Stage A (XLA, here) computes the warp statistics of every row, p at the draft tokens,
+n_accepted, the greedy tokens, the one row p_row = p[n_accepted] that is sampled from, and 1 / E;
+it ends in an optimization barrier so both implementations receive identical values. Stage B is
+the vocabulary-wide race: `ref_race` (jnp) or `race` (Pallas) from
+`pallas_kernels.rejection_sampler`, which agree bit for bit. So `rejection_sample(use_kernel=True)`
+equals `ref_rejection_sample` exactly.
+
+Shapes: target_logits [B, K+1, V] f32, draft_probs [B, K, V] f32 (the exact distributions the
+drafts were sampled from), draft_tokens [B, K] int, uniforms [B, K] f32 in [0, 1),
+exponentials [B, V] f32 Exp(1) noise, temperature / top_p [B] f32, top_k [B] int (or [B, 1], or
+scalars). K (0..gamma) is
+static, from the shapes. `variant` is static: see `jdspark.spec.sampling` ("general" is always
+exact; "sample" and "greedy" are faster when `choose_variant` allows them).
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 
-from jdspark.spec.sampling import sample, warp_probs
+from jdspark.spec.sampling import check_logits, check_variant, per_row, stats_probs, warp_stats
+from pallas_kernels.rejection_sampler import race, ref_race
 
 
-def ref_rejection_sample(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p):
-    b, k1, v = target_logits.shape
+class RaceInputs(NamedTuple):
+    """Stage A's output: what the race reads, and the greedy rows' answer."""
+
+    n_accepted: jax.Array  # [B] int32
+    greedy: jax.Array  # [B] bool
+    greedy_token: jax.Array  # [B] int32: argmax of row n_accepted
+    p_row: jax.Array  # [B, V] f32: p[n_accepted] under the sampled warp
+    inv_exponentials: jax.Array  # [B, V] f32: 1 / E
+
+
+def ref_rejection_sample(
+    target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
+    *, variant: str = "general",
+):
+    """The reference verifier -> (n_accepted [B] int32, token [B] int32)."""
+    return rejection_sample(
+        target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
+        use_kernel=False, variant=variant,
+    )
+
+
+def rejection_sample(
+    target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
+    use_kernel: bool, *, variant: str = "general",
+):
+    """Verification with the race in the Pallas kernel (use_kernel) or in jnp; identical results."""
+    check_inputs(target_logits, draft_probs, draft_tokens, uniforms, exponentials)
+    if variant == "greedy":
+        return greedy_verify(target_logits, draft_tokens)
+    inputs = race_inputs(
+        target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
+        variant=variant,
+    )
+    race_fn = race if use_kernel else ref_race
+    sampled = race_fn(inputs.p_row, draft_probs, inputs.n_accepted, inputs.inv_exponentials)
+    return inputs.n_accepted, jnp.where(inputs.greedy, inputs.greedy_token, sampled)
+
+
+def greedy_verify(target_logits, draft_tokens):
+    """Every row greedy: only the row argmaxes are computed. -> (n_accepted, token)."""
+    argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    n_accepted = _accepted_prefix(draft_tokens != argmax[:, :-1])
+    return n_accepted, _at_row(argmax, n_accepted)
+
+
+def race_inputs(
+    target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
+    *, variant: str = "general",
+) -> RaceInputs:
+    """Stage A: warp statistics, acceptance, and the row to sample from (see the module docstring)."""
+    check_variant(variant)
+    batch = target_logits.shape[0]
+
+    def per_request(value, name, integer):  # scalar, [B] or [B, 1] -> [B, 1]
+        value = jnp.asarray(value)
+        return per_row(value[:, 0] if value.shape[1:] == (1,) else value, (batch,), name, integer)[:, None]
+
+    stats = warp_stats(
+        target_logits,
+        per_request(temperature, "temperature", False),
+        per_request(top_k, "top_k", True),
+        per_request(top_p, "top_p", False),
+        variant=variant,
+    )
+    drafted = jax.tree.map(lambda a: a[:, :-1], stats)  # the K rows that check a draft
+    tokens = draft_tokens.astype(jnp.int32)[..., None]
+    p_tok = stats_probs(jnp.take_along_axis(target_logits[:, :-1], tokens, axis=-1)[..., 0], drafted)
+    q_tok = jnp.take_along_axis(draft_probs, tokens, axis=-1)[..., 0]
+    reject = jnp.where(drafted.greedy, tokens[..., 0] != drafted.argmax, p_tok <= uniforms * q_tok)
+    n_accepted = _accepted_prefix(reject)
+    row_stats = jax.tree.map(lambda a: _at_row(a, n_accepted)[:, None], stats)
+    logits_row = jnp.take_along_axis(target_logits, n_accepted[:, None, None], axis=1)[:, 0]
+    return RaceInputs(
+        *jax.lax.optimization_barrier((
+            n_accepted,
+            row_stats.greedy[:, 0],
+            row_stats.argmax[:, 0],
+            stats_probs(logits_row, row_stats),
+            1.0 / exponentials,
+        ))
+    )
+
+
+def _accepted_prefix(reject):
+    """Length of the leading run of False in each row of reject [B, K] -> [B] int32."""
+    return jnp.sum(jnp.cumprod(~reject, axis=-1), axis=-1).astype(jnp.int32)
+
+
+def _at_row(per_row_values, row):
+    """per_row_values [B, R] at row[b] -> [B]."""
+    return jnp.take_along_axis(per_row_values, row[:, None], axis=1)[:, 0]
+
+
+def check_inputs(target_logits, draft_probs, draft_tokens, uniforms, exponentials) -> None:
+    """Shapes and dtypes at the Python boundary; each error names the argument and the fix."""
+    check_logits(target_logits, "target_logits")
+    if target_logits.ndim != 3:
+        raise ValueError(f"target_logits has shape {target_logits.shape}; pass [B, K+1, V] (K drafts)")
+    batch, k1, vocab = target_logits.shape
     k = k1 - 1
-    p = warp_probs(target_logits, temperature[:, None], top_k[:, None], top_p[:, None])
-    if k == 0:
-        return jnp.zeros((b,), jnp.int32), sample(p[:, 0], exponentials)
-    p_tok = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], -1)[..., 0]
-    q_tok = jnp.take_along_axis(draft_probs, draft_tokens[..., None], -1)[..., 0]
-    greedy = (temperature <= 0)[:, None]
-    accept = jnp.where(greedy, p_tok > 0.5, p_tok > uniforms * q_tok)
-    n_acc = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)
-    row = jnp.minimum(n_acc, k - 1)
-    p_row = jnp.take_along_axis(p, row[:, None, None], 1)[:, 0]
-    q_row = jnp.take_along_axis(draft_probs, row[:, None, None], 1)[:, 0]
-    residual = jnp.maximum(p_row - q_row, 0.0)
-    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_row)
-    residual = jnp.where(greedy, p_row, residual)
-    dist = jnp.where((n_acc < k)[:, None], residual, p[:, k])
-    return n_acc.astype(jnp.int32), sample(dist, exponentials)
-
-
-def rejection_sample(*args, use_kernel: bool = False):
-    return ref_rejection_sample(*args)
+    expected = {
+        "draft_probs": ((batch, k, vocab), "float32"),
+        "draft_tokens": ((batch, k), "integer"),
+        "uniforms": ((batch, k), "float32"),
+        "exponentials": ((batch, vocab), "float32"),
+    }
+    given = dict(draft_probs=draft_probs, draft_tokens=draft_tokens, uniforms=uniforms,
+                 exponentials=exponentials)
+    for name, (shape, kind) in expected.items():
+        value = given[name]
+        if tuple(value.shape) != shape:
+            raise ValueError(
+                f"{name} has shape {tuple(value.shape)}; with target_logits {target_logits.shape} "
+                f"(B={batch}, K={k}, V={vocab}) it must be {shape}"
+            )
+        ok = jnp.issubdtype(value.dtype, jnp.integer) if kind == "integer" else value.dtype == jnp.float32
+        if not ok:
+            raise TypeError(f"{name} has dtype {value.dtype}; pass {kind}")

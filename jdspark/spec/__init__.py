@@ -1,0 +1,1 @@
+"""Speculation: token warping and sampling, exact verification (spec dspark.md §5)."""
