@@ -59,7 +59,9 @@ def run(engine, prompt, tokens, width) -> dict:
         engine.width_policy = engine.selector
     elif width >= 0:
         engine.width_policy = lambda confidence, k=width: k
-    b = engine.add(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    # One seed for every mode: the synthetic acceptance draws are then the same sequence, so modes
+    # that choose the same widths accept the same drafts and differ only in what they cost.
+    b = engine.add(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, seed=1234, ignore_eos=True))
     start = time.perf_counter()
     while engine.active:
         engine.step()
