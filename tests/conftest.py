@@ -66,7 +66,7 @@ def spec_model():
 def spec_engine(spec_model):
     """Two slots, every width compiled once for the session; users set `speculative` and
     `width_policy` and release their slots."""
-    return Engine(spec_model, EngineConfig(max_seq_len=128, gamma=5, max_batch=2), prefill_chunk=16)
+    return Engine(spec_model, EngineConfig(max_seq_len=256, gamma=5, max_batch=2), prefill_chunk=16)
 
 
 @pytest.fixture(scope="session")

@@ -102,15 +102,16 @@ def test_draft_cache_holds_exactly_the_committed_positions(engine, model):
 
 
 def test_no_compilation_after_warm_up_at_any_mix_of_widths(engine, compile_counter):
+    """A 200-token generation at random widths (all of 0..5 used) next to a second request."""
     widths = iter(np.random.default_rng(1).integers(0, 6, 1000))
     run(engine, PROMPT, SamplingParams(max_tokens=8, temperature=0.8, top_k=5, seed=1), 2)  # warm-up
     before = compile_counter.count
     engine.speculative, engine.width_policy = True, lambda confidence: int(next(widths))
-    b = engine.add(PROMPT, SamplingParams(max_tokens=100, temperature=1.0, seed=2, ignore_eos=True))
-    c = engine.add(PROMPT[:5], SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True))
+    b = engine.add(PROMPT, SamplingParams(max_tokens=200, temperature=1.0, seed=2, ignore_eos=True))
+    c = engine.add(PROMPT[:5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     while engine.active:
         engine.step()
-    assert len(engine.slots[b].tokens) == len(engine.slots[c].tokens) == 100
+    assert len(engine.slots[b].tokens) == 200 and len(engine.slots[c].tokens) == 40
     assert min(engine.slots[b].stats.widths) > 0  # every width was used
     engine.release(b)
     engine.release(c)
@@ -118,8 +119,8 @@ def test_no_compilation_after_warm_up_at_any_mix_of_widths(engine, compile_count
 
 
 def test_bad_requests_get_clear_errors(engine, model):
-    with pytest.raises(EngineError, match="exceeds max_seq_len=128"):
-        engine.add(PROMPT, SamplingParams(max_tokens=120))
+    with pytest.raises(EngineError, match="exceeds max_seq_len=256"):
+        engine.add(PROMPT, SamplingParams(max_tokens=240))
     with pytest.raises(EngineError, match="token id 16 is outside the vocabulary"):
         engine.add([1, 16], GREEDY)
     with pytest.raises(EngineError, match="speculative=True needs a checkpoint with a DSpark drafter"):
