@@ -95,6 +95,8 @@ class Engine:
         self.decode = model.init_state(config)
         self.draft = dspark.init_draft_cache(model.config, config.max_batch, model.dtype) if dspark_cfg else None
         self.slots: list[Slot | None] = [None] * config.max_batch
+        self._no_tokens = jnp.zeros((config.max_batch, config.gamma), jnp.int32)  # width 0 / idle inputs
+        self._no_q = jnp.zeros((config.max_batch, config.gamma, model.config.vocab_size), jnp.float32)
         start = time.perf_counter()
         self.exe.compile(model.params, self.decode, self.draft, self._sampling())
         log.info("compiled %d executables in %.1f s", 1 + (self.exe.draft is not None) + len(self.exe.verify),
@@ -102,6 +104,8 @@ class Engine:
         self.selector: AdaptiveWidth | None = None
         if width_policy is None and speculative:
             if options.width is not None:
+                if options.width not in widths:
+                    raise EngineError(f"width={options.width}: must be one of the compiled widths {sorted(widths)}")
                 width_policy = lambda confidence: options.width  # noqa: E731
             elif set(widths) == set(range(config.gamma + 1)):
                 self.selector = AdaptiveWidth(self._verify_costs(), config.gamma)
@@ -111,19 +115,15 @@ class Engine:
         self.width_policy = width_policy or (lambda confidence: config.gamma)
         self.window = _Window()
         self.decisions: list[dict] | None = None  # set to [] to record every step's choice (profiling)
-        self._no_tokens = jnp.zeros((config.max_batch, config.gamma), jnp.int32)
-        self._no_q = jnp.zeros((config.max_batch, config.gamma, model.config.vocab_size), jnp.float32)
 
     def _verify_costs(self) -> list[float]:
         idle = np.zeros(self.config.max_batch, bool)
         anchor = np.zeros(self.config.max_batch, np.int32)
-        tokens = jnp.zeros((self.config.max_batch, self.config.gamma), jnp.int32)
-        q = jnp.zeros((self.config.max_batch, self.config.gamma, self.model.config.vocab_size), jnp.float32)
         sampling = self._sampling()
 
         def run(k):
             n_acc, _, self.decode, self.draft = self.exe.verify[k](self.model.params, self.decode, self.draft, anchor,
-                                                                  tokens, q, idle, sampling)
+                                                                  self._no_tokens, self._no_q, idle, sampling)
             jax.block_until_ready(n_acc)
 
         key = costs.cost_key(self.model.config.to_dict(), str(self.model.dtype), dataclasses.asdict(self.config))
