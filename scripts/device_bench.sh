@@ -17,7 +17,7 @@ for part in "$@"; do
       timeout 150 python3 scripts/bench_load.py --preset flash --layers 2 --experts 32 --json "$OUT/bench_load.json" 2>&1 \
         | grep -v -E "Warning|it/s|B/s" | tee "$OUT/bench_load.log" ;;
     adaptive)
-      timeout 200 python3 scripts/bench_adaptive.py --tokens 96 --repeats 2 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
+      timeout 300 python3 scripts/bench_adaptive.py --tokens 96 --repeats 5 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
     engine)
       timeout 230 python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_engine.py \
         -k "greedy or lossless" 2>&1 | tail -5 | tee "$OUT/engine_gpu_tests.log" ;;
