@@ -94,3 +94,13 @@ def spec_checkpoint(tmp_path_factory, char_tokenizer):
     write_checkpoint(SPEC_CONFIG, path, seed=1)
     shutil.copy(char_tokenizer.path, path / "tokenizer.json")
     return path
+
+
+def generate_to_end(engine, prompt, params):
+    """Run one request on `engine` until it finishes; returns its (released) slot."""
+    b = engine.add(prompt, params)
+    while engine.active:
+        engine.step()
+    slot = engine.slots[b]
+    engine.release(b)
+    return slot

@@ -9,6 +9,7 @@ import pytest
 from jdspark.engine.engine import SpecOptions
 from jdspark.engine.request import SamplingParams
 from jdspark.spec.selector import AdaptiveWidth
+from tests.conftest import generate_to_end
 
 PROMPT = [5, 9, 2, 14, 7, 7, 1, 12, 0, 4, 8, 11]
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
@@ -23,12 +24,7 @@ def engine(spec_engine):
 
 
 def generate(engine, params=GREEDY, prompt=PROMPT):
-    b = engine.add(prompt, params)
-    while engine.active:
-        engine.step()
-    slot = engine.slots[b]
-    engine.release(b)
-    return slot
+    return generate_to_end(engine, prompt, params)
 
 
 def test_startup_profile_measures_every_width(engine):

@@ -13,9 +13,9 @@ from jdspark.engine.engine import Engine, EngineError
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
 from jdspark.spec.selector import AdaptiveWidth
-from jdspark.spec.sampling import sample, warp_probs
-from jdspark.spec.verify import ref_rejection_sample
-from tests.conftest import SPEC_CONFIG
+from jdspark.spec.sampling import warp_probs
+from tests.conftest import SPEC_CONFIG, generate_to_end
+from tests.spec.test_verify import biased_rejection_sample
 
 CONFIG = SPEC_CONFIG
 PROMPT = np.array([5, 9, 2, 14, 7, 7, 1, 12, 0, 4, 8, 11], np.int32)
@@ -36,12 +36,7 @@ def run(engine, prompt, params, width=None):
     """Generate one request to the end with a fixed width (None: target-only); returns its slot."""
     engine.speculative = width is not None
     engine.width_policy = lambda confidence: width
-    b = engine.add(prompt, params)
-    while engine.active:
-        engine.step()
-    slot = engine.slots[b]
-    engine.release(b)
-    return slot
+    return generate_to_end(engine, prompt, params)
 
 
 @pytest.fixture(scope="module")
@@ -214,14 +209,10 @@ def test_speculative_sampling_is_lossless(stat_engine, model, warp):
     assert stat_engine.widths_used[1] > 0 and stat_engine.widths_used[2] > 0  # the selector really chose
 
 
-def skip_residual(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
-                  use_kernel=False):
-    """A classic bug: after a rejection, sample from p instead of the residual max(p - q, 0)."""
-    n_acc, _ = ref_rejection_sample(target_logits, draft_probs, draft_tokens, uniforms, exponentials,
-                                    temperature, top_k, top_p)
-    p = warp_probs(target_logits, temperature[:, None], top_k[:, None], top_p[:, None])
-    row = np.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
-    return n_acc, sample(row, exponentials)
+def skip_residual(*args, use_kernel=False):
+    """The verifier tests' negative control (samples p instead of the residual after a rejection),
+    with the engine's call signature."""
+    return biased_rejection_sample(*args)
 
 
 def test_the_lossless_test_catches_a_sampler_that_skips_the_residual(model, monkeypatch):
