@@ -121,6 +121,9 @@ class Model:
     def mtp_logits(self, token_ids, depth: int = 0) -> np.ndarray:
         """MTP block `depth` over one sequence: row t predicts token t+2 from (streams at t, token t+1).
         Returns [S-1, vocab] float32."""
+        if self.config.dspark is not None:
+            raise ValueError("this checkpoint's mtp.* layers are DSpark drafter stages, not MTP blocks; "
+                             "use jdspark.drafter.dspark.propose")
         if not 0 <= depth < self.config.num_nextn_predict_layers:
             raise ValueError(f"depth={depth}: the model has {self.config.num_nextn_predict_layers} MTP block(s)")
         ids = _check_ids(token_ids, self.config.vocab_size)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdspark.config import EngineConfig, flash_config, pro_config, tiny_config
+from jdspark.config import EngineConfig, flash_config, pro_config, tiny_config, tiny_dspark_config
 from jdspark.model.dsv4 import DSV4
 from jdspark.model.layers import Keys
 from jdspark.model.model import Model
@@ -82,3 +82,9 @@ def test_bad_token_ids_raise_clear_errors():
         model.logits([[1, 2]])
     with pytest.raises(ValueError, match="depth=1"):
         model.mtp_logits([1, 2], depth=1)
+
+
+def test_mtp_logits_refuses_drafter_stages():
+    model = Model.random(tiny_dspark_config(), "float32")
+    with pytest.raises(ValueError, match="DSpark drafter stages, not MTP blocks"):
+        model.mtp_logits([0, 1, 2])
