@@ -13,10 +13,6 @@ class Tokenizer:
         self.hf = HFTokenizer.from_file(str(self.path))
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
 
-    @property
-    def vocab_size(self) -> int:
-        return self.hf.get_vocab_size(with_added_tokens=True)
-
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         """Token ids of `text`, with BOS first (DSV4 prompts start with it) unless asked otherwise."""
         ids = self.hf.encode(text, add_special_tokens=False).ids
