@@ -31,8 +31,6 @@ def _generator(args):
     from jdspark.engine.engine import SpecOptions
     from jdspark.engine.executables import enable_compile_cache
     from jdspark.generator import Generator
-    if args.model is None:
-        raise ValueError("no --model given and no embedded default model is installed; pass --model PATH")
     enable_compile_cache()
     width = None if args.width == "adaptive" else int(args.width)
     options = SpecOptions(width=width, fallback_threshold=args.fallback_acceptance,
