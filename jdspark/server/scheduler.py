@@ -119,7 +119,12 @@ class Scheduler:
     @property
     def running(self) -> list[Request]:
         with self._cond:
-            return list(self._running.values())
+            return [*self._running.values(), *self._admitting]
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waiting)
 
     # ---- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:

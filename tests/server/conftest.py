@@ -1,6 +1,6 @@
 """One real server for the session: uvicorn on a free loopback port in a background thread, over
 the tiny speculative model (tests/conftest.py) with 8 slots and the character tokenizer. The engine
-compiles once (prefill, draft, verify at widths 0 and 5); every server test shares it."""
+compiles once (prefill, draft, verify at width 5); every server test shares it."""
 
 import threading
 import time
@@ -58,8 +58,8 @@ class Server:
 
 @pytest.fixture(scope="session")
 def server(spec_model, char_tokenizer):
-    engine = Engine(spec_model, EngineConfig(max_seq_len=160, gamma=5, max_batch=SLOTS), prefill_chunk=16,
-                    options=SpecOptions(width=5), widths=(0, 5))
+    engine = Engine(spec_model, EngineConfig(max_seq_len=320, gamma=5, max_batch=SLOTS), prefill_chunk=16,
+                    options=SpecOptions(width=5), widths=(5,))
     s = Server(create_app(engine, char_tokenizer, MODEL, api_key=API_KEY, max_queue=QUEUE), engine)
     yield s
     s.stop()
