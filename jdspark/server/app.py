@@ -112,6 +112,16 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
             if not final:
                 scheduler.cancel(pending)
 
+    async def collect(pending: Pending, request: Request, sink) -> Update | None:
+        """Run a non-streamed request to its end, passing each text delta to `sink`; returns the final
+        update, or None if the client left first. An engine failure becomes a 500."""
+        u = None
+        async for u in updates(pending, request):
+            if u.error:
+                raise failed(u)
+            sink(u.text)
+        return u if u is not None and u.final else None
+
     def envelope(kind: str, rid: str, **fields) -> dict:
         return {"id": rid, "object": kind, "created": int(time.time()), "model": model_name, **fields}
 
@@ -124,6 +134,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
 
     def failed(u: Update) -> APIError:
         return APIError(500, u.error, code="engine_error")
+
+    def client_gone() -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -156,10 +169,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
 
         if not req.stream:
             text = []
-            async for u in updates(pending, request):
-                if u.error:
-                    raise failed(u)
-                text.append(u.text)
+            u = await collect(pending, request, text.append)
+            if u is None:
+                return client_gone()
             return envelope("text_completion", rid, choices=[choice("".join(text), u.finish_reason)], usage=usage(u))
 
         async def events():
@@ -207,10 +219,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
             return "tool_calls" if calls else u.finish_reason
 
         if not req.stream:
-            async for u in updates(pending, request):
-                if u.error:
-                    raise failed(u)
-                out.add(u.text)
+            u = await collect(pending, request, out.add)
+            if u is None:
+                return client_gone()
             parsed = chat.parse_completion(out.text, req.thinking, req.tools_enabled)
             message = {"role": "assistant", "content": parsed["content"] or None if parsed["tool_calls"] else
                        parsed["content"]}
