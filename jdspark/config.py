@@ -525,13 +525,17 @@ class DSparkConfig:
     target_layer_ids: tuple[int, ...]
     markov_rank: int
     num_stages: int
+    # Sequential temperature scaling of the confidence logits (spec dspark.md §10): c_k =
+    # sigmoid(z_k / T_k). Key `dspark_confidence_temperatures`; absent means all 1 (raw head).
+    confidence_temperatures: tuple[float, ...] | None = None
 
     @classmethod
     def from_extra(cls, extra: dict, config: "DSV4Config") -> "DSparkConfig":
         try:
             d = cls(block_size=int(extra["dspark_block_size"]), noise_token_id=int(extra["dspark_noise_token_id"]),
                     target_layer_ids=tuple(int(i) for i in extra["dspark_target_layer_ids"]),
-                    markov_rank=int(extra["dspark_markov_rank"]), num_stages=config.num_nextn_predict_layers)
+                    markov_rank=int(extra["dspark_markov_rank"]), num_stages=config.num_nextn_predict_layers,
+                    confidence_temperatures=_temperatures(extra.get("dspark_confidence_temperatures")))
         except KeyError as e:
             raise ConfigError(f"config has dspark_block_size but lacks {e.args[0]}; a DSpark config needs "
                               "dspark_noise_token_id, dspark_target_layer_ids and dspark_markov_rank") from None
@@ -540,6 +544,10 @@ class DSparkConfig:
                               f"num_nextn_predict_layers={d.num_stages} (drafter stages) must all be >= 1")
         if not 0 <= d.noise_token_id < config.vocab_size:
             raise ConfigError(f"dspark_noise_token_id={d.noise_token_id} is outside the vocabulary [0, {config.vocab_size})")
+        temps = d.confidence_temperatures
+        if temps is not None and (len(temps) != d.block_size or not all(t > 0 for t in temps)):
+            raise ConfigError(f"dspark_confidence_temperatures={list(temps)}: need {d.block_size} positive numbers "
+                              "(one per draft position)")
         bad = [i for i in d.target_layer_ids if not 0 <= i < config.num_hidden_layers]
         if bad or not d.target_layer_ids:
             raise ConfigError(f"dspark_target_layer_ids={list(d.target_layer_ids)}: need one or more layer ids in "
@@ -570,6 +578,10 @@ class EngineConfig:
     def spec_rows(self) -> int:
         """Most rows one call may write and later roll back: a verification of the full block."""
         return self.gamma + 1
+
+
+def _temperatures(value) -> tuple[float, ...] | None:
+    return None if value is None else tuple(float(t) for t in value)
 
 
 def tiny_config(**overrides) -> DSV4Config:
@@ -624,6 +636,25 @@ def pro_config(**overrides) -> DSV4Config:
         scoring_func="sqrtsoftplus", routed_scaling_factor=2.5, swiglu_limit=10.0,
         compress_rope_theta=160000.0, rope_factor=16.0, original_seq_len=65536,
         expert_dtype="fp4", quantization=QuantConfig(),
+    )
+    base.update(overrides)
+    return DSV4Config(**base)
+
+
+def tiny_code_config(**overrides) -> DSV4Config:
+    """The embedded model (`jdspark/assets/tiny-code`): every DSV4 feature on (mHC, SWA, CSA with
+    the indexer, HCA, hash layers, MoE with a shared expert) at a size trained on one GPU in
+    minutes, with a 2-stage DSpark drafter (gamma 5) reading layers 1, 3 and 5."""
+    base = dict(
+        vocab_size=8192, hidden_size=256, num_hidden_layers=6, num_nextn_predict_layers=2,
+        num_hash_layers=3, num_attention_heads=4, head_dim=128, qk_rope_head_dim=64, q_lora_rank=128,
+        o_groups=2, o_lora_rank=128, sliding_window=64, compress_ratios=(0, 0, 4, 16, 4, 16, 0, 0),
+        index_n_heads=8, index_head_dim=64, index_topk=16, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, moe_intermediate_size=256, scoring_func="sqrtsoftplus",
+        routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+        rms_norm_eps=1e-6, rope_theta=10000.0, compress_rope_theta=160000.0, max_position_embeddings=4096,
+        extra=dict(dspark_block_size=5, dspark_noise_token_id=2, dspark_target_layer_ids=[1, 3, 5],
+                   dspark_markov_rank=32),
     )
     base.update(overrides)
     return DSV4Config(**base)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from jdspark.assets import default_model_dir
 from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine, EngineError, SpecOptions
@@ -21,19 +22,23 @@ class Generator:
     @classmethod
     def from_model(cls, model: Model, tokenizer: Tokenizer | None = None, *, speculative: bool = True,
                    gamma: int | None = None, max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 256,
-                   options: SpecOptions = SpecOptions(), use_kernel: bool | None = None) -> "Generator":
-        """Compile an engine for `model` (every width 0..gamma when speculative)."""
+                   options: SpecOptions = SpecOptions(), use_kernel: bool | None = None,
+                   widths: tuple[int, ...] | None = None) -> "Generator":
+        """Compile an engine for `model` (`widths` to verify; default every width 0..gamma when
+        speculative)."""
         if gamma is None:
             gamma = model.config.dspark.block_size if model.config.dspark else 5
         config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch)
         engine = Engine(model, config, speculative=speculative, prefill_chunk=prefill_chunk, options=options,
-                        use_kernel=use_kernel)
+                        use_kernel=use_kernel, widths=widths)
         return cls(engine, tokenizer)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, speculative: bool = True, gamma: int | None = None,
+    def from_pretrained(cls, path: str | Path | None = None, *, speculative: bool = True, gamma: int | None = None,
                         dtype: str = "bfloat16", max_seq_len: int = 4096, **engine_options) -> "Generator":
-        """Load a checkpoint directory (config.json, safetensors, optional tokenizer.json)."""
+        """Load a checkpoint directory (config.json, safetensors, optional tokenizer.json); without
+        a path, the embedded default model (`jdspark.assets`)."""
+        path = default_model_dir() if path is None else path
         model = load_model(path, dtype=dtype)
         tokenizer_file = Path(path) / "tokenizer.json"
         tokenizer = None

@@ -1,15 +1,35 @@
 #!/usr/bin/env bash
-# On the GPU machine: the named parts (sampler, load, adaptive, engine), each under its own time
-# limit, logs and JSON under $OUT, so a part that runs long still leaves the others' results.
-#   bash scripts/device_bench.sh sampler load      |      bash scripts/device_bench.sh adaptive engine
+# On the GPU machine: the named parts, each under its own time limit, logs and JSON under $OUT, so a
+# part that runs long still leaves the others' results. Environment: CORPUS (build/corpus_device),
+# TARGET_MINUTES (3.2), DRAFTER_MINUTES (1.8), MODEL (the model `eval` measures; default: the embedded one
+# or, after `train`/`drafter`, the one they wrote).
+#   bash scripts/device_bench.sh train            (target + drafter from scratch -> $OUT/tiny-code)
+#   bash scripts/device_bench.sh drafter eval     (train the embedded drafter further, then measure it)
+#   bash scripts/device_bench.sh sampler adaptive load engine
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jdspark-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD JDSPARK_CACHE=$OUT/cache
-python3 -c "import jax; print(jax.__version__, jax.devices())" | tee "$OUT/versions.txt"
+CORPUS=${CORPUS:-build/corpus_device}; MODEL=${MODEL:-}
+python3 -c "import jax, flax; print(jax.__version__, flax.__version__, jax.devices())" | tee "$OUT/versions.txt"
 for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case $part in
+    train)
+      python3 scripts/train_target.py --corpus "$CORPUS" --minutes "${TARGET_MINUTES:-3.2}" --out /tmp/target 2>&1 \
+        | grep -v Warning | tee "$OUT/train.log"
+      python3 scripts/train_drafter.py --target /tmp/target --corpus "$CORPUS" --minutes "${DRAFTER_MINUTES:-1.8}" \
+        --out "$OUT/tiny-code" 2>&1 | grep -v Warning | tee -a "$OUT/train.log"
+      cp /tmp/target/train_target.json "$OUT/tiny-code/"; MODEL=$OUT/tiny-code ;;
+    drafter)
+      python3 scripts/train_drafter.py --target jdspark/assets/tiny-code --corpus "$CORPUS" \
+        --minutes "${DRAFTER_MINUTES:-4.5}" ${DRAFTER_ARGS:-} --out "$OUT/tiny-code" 2>&1 | grep -v Warning | tee "$OUT/drafter.log"
+      MODEL=$OUT/tiny-code ;;
+    eval)
+      [ -n "$MODEL" ] && cp jdspark/assets/tiny-code/tokenizer.json "$MODEL/"
+      timeout 330 python3 scripts/eval_acceptance.py ${MODEL:+--model "$MODEL"} --corpus "$CORPUS" ${EVAL_ARGS:-} \
+        --json "$OUT/eval_acceptance.json" 2>&1 | grep -v Warning | tee "$OUT/eval.log"
+      [ -n "$MODEL" ] && rm -f "$MODEL/tokenizer.json" ;;  # in the repo already; keeps $OUT under its file limit
     sampler)
       timeout 170 python3 -m pytest -q -W ignore -p no:cacheprovider tests/pallas_kernels 2>&1 | tail -5 | tee "$OUT/sampler_gpu_tests.log"
       timeout 220 python3 scripts/bench_rejection_sampler.py 2>&1 | grep -v Warning | tee "$OUT/bench_sampler.log" ;;

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 from jdspark.checkpoint.names import official_to_path
-from jdspark.model.dequant import FP4_BLOCK, FP8_BLOCK
+from jdspark.model.dequant import FP4_BLOCK, FP8_BLOCK, fp4_dequant, fp8_block_dequant
 from jdspark.model.quantized import Storage
 
 FP8_MAX = 448.0
@@ -84,3 +84,14 @@ def quantize_tensors(tensors: dict[str, np.ndarray], storage: Storage) -> tuple[
         if out[scale_name].dtype == np.uint8:
             dtype_names[scale_name] = "F8_E8M0"
     return out, dtype_names
+
+
+def roundtrip(path: tuple, value: np.ndarray, storage: Storage) -> np.ndarray:
+    """The float32 value the parameter at `path` has after being stored as `storage` says and
+    dequantized (unchanged where the format stores it as is): measures what quantization costs."""
+    fmt = storage.format_of(path)
+    if fmt is None:
+        return np.asarray(value)
+    if fmt == "fp4":
+        return np.asarray(fp4_dequant(*quantize_fp4(value), np.float32))
+    return np.asarray(fp8_block_dequant(*quantize_fp8(value, storage.scale_dtype), np.float32))

@@ -90,6 +90,19 @@ def propose(model: DSV4, cache: DraftCache, anchor: jax.Array, temperature: jax.
     scan_in = (jnp.swapaxes(base, 0, 1), jnp.swapaxes(exponentials, 0, 1))
     _, (tokens, q, prev_embed) = jax.lax.scan(step, anchor.astype(jnp.int32), scan_in)
     tokens, q, prev_embed = (jnp.swapaxes(a, 0, 1) for a in (tokens, q, prev_embed))
+    return Proposal(tokens=tokens, q=q, confidence=confidence(model, h, prev_embed))
+
+
+def confidence_logits(model: DSV4, h: jax.Array, prev_embed: jax.Array) -> jax.Array:
+    """Raw confidence logits z [..., gamma] from the pre-norm h and W1[prev] (before STS)."""
     conf_in = jnp.concatenate([h.astype(jnp.float32), prev_embed], axis=-1)
-    confidence = jax.nn.sigmoid(last.confidence_head.proj(conf_in)[..., 0])
-    return Proposal(tokens=tokens, q=q, confidence=confidence)
+    return model.mtp[-1].confidence_head.proj(conf_in)[..., 0]
+
+
+def confidence(model: DSV4, h: jax.Array, prev_embed: jax.Array) -> jax.Array:
+    """c_k = sigmoid(z_k / T_k) with the config's STS temperatures (spec dspark.md §10)."""
+    z = confidence_logits(model, h, prev_embed)
+    temperatures = model.config.dspark.confidence_temperatures
+    if temperatures is not None:
+        z = z / jnp.asarray(temperatures, jnp.float32)
+    return jax.nn.sigmoid(z)

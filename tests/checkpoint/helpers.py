@@ -3,28 +3,10 @@
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
-from flax import nnx
 
-from jdspark.checkpoint.names import path_to_official
 from jdspark.checkpoint.safetensors_io import save_file
 from jdspark.config import DSV4Config
-from jdspark.model.model import Model
-from jdspark.model.quantized import is_expert
-
-
-def official_tensors(model: Model) -> dict[str, np.ndarray]:
-    """A model's parameters under their official checkpoint names (experts unstacked)."""
-    out = {}
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(model.params))[0]:
-        path, value = tuple(k.key for k in kp), np.asarray(leaf)
-        if is_expert(path):
-            for e in range(value.shape[0]):
-                out[path_to_official(path, e)] = value[e]
-        else:
-            out[path_to_official(path)] = value.astype(np.int64) if path[-1] == "tid2eid" else value
-    return out
 
 
 def write(path: Path, tensors: dict[str, np.ndarray], config: DSV4Config, shards: int = 1,

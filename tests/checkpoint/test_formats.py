@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import jdspark
+from jdspark.checkpoint.export import official_tensors
 from jdspark.checkpoint.formats import config_with, detect_storage
 from jdspark.checkpoint.names import locate, path_to_official
 from jdspark.checkpoint.quantize import quantize_tensors
@@ -19,7 +20,7 @@ from jdspark.model.layers import Linear
 from jdspark.model.model import Model
 from jdspark.model.moe import ExpertWeights
 from jdspark.model.quantized import Storage
-from tests.checkpoint.helpers import official_tensors, write
+from tests.checkpoint.helpers import write
 from tests.model.dequant_ref import dequantize_tensors
 
 # Dimensions that are not multiples of 128 (partial FP8 blocks) and an FP4-compatible expert width.

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 import jdspark
+from jdspark.checkpoint.export import official_tensors
 from jdspark.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from jdspark.cli import main
 from jdspark.config import tiny_config
 from jdspark.model.model import Model
 from tests.checkpoint import helpers
-from tests.checkpoint.helpers import official_tensors
 
 CFG = tiny_config(num_hidden_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1)
 

@@ -190,12 +190,13 @@ def lossless_p_values(engine, model, warp, rounds) -> tuple[float, float]:
             chi_square_p(tokens[:, 1] * v + tokens[:, 2], joint.sum(axis=0)))
 
 
-@pytest.fixture(scope="module")
-def stat_engine(model):
+@pytest.fixture(scope="module", params=[False, True], ids=["jnp-sampler", "pallas-sampler"])
+def stat_engine(model, request):
     """Adaptive widths: the E(k)/(D+V(k)) selector on injected costs that make it pick 1 or 2 from
-    each request's stale confidences (3+ are prohibitively expensive)."""
+    each request's stale confidences (3+ are prohibitively expensive). Once with the jnp reference
+    sampler and once with the Pallas kernel (interpret mode on the CPU, Triton on the GPU)."""
     engine = Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH), prefill_chunk=4,
-                    widths=(0, 1, 2), width_policy=lambda confidence: 2)
+                    widths=(0, 1, 2), width_policy=lambda confidence: 2, use_kernel=request.param)
     selector = AdaptiveWidth([1e-3, 1e-3, 1.5e-3, 10.0, 10.0, 10.0], gamma=5)
     selector.draft_samples = [1e-3] * 5
     engine.width_policy = selector

@@ -1,0 +1,108 @@
+"""Training the DSpark drafter on the frozen target (spec dspark.md §12), through the inference code.
+
+A training block is exactly what the engine drafts: for an anchor at position a, the context is
+the drafter's rows of positions a-W..a-1 (built from the target features, as `push_context` does)
+and the block is [x_a, noise x (gamma-1)] run by `draft_hidden`. Only the Markov head is
+teacher-forced (prev = the corpus tokens x_a..x_{a+gamma-1}). Losses per position k, weighted by
+exp(-(k-1)/decay): 0.1 CE(x_{a+k}) + 0.9 L1(p_draft, p_target) + 1.0 BCE(z_k, 1 - L1/2).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jdspark.drafter import dspark
+from jdspark.model import state
+from jdspark.model.dsv4 import DSV4
+from jdspark.train import adamw
+
+DRAFTER = nnx.All(nnx.Param, nnx.PathContains("mtp"))
+LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "confidence": 1.0}
+
+
+def sample_anchors(rng: np.random.Generator, batch: int, seq_len: int, gamma: int, count: int) -> np.ndarray:
+    """[batch, count] distinct anchors per sequence in [1, seq_len - gamma - 1] (every label in range)."""
+    return np.stack([np.sort(rng.choice(np.arange(1, seq_len - gamma), count, replace=False))
+                     for _ in range(batch)]).astype(np.int32)
+
+
+def target_outputs(module: DSV4, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The frozen target on ids [B, S]: (log-probabilities [B, S, V] fp32, drafter features)."""
+    logits, _, features = module(ids, module.config.dspark.target_layer_ids)
+    return jax.nn.log_softmax(logits, axis=-1), features
+
+
+def block_outputs(module: DSV4, features: jax.Array, ids: jax.Array, anchors: jax.Array):
+    """Draft logits [N, gamma, V] (Markov bias teacher-forced), raw confidence logits [N, gamma]
+    and labels [N, gamma] for the N = B * A blocks at anchors [B, A]."""
+    gamma = module.config.dspark.block_size
+    b, s = ids.shape
+    first, last = module.mtp[0], module.mtp[-1]
+    main_x = first.main_norm(first.main_proj(features.astype(module.dtype)))
+    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
+    row = jnp.repeat(jnp.arange(b), anchors.shape[1])
+    length = anchors.reshape(-1)
+    windows = []
+    for stage in module.mtp:
+        context = stage.attn.window_kv(main_x, positions)  # [B, S, H]: one row per position
+        held = state.ring_positions(length, module.config.sliding_window)  # the ring the engine would hold
+        windows.append(context[row[:, None], jnp.maximum(held, 0)])
+    cache = dspark.DraftCache(windows=tuple(windows), length=length)
+    h = dspark.draft_hidden(module, cache, ids[row, length])
+    offsets = length[:, None] + jnp.arange(gamma)
+    prev, labels = ids[row[:, None], offsets], ids[row[:, None], offsets + 1]
+    w1 = last.markov_head.embed.weight[...].astype(jnp.float32)
+    e = w1[prev]
+    logits = module.head(last.norm(h).astype(jnp.float32)) + last.markov_head.head(e)
+    return logits, dspark.confidence_logits(module, h, e), labels, (row, offsets)
+
+
+def losses(draft_params, frozen, graphdef, target_logp, features, ids, anchors, decay: float):
+    module = nnx.merge(graphdef, draft_params, frozen)
+    logits, z, labels, (row, offsets) = block_outputs(module, features, ids, anchors)
+    logp_draft = jax.nn.log_softmax(logits, axis=-1)
+    logp_target = target_logp[row[:, None], offsets]  # target row a+k-1 predicts position a+k
+    l1 = jnp.sum(jnp.abs(jnp.exp(logp_draft) - jnp.exp(logp_target)), axis=-1)  # [N, gamma]
+    ce = -jnp.take_along_axis(logp_draft, labels[..., None], axis=-1)[..., 0]
+    accept = jax.lax.stop_gradient(jnp.clip(1 - 0.5 * l1, 0.0, 1.0))
+    bce = jnp.maximum(z, 0) - z * accept + jnp.log1p(jnp.exp(-jnp.abs(z)))
+    weight = jnp.exp(-jnp.arange(z.shape[-1]) / decay)
+    terms = {name: jnp.sum(jnp.mean(v, axis=0) * weight) / jnp.sum(weight)
+             for name, v in (("ce", ce), ("l1", l1), ("confidence", bce))}
+    total = sum(LOSS_WEIGHTS[k] * v for k, v in terms.items())
+    per_position = jnp.mean(1 - 0.5 * l1, axis=0)
+    return total, {**terms, "accept": per_position, "tau": 1 + jnp.sum(jnp.cumprod(per_position))}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "config", "decay"), donate_argnames=("draft_params", "opt"))
+def train_step(draft_params, frozen, opt: adamw.AdamWState, ids, anchors, *, graphdef, config: adamw.AdamWConfig,
+               decay: float = 4.0):
+    module = nnx.merge(graphdef, draft_params, frozen)
+    target_logp, features = jax.lax.stop_gradient(target_outputs(module, ids))
+    (loss, info), grads = jax.value_and_grad(losses, has_aux=True)(draft_params, frozen, graphdef, target_logp,
+                                                                   features, ids, anchors, decay)
+    draft_params, opt, opt_info = adamw.update(config, draft_params, grads, opt)
+    return draft_params, opt, {"loss": loss, **info, **opt_info}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "decay"))
+def evaluate(draft_params, frozen, ids, anchors, *, graphdef, decay: float = 4.0):
+    """Held-out losses and the teacher-forced acceptance per position (1 - TV at T = 1)."""
+    module = nnx.merge(graphdef, draft_params, frozen)
+    target_logp, features = target_outputs(module, ids)
+    return losses(draft_params, frozen, graphdef, target_logp, features, ids, anchors, decay)[1]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def calibration_data(draft_params, frozen, ids, anchors, *, graphdef):
+    """(raw confidence logits [N, gamma], conditional acceptance probabilities 1 - TV [N, gamma])."""
+    module = nnx.merge(graphdef, draft_params, frozen)
+    target_logp, features = target_outputs(module, ids)
+    logits, z, _, (row, offsets) = block_outputs(module, features, ids, anchors)
+    l1 = jnp.sum(jnp.abs(jax.nn.softmax(logits, axis=-1) - jnp.exp(target_logp[row[:, None], offsets])), axis=-1)
+    return z, jnp.clip(1 - 0.5 * l1, 0.0, 1.0)

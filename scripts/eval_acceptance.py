@@ -1,0 +1,117 @@
+"""Acceptance and speed of speculative decoding on held-out code, through the engine.
+
+    python scripts/eval_acceptance.py [--model DIR] --corpus build/corpus --prompts 16 --max-tokens 128
+
+Prompts are the last --prompt-tokens tokens before a cut point in held-out files (deterministic).
+For T = 0 and T = 1: per-position acceptance and tau (tokens per verification, bonus included) at
+the full block width; greedy speculative tokens compared with greedy target-only tokens; and tokens/s
+target-only vs speculative (fixed full width and adaptive), median over --repeats passes over the
+same prompts (EOS ignored, so every request generates --max-tokens). Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jdspark.assets import default_model_dir
+from jdspark.checkpoint.loader import load_model
+from jdspark.engine.engine import SpecOptions
+from jdspark.engine.executables import enable_compile_cache
+from jdspark.engine.request import SamplingParams
+from jdspark.generator import Generator
+from jdspark.tokenizer.tokenizer import Tokenizer
+
+
+def heldout_prompts(corpus: Path, tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    docs = [json.loads(line)["text"] for line in open(corpus / "heldout.jsonl")]
+    prompts = []
+    for i in rng.permutation(len(docs)):
+        ids = tokenizer.encode(docs[i])
+        if len(ids) > length + 64:
+            cut = int(rng.integers(length, len(ids) - 64))
+            prompts.append(ids[cut - length:cut])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def run_all(gen: Generator, prompts, temperature: float, max_tokens: int, seed: int) -> dict:
+    """Every prompt once (single request at a time); totals and per-request stats."""
+    outs, stats = [], []
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed + i, ignore_eos=True)
+        c = gen.generate(prompt, params)
+        outs.append(c.token_ids)
+        stats.append(c.stats)
+    seconds = time.perf_counter() - start
+    steps = sum(s.steps for s in stats)
+    accepted = np.sum([s.accepted_at for s in stats], axis=0)
+    verified = np.sum([s.verified_at for s in stats], axis=0)
+    return {"tokens": outs, "tok_s": sum(len(o) for o in outs) / seconds, "seconds": seconds,
+            "tau": sum(s.emitted_by_steps for s in stats) / steps,
+            "acceptance": (accepted / np.maximum(verified, 1)).round(4).tolist(),
+            "widths": np.sum([s.widths for s in stats], axis=0).tolist()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--corpus", default="build/corpus")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="eval_acceptance.json")
+    args = p.parse_args(argv)
+    enable_compile_cache()  # the fixed-width engine's executables are the adaptive engine's
+    path = Path(args.model) if args.model else default_model_dir()
+    model = load_model(path, dtype=args.dtype, progress=False)
+    tokenizer = Tokenizer(path / "tokenizer.json")
+    prompts = heldout_prompts(Path(args.corpus), tokenizer, args.prompts, args.prompt_tokens, args.seed)
+    max_seq_len = args.prompt_tokens + args.max_tokens + 64
+    gamma = model.config.dspark.block_size
+    engines = {
+        "target-only": Generator.from_model(model, tokenizer, speculative=False, max_seq_len=max_seq_len),
+        f"speculative k={gamma}": Generator.from_model(model, tokenizer, max_seq_len=max_seq_len,
+                                                       options=SpecOptions(width=gamma), widths=(gamma,)),
+        "speculative adaptive": Generator.from_model(model, tokenizer, max_seq_len=max_seq_len),
+    }
+    result = {"device": str(jax.devices()[0].device_kind), "model": str(path), "args": vars(args), "runs": {}}
+    for temperature in (0.0, 1.0):
+        for name, gen in engines.items():
+            passes = [run_all(gen, prompts, temperature, args.max_tokens, args.seed) for _ in range(args.repeats)]
+            first = passes[0]
+            result["runs"][f"T={temperature:g} {name}"] = {
+                "tok_s_median": statistics.median(r["tok_s"] for r in passes), "tok_s": [r["tok_s"] for r in passes],
+                "tau": first["tau"], "acceptance": first["acceptance"], "widths": first["widths"],
+                "tokens": first["tokens"]}
+    runs = result["runs"]
+    for temperature in ("0", "1"):
+        base = runs[f"T={temperature} target-only"]["tok_s_median"]
+        for name in engines:
+            runs[f"T={temperature} {name}"]["speedup"] = runs[f"T={temperature} {name}"]["tok_s_median"] / base
+    result["greedy_equal"] = all(runs[f"T=0 {name}"]["tokens"] == runs["T=0 target-only"]["tokens"] for name in engines)
+    print(f"{'run':34s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s}  acceptance by position")
+    for name, r in runs.items():
+        print(f"{name:34s} {r['tok_s_median']:8.1f} {r['speedup']:7.2f}x {r['tau']:6.2f}  {r['acceptance']}")
+    print(f"greedy speculative == greedy target-only: {result['greedy_equal']}")
+    for r in runs.values():
+        r.pop("tokens")
+    Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

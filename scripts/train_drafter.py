@@ -1,0 +1,97 @@
+"""Train the DSpark drafter on the frozen target (spec dspark.md §12-13), then calibrate its
+confidences with sequential temperature scaling (§10) on held-out code.
+
+    python scripts/train_drafter.py --target build/tiny-code-target --corpus build/corpus \
+        --minutes 2 --out jdspark/assets/tiny-code
+
+The target is loaded from its checkpoint with the stored (quantized) values, so the drafter learns
+the distribution that is served. Anchors, block layout and losses as `jdspark.train.drafter`
+(0.1 CE + 0.9 L1 + 1.0 BCE(confidence), decay 4). Writes <out>/ (config.json with
+dspark_confidence_temperatures, sharded safetensors, tokenizer.json) and <out>/train_drafter.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jdspark.checkpoint.export import save_model
+from jdspark.checkpoint.loader import load_model, read_config
+from jdspark.model.model import Model
+from jdspark.train import adamw, drafter, loop, sts
+from jdspark.train.data import Batches, heldout_windows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default="build/tiny-code-target")
+    p.add_argument("--corpus", default="build/corpus")
+    p.add_argument("--tokenizer", default="jdspark/assets/tiny-code/tokenizer.json")
+    p.add_argument("--out", default="jdspark/assets/tiny-code")
+    p.add_argument("--minutes", type=float, default=2.0)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--anchors", type=int, default=64, help="blocks per sequence")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--decay", type=float, default=4.0, help="loss weight exp(-(k-1)/decay) per position")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--heldout-windows", type=int, default=256)
+    args = p.parse_args(argv)
+    stored = read_config(args.target)
+    model = load_model(args.target, dtype="float32", dequantize=True, progress=False)
+    gamma = stored.dspark.block_size
+    graphdef, params, frozen = nnx.split(model.module(), drafter.DRAFTER, ...)
+    opt_config = adamw.AdamWConfig(lr=args.lr, warmup_steps=args.warmup)
+    batches = Batches(np.load(Path(args.corpus) / "train.npy"), args.batch, args.seq_len, seed=args.seed + 1)
+    held = heldout_windows(np.load(Path(args.corpus) / "heldout.npy"), args.seq_len, args.heldout_windows)[:, :-1]
+    rng = np.random.default_rng(args.seed)
+    held_anchors = drafter.sample_anchors(rng, len(held), args.seq_len, gamma, args.anchors)
+    state = {"params": params, "opt": adamw.init(params, total_steps=10 ** 6)}
+
+    def step(i):
+        ids = batches.next()[:, :-1]
+        anchors = drafter.sample_anchors(rng, args.batch, args.seq_len, gamma, args.anchors)
+        state["params"], state["opt"], info = drafter.train_step(state["params"], frozen, state["opt"], ids, anchors,
+                                                                 graphdef=graphdef, config=opt_config, decay=args.decay)
+        return info
+
+    def set_total(total):
+        state["opt"] = state["opt"].replace(total_steps=jnp.asarray(total, jnp.int32))
+
+    def evaluate(limit=args.batch):
+        rows = [drafter.evaluate(state["params"], frozen, held[i:i + args.batch], held_anchors[i:i + args.batch],
+                                 graphdef=graphdef, decay=args.decay) for i in range(0, limit - args.batch + 1, args.batch)]
+        return {k: np.mean([np.asarray(r[k]) for r in rows], axis=0).round(4).tolist() for k in ("accept", "tau", "l1")}
+
+    record = loop.run(step, args.minutes * 60, set_total, evaluate=evaluate, eval_every=250)
+    heldout = evaluate(len(held))
+    z, accept = [], []
+    for i in range(0, len(held) - args.batch + 1, args.batch):
+        zi, ai = drafter.calibration_data(state["params"], frozen, held[i:i + args.batch],
+                                          held_anchors[i:i + args.batch], graphdef=graphdef)
+        z.append(np.asarray(zi))
+        accept.append(np.asarray(ai))
+    z, accept = np.concatenate(z).astype(np.float64), np.concatenate(accept).astype(np.float64)
+    temperatures, ece_before, ece_after = sts.fit(z, sts.prefix_accepted(accept, np.random.default_rng(args.seed)))
+    config = stored.replace(extra={**stored.extra, "dspark_confidence_temperatures": temperatures})
+    out = save_model(Model(*nnx.split(nnx.merge(graphdef, state["params"], frozen))), args.out, config)
+    if Path(args.tokenizer).resolve() != (out / "tokenizer.json").resolve():
+        shutil.copy(args.tokenizer, out / "tokenizer.json")
+    record.update(heldout=heldout, sts={"temperatures": temperatures, "ece_before": ece_before, "ece_after": ece_after},
+                  args=vars(args), device=str(jax.devices()[0].device_kind))
+    (out / "train_drafter.json").write_text(json.dumps(record, indent=1))
+    print(json.dumps({"heldout": heldout, "sts": record["sts"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
