@@ -1,10 +1,11 @@
 # `make test`: create .venv if missing, install jdspark with its test extra, run the suite.
+# `make serve`: the same set-up, then the OpenAI-compatible server on the embedded model (CPU is fine).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test install clean
+.PHONY: test serve install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +19,9 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+serve: $(STAMP)
+	$(PY) -m jdspark.cli serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -27,17 +27,24 @@ def _logits(args) -> int:
     return 0
 
 
-def _generator(args):
+def _model_dir(args) -> str:
+    """--model, or the embedded default model (FileNotFoundError, naming --model, if it is missing)."""
+    from jdspark.assets import default_model_dir
+    return args.model if args.model is not None else str(default_model_dir())
+
+
+def _generator(args, max_batch: int = 1):
     from jdspark.engine.engine import SpecOptions
     from jdspark.engine.executables import enable_compile_cache
     from jdspark.generator import Generator
+    model = _model_dir(args)
     enable_compile_cache()
     width = None if args.width == "adaptive" else int(args.width)
     options = SpecOptions(width=width, fallback_threshold=args.fallback_acceptance,
                           fallback_min_drafted=args.fallback_min_drafted, fallback_cooldown=args.fallback_steps,
                           reprofile=args.reprofile, log_every=args.log_every)
-    return Generator.from_pretrained(args.model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
-                                     max_seq_len=args.max_seq_len, options=options)
+    return Generator.from_pretrained(model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
+                                     max_seq_len=args.max_seq_len, max_batch=max_batch, options=options)
 
 
 def _prompt_and_params(args):
@@ -72,18 +79,39 @@ def _profile(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    import logging
+    from pathlib import Path
+
+    import uvicorn
+
+    from jdspark.server.app import create_app
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    generator = _generator(args, max_batch=args.max_running)
+    if generator.tokenizer is None:
+        raise ValueError(f"{_model_dir(args)} has no tokenizer.json; the server needs one to read and write text")
+    name = args.served_model_name or Path(_model_dir(args)).name
+    app = create_app(generator.engine, generator.tokenizer, name, api_key=args.api_key, max_queue=args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def _add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="text, or comma-separated token ids with --ids")
-    p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
     p.add_argument("--ids", action="store_true", help="the prompt is comma-separated token ids")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    _add_engine_options(p)
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=True,
                    help="DSpark speculative decoding (--no-speculative: target only)")
     p.add_argument("--gamma", type=int, help="draft block size (default: the drafter's)")
@@ -124,6 +152,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generation_options(p)
     p.add_argument("--out", default="profile_out")
     p.set_defaults(run=_profile)
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, "
+                                     "/v1/models, /health, /metrics)")
+    _add_engine_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-running", type=int, default=8, help="requests decoded together (engine slots)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
+    p.set_defaults(run=_serve)
     p = sub.add_parser("convert", help="convert a checkpoint to the orbax format of the in-memory layout "
                                        "(faster start; load_model restores it directly)")
     p.add_argument("src", help="checkpoint directory (safetensors, official or transformers names)")

@@ -10,8 +10,17 @@ def test_generate_target_only_prints_text_and_stats(spec_checkpoint, capsys):
     assert code == 0 and len(out.strip()) >= 1 and '"generated_tokens"' in err
 
 
-def test_generate_errors_exit_2(spec_checkpoint, capsys):
+def test_generate_errors_exit_2(spec_checkpoint, capsys, monkeypatch, tmp_path):
     assert main(["generate", "--model", str(spec_checkpoint), "--no-speculative", "--temperature", "-1", "x"]) == 2
     assert "temperature=-1.0: must be a number >= 0" in capsys.readouterr().err
+    monkeypatch.setattr("jdspark.assets.DEFAULT_MODEL", str(tmp_path / "absent"))  # as if not installed
     assert main(["generate", "x"]) == 2
     assert "pass --model PATH" in capsys.readouterr().err
+
+
+def test_serve_errors_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("jdspark.assets.DEFAULT_MODEL", str(tmp_path / "absent"))
+    assert main(["serve"]) == 2  # the default --model is the embedded one
+    assert "embedded model is missing" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere" in capsys.readouterr().err

@@ -92,8 +92,7 @@ class Engine:
         if bad or not widths:
             raise EngineError(f"widths={widths}: each must be in 0..gamma={config.gamma} (only 0 without speculation)")
         self.exe = Executables(model, config, min(prefill_chunk, config.max_seq_len), use_kernel, widths)
-        self.decode = model.init_state(config)
-        self.draft = dspark.init_draft_cache(model.config, config.max_batch, model.dtype) if dspark_cfg else None
+        self.decode, self.draft = self._fresh_state()
         self.slots: list[Slot | None] = [None] * config.max_batch
         self._no_tokens = jnp.zeros((config.max_batch, config.gamma), jnp.int32)  # width 0 / idle inputs
         self._no_q = jnp.zeros((config.max_batch, config.gamma, model.config.vocab_size), jnp.float32)
@@ -115,6 +114,20 @@ class Engine:
         self.width_policy = width_policy or (lambda confidence: config.gamma)
         self.window = _Window()
         self.decisions: list[dict] | None = None  # set to [] to record every step's choice (profiling)
+
+    def _fresh_state(self):
+        """Empty decode state and draft cache (None without a drafter) for every slot."""
+        draft = None
+        if self.model.config.dspark is not None:
+            draft = dspark.init_draft_cache(self.model.config, self.config.max_batch, self.model.dtype)
+        return self.model.init_state(self.config), draft
+
+    def reset(self) -> None:
+        """Drop every request and start again from empty device state. An executable that raised
+        may already have consumed the donated state, so a server calls this after a failed step to
+        keep serving the next requests."""
+        self.slots = [None] * self.config.max_batch
+        self.decode, self.draft = self._fresh_state()
 
     def _verify_costs(self) -> list[float]:
         idle = np.zeros(self.config.max_batch, bool)
@@ -139,7 +152,7 @@ class Engine:
     def add_many(self, requests: list[tuple[object, SamplingParams]]) -> list[int]:
         """Admit several requests at once (their prompts are prefilled together); returns their
         slots. Every request is checked before any is admitted."""
-        prompts = [self._check_prompt(ids, params) for ids, params in requests]
+        prompts = [self.check_prompt(ids, params) for ids, params in requests]
         free = [i for i, s in enumerate(self.slots) if s is None]
         if len(free) < len(requests):
             raise EngineError(f"{len(requests)} request(s) but only {len(free)} of {self.config.max_batch} slots are free")
@@ -172,7 +185,10 @@ class Engine:
             self._emit(b, [int(first[b])])
         return slots
 
-    def _check_prompt(self, prompt_ids, params: SamplingParams) -> np.ndarray:
+    def check_prompt(self, prompt_ids, params: SamplingParams) -> np.ndarray:
+        """The prompt as int32 ids, or EngineError if it cannot run here (empty, ids outside the
+        vocabulary, or prompt + max_tokens + speculative rows over max_seq_len). Reads only the
+        configuration, so a server can check a request before queueing it."""
         ids = np.asarray(prompt_ids)
         vocab = self.model.config.vocab_size
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):

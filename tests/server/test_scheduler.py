@@ -1,0 +1,129 @@
+"""Continuous batching under load: concurrent greedy streams equal one-at-a-time results, a client
+that disconnects frees its slot, a full queue answers 429 + Retry-After, and an engine failure fails
+only the requests it was running while the server keeps serving (without recompiling)."""
+
+import contextlib
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MODEL, QUEUE, SLOTS
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+@contextlib.contextmanager
+def paused(engine):
+    """Hold the engine thread inside its next step until the block ends (requests pile up)."""
+    gate, step = threading.Event(), engine.step
+    engine.step = lambda: (gate.wait(60), step())[1]
+    try:
+        yield gate
+    finally:
+        gate.set()
+        del engine.step
+
+
+def wait_for(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def stream_text(client, prompt, **kw) -> str:
+    chunks = client.completions.create(model=MODEL, prompt=prompt, stream=True, **kw)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+def in_threads(fn, args_list):
+    results = [None] * len(args_list)
+
+    def run(i, args):
+        try:
+            results[i] = fn(*args)
+        except Exception as e:  # surfaced by the caller's asserts
+            results[i] = e
+    threads = [threading.Thread(target=run, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def test_concurrent_greedy_streams_equal_one_at_a_time(server, client):
+    prompts = ["a", "bcd", "mnmnmn", "hello", "abcdefghijklmn", "nmlk", "gg", "fedcba"]
+    lengths = [24, 17, 30, 9, 21, 28, 12, 25]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=n, **GREEDY).choices[0].text
+             for p, n in zip(prompts, lengths)]
+    with paused(server.engine):  # all 8 queue up, then run batched, joining between steps
+        threads, together = in_threads(lambda p, n: stream_text(client, p, max_tokens=n, **GREEDY),
+                                       list(zip(prompts, lengths)))
+        wait_for(lambda: len(server.scheduler.running) + server.scheduler.waiting == SLOTS)
+    for t in threads:
+        t.join(60)
+    assert together == alone
+
+
+def test_disconnect_mid_stream_frees_the_slot(server):
+    aborted = server.metric("jdspark:request_success_total", 'finished_reason="abort"')
+    generated = server.metric("jdspark:generation_tokens_total")
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 120, "stream": True, "temperature": 0, "ignore_eos": True}
+    with paused(server.engine):
+        with server.http() as http, http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            first = next(r.iter_lines())
+            assert first.startswith("data: ") and '"text"' in first
+        wait_for(lambda: all(p.cancelled for p in server.scheduler.running))  # the server noticed
+    server.idle()
+    assert server.metric("jdspark:request_success_total", 'finished_reason="abort"') == aborted + 1
+    assert server.metric("jdspark:generation_tokens_total") - generated < 120
+    assert server.metric("jdspark:num_requests_running") == 0
+
+
+def test_full_queue_answers_429_with_retry_after(server, client):
+    with paused(server.engine):
+        threads, results = in_threads(lambda p: stream_text(client, p, max_tokens=5, **GREEDY),
+                                      [("abc",)] * (SLOTS + QUEUE))
+        wait_for(lambda: len(server.scheduler.running) + server.scheduler.waiting == SLOTS + QUEUE)
+        with server.http() as http:
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 5})
+        assert r.status_code == 429 and r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "queue_full"
+    for t in threads:
+        t.join(60)
+    assert all(isinstance(x, str) and x == results[0] for x in results)
+    server.idle()
+
+
+def test_engine_failure_fails_running_requests_and_server_recovers(server, client, compile_counter):
+    expected = client.completions.create(model=MODEL, prompt="abc", max_tokens=10, **GREEDY).choices[0].text
+    step = server.engine.step
+    failures = iter([RuntimeError("device on fire")])
+
+    def failing_step():
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return step()
+    server.engine.step = failing_step
+    try:
+        with pytest.raises(openai.InternalServerError, match="device on fire"):
+            client.completions.create(model=MODEL, prompt="abc", max_tokens=10, **GREEDY)
+        failures = iter([RuntimeError("device on fire again")])
+        with server.http() as http:
+            lines = http.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 10,
+                                                       "stream": True, "temperature": 0}).text.splitlines()
+        assert any('"error"' in line and "device on fire again" in line for line in lines)
+        assert lines[-2] == "data: [DONE]"
+    finally:
+        del server.engine.step
+    before = compile_counter.count  # the reset state has the compiled shapes: nothing recompiles
+    assert client.completions.create(model=MODEL, prompt="abc", max_tokens=10, **GREEDY).choices[0].text == expected
+    assert compile_counter.count == before
+    server.idle()
+    assert server.metric("jdspark:request_success_total", 'finished_reason="error"') == 2
+    assert server.metric("jdspark:num_requests_running") == 0
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "running": 0}
