@@ -5,7 +5,7 @@
 # or, after `train`/`drafter`, the one they wrote).
 #   bash scripts/device_bench.sh train            (target + drafter from scratch -> $OUT/tiny-code)
 #   bash scripts/device_bench.sh drafter eval     (train the embedded drafter further, then measure it)
-#   bash scripts/device_bench.sh sampler adaptive load engine
+#   bash scripts/device_bench.sh sampler adaptive serve      (serve: carry .whl, see the part)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jdspark-out}; mkdir -p "$OUT"
@@ -30,14 +30,19 @@ for part in "$@"; do
       timeout 330 python3 scripts/eval_acceptance.py ${MODEL:+--model "$MODEL"} --corpus "$CORPUS" ${EVAL_ARGS:-} \
         --json "$OUT/eval_acceptance.json" 2>&1 | grep -v Warning | tee "$OUT/eval.log"
       [ -n "$MODEL" ] && rm -f "$MODEL/tokenizer.json" ;;  # in the repo already; keeps $OUT under its file limit
+    sampler-tests)
+      timeout 170 python3 -m pytest -q -W ignore -p no:cacheprovider tests/pallas_kernels 2>&1 | tail -5 | tee "$OUT/sampler_gpu_tests.log" ;;
     sampler)
-      timeout 170 python3 -m pytest -q -W ignore -p no:cacheprovider tests/pallas_kernels 2>&1 | tail -5 | tee "$OUT/sampler_gpu_tests.log"
-      timeout 220 python3 scripts/bench_rejection_sampler.py 2>&1 | grep -v Warning | tee "$OUT/bench_sampler.log" ;;
+      timeout 170 python3 scripts/bench_rejection_sampler.py --trials 21 2>&1 | grep -v Warning | tee "$OUT/bench_sampler.log" ;;
     load)
       timeout 150 python3 scripts/bench_load.py --preset flash --layers 2 --experts 32 --json "$OUT/bench_load.json" 2>&1 \
         | grep -v -E "Warning|it/s|B/s" | tee "$OUT/bench_load.log" ;;
     adaptive)
-      timeout 300 python3 scripts/bench_adaptive.py --tokens 96 --repeats 5 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
+      timeout 240 python3 scripts/bench_adaptive.py --tokens 64 --repeats 5 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
+    serve)  # FastAPI / uvicorn are not on the GPU image: wheels carried in .whl (see the device README)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      PYTHONPATH=$PWD:/tmp/site timeout 170 python3 scripts/bench_serve.py --requests 16 --max-tokens 64 --max-seconds 25 \
+        --out "$OUT/bench_serve.json" 2>&1 | grep -v Warning | tee "$OUT/bench_serve.log" ;;
     engine)
       timeout 230 python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_engine.py \
         -k "greedy or lossless" 2>&1 | tail -5 | tee "$OUT/engine_gpu_tests.log" ;;
