@@ -72,7 +72,8 @@ class CompletionStats:
 
     @property
     def acceptance(self) -> list[float]:
-        """Per draft position: accepted / verified (conditional on reaching that position)."""
+        """Per draft position i: of the verifications whose width included position i, the fraction
+        whose accepted prefix reached it (not conditional on positions before i being accepted)."""
         return [a / v if v else 0.0 for a, v in zip(self.accepted_at, self.verified_at)]
 
     def record_step(self, width: int, n_accepted: int) -> None:

@@ -1,0 +1,43 @@
+"""The embedded model: it ships in the package, loads with no download and no GPU, writes code, and
+greedy speculative decoding reproduces greedy target-only decoding on it exactly (float32)."""
+
+import pytest
+
+from jdspark.assets import default_model_dir
+from jdspark.checkpoint.loader import load_model
+from jdspark.engine.engine import SpecOptions
+from jdspark.engine.request import SamplingParams
+from jdspark.generator import Generator
+from jdspark.tokenizer.tokenizer import Tokenizer
+
+PROMPTS = ["def fib(n):", "import os\n\n\ndef list_files(path):"]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    path = default_model_dir()
+    return load_model(path, dtype="float32", progress=False), Tokenizer(path / "tokenizer.json")
+
+
+def test_the_embedded_model_is_a_dsv4_with_a_drafter_and_a_tokenizer(shipped):
+    model, tokenizer = shipped
+    config = model.config
+    assert config.dspark is not None and config.dspark.block_size == 5
+    assert config.expert_dtype == "fp4" and config.quantization is not None
+    assert {config.layer_kind(i) for i in range(config.num_hidden_layers)} == {"window", "csa", "hca"}
+    assert tokenizer.decode(tokenizer.encode("def f(x):\n    return x\n")) == "def f(x):\n    return x\n"
+    assert tokenizer.encode("x")[0] == config.bos_token_id == 0
+
+
+def test_greedy_speculative_equals_greedy_target_only_on_the_shipped_model(shipped):
+    model, tokenizer = shipped
+    common = dict(max_seq_len=96, prefill_chunk=32)
+    target = Generator.from_model(model, tokenizer, speculative=False, **common)
+    speculative = Generator.from_model(model, tokenizer, options=SpecOptions(width=5), widths=(5,), **common)
+    for prompt in PROMPTS:
+        expected = target.generate(prompt, GREEDY)
+        got = speculative.generate(prompt, GREEDY)
+        assert got.token_ids == expected.token_ids
+        assert got.stats.tau > 1.2  # drafts are accepted (an untrained drafter of 8192 tokens: tau ~ 1.0)
+    assert "return" in target.generate(PROMPTS[0], GREEDY).text  # a plausible body for `def fib(n):`

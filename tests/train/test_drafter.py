@@ -1,0 +1,74 @@
+"""Drafter training runs the inference draft path: a training block's draft logits and confidences
+equal what the engine's draft cache + `propose` machinery computes for the same anchor."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jdspark.drafter import dspark
+from jdspark.model.model import Model
+from jdspark.train import adamw, drafter
+from tests.conftest import SPEC_CONFIG
+
+CONFIG = SPEC_CONFIG  # window 8, 3 layers + 2 drafter stages, vocabulary 16
+GAMMA = CONFIG.dspark.block_size
+
+
+def inference_block(graphdef, state, ids, features, anchor):
+    """Draft logits and confidence logits the engine's path gives for one anchor: a draft cache
+    pushed with the first `anchor` positions' features, `draft_hidden`, teacher-forced Markov bias."""
+    module = nnx.merge(graphdef, state)
+    cache = dspark.init_draft_cache(CONFIG, 1, jnp.float32)
+    cache = dspark.push_context(module, cache, features[None], anchor[None])  # writes rows < anchor
+    h = dspark.draft_hidden(module, cache, ids[anchor][None])
+    last = module.mtp[-1]
+    e = last.markov_head.embed.weight[...][jax.lax.dynamic_slice(ids, (anchor,), (GAMMA,))][None]
+    return module.head(last.norm(h)) + last.markov_head.head(e), dspark.confidence_logits(module, h, e)
+
+
+def training_blocks(graphdef, state, ids, anchors):
+    module = nnx.merge(graphdef, state)
+    _, features = drafter.target_outputs(module, ids)
+    return features, drafter.block_outputs(module, features, ids, anchors)
+
+
+def test_training_blocks_equal_the_inference_draft_path():
+    model = Model.random(CONFIG, "float32", seed=5)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(4, CONFIG.vocab_size, (2, 40)), jnp.int32)
+    anchors = jnp.asarray([[3, 17, 30], [1, 9, 33]], jnp.int32)  # before and after the window fills
+    features, (logits, z, labels, _) = jax.jit(training_blocks, static_argnums=0)(model.graphdef, model.params, ids,
+                                                                                  anchors)
+    infer = jax.jit(inference_block, static_argnums=0)
+    for b in range(2):
+        for j, a in enumerate(np.asarray(anchors[b])):
+            expected_logits, expected_z = infer(model.graphdef, model.params, ids[b], features[b], jnp.int32(a))
+            n = b * anchors.shape[1] + j
+            np.testing.assert_allclose(np.asarray(logits[n]), np.asarray(expected_logits[0]), atol=2e-5)
+            np.testing.assert_allclose(np.asarray(z[n]), np.asarray(expected_z[0]), atol=2e-5)
+            np.testing.assert_array_equal(np.asarray(labels[n]), np.asarray(ids[b, a + 1:a + 1 + GAMMA]))
+
+
+def test_a_few_steps_lower_the_loss_and_touch_only_the_drafter():
+    model = Model.random(CONFIG, "float32", seed=6)
+    graphdef, params, frozen = nnx.split(model.module(), drafter.DRAFTER, ...)
+    frozen_before = jax.tree.map(np.asarray, frozen)
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(4, CONFIG.vocab_size, (2, 32)), jnp.int32)
+    anchors = jnp.asarray(drafter.sample_anchors(rng, 2, 32, GAMMA, 8))
+    opt = adamw.init(params, total_steps=15)
+    config = adamw.AdamWConfig(lr=3e-3, warmup_steps=2)
+    first = drafter.evaluate(params, frozen, ids, anchors, graphdef=graphdef)
+    for _ in range(15):
+        params, opt, info = drafter.train_step(params, frozen, opt, ids, anchors, graphdef=graphdef, config=config)
+    last = drafter.evaluate(params, frozen, ids, anchors, graphdef=graphdef)
+    assert float(last["l1"]) < float(first["l1"]) and float(last["ce"]) < float(first["ce"])
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), frozen_before, frozen))
+
+
+def test_anchors_are_distinct_and_leave_room_for_every_label():
+    anchors = drafter.sample_anchors(np.random.default_rng(0), 3, 64, GAMMA, 20)
+    assert anchors.shape == (3, 20)
+    assert all(len(set(row)) == 20 for row in anchors.tolist())
+    assert anchors.min() >= 1 and anchors.max() + GAMMA <= 63
