@@ -23,6 +23,7 @@ from jdspark.drafter import dspark
 from jdspark.engine import costs
 from jdspark.engine.executables import Executables, SlotSampling
 from jdspark.engine.request import CompletionStats, SamplingParams
+from jdspark.model import state
 from jdspark.model.model import Model
 from jdspark.spec.selector import AdaptiveWidth, FallbackBreaker
 
@@ -130,19 +131,28 @@ class Engine:
         self.decode, self.draft = self._fresh_state()
 
     def _verify_costs(self) -> list[float]:
-        idle = np.zeros(self.config.max_batch, bool)
+        """V(k) with every slot verifying k rows (drafts of token 0 with q = 0: all accepted, the most
+        work), each call on emptied state; runs before any request is admitted."""
+        active = np.ones(self.config.max_batch, bool)
         anchor = np.zeros(self.config.max_batch, np.int32)
         sampling = self._sampling()
 
         def run(k):
             n_acc, _, self.decode, self.draft = self.exe.verify[k](self.model.params, self.decode, self.draft, anchor,
-                                                                  self._no_tokens, self._no_q, idle, sampling)
+                                                                  self._no_tokens, self._no_q, active, sampling)
             jax.block_until_ready(n_acc)
+
+        def reset():
+            self.decode = state.reset_slots(self.decode, active)
+            self.draft = dspark.reset_draft_slots(self.draft, active)
+            jax.block_until_ready((self.decode, self.draft))
 
         key = costs.cost_key(self.model.config.to_dict(), str(self.model.dtype), dataclasses.asdict(self.config))
         cache_dir = Path(self.options.cost_cache_dir) if self.options.cost_cache_dir else None
-        return costs.load_or_measure(key, run, sorted(self.exe.verify), self.options.profile_runs, cache_dir,
-                                     self.options.reprofile)
+        measured = costs.load_or_measure(key, run, sorted(self.exe.verify), self.options.profile_runs, cache_dir,
+                                         self.options.reprofile, reset)
+        reset()
+        return measured
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, prompt_ids, params: SamplingParams) -> int:
