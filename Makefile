@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 serve: $(STAMP)
 	$(PY) -m jdspark.cli serve $(SERVE_ARGS)
