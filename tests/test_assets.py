@@ -32,12 +32,15 @@ def test_the_embedded_model_is_a_dsv4_with_a_drafter_and_a_tokenizer(shipped):
 
 def test_greedy_speculative_equals_greedy_target_only_on_the_shipped_model(shipped):
     model, tokenizer = shipped
-    common = dict(max_seq_len=96, prefill_chunk=32)
-    target = Generator.from_model(model, tokenizer, speculative=False, **common)
-    speculative = Generator.from_model(model, tokenizer, options=SpecOptions(width=5), widths=(5,), **common)
+    gen = Generator.from_model(model, tokenizer, max_seq_len=96, prefill_chunk=32, options=SpecOptions(width=5),
+                               widths=(0, 5))  # speculative=False below: plain decode steps (verify width 0)
     for prompt in PROMPTS:
-        expected = target.generate(prompt, GREEDY)
-        got = speculative.generate(prompt, GREEDY)
+        gen.engine.speculative = False
+        expected = gen.generate(prompt, GREEDY)
+        gen.engine.speculative = True
+        got = gen.generate(prompt, GREEDY)
         assert got.token_ids == expected.token_ids
+        assert expected.stats.widths[0] == expected.stats.steps and got.stats.widths[5] == got.stats.steps
         assert got.stats.tau > 1.2  # drafts are accepted (an untrained drafter of 8192 tokens: tau ~ 1.0)
-    assert "return" in target.generate(PROMPTS[0], GREEDY).text  # a plausible body for `def fib(n):`
+        if prompt == PROMPTS[0]:
+            assert "return" in expected.text  # a plausible body for `def fib(n):`

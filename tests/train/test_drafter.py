@@ -57,10 +57,10 @@ def test_a_few_steps_lower_the_loss_and_touch_only_the_drafter():
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(4, CONFIG.vocab_size, (2, 32)), jnp.int32)
     anchors = jnp.asarray(drafter.sample_anchors(rng, 2, 32, GAMMA, 8))
-    opt = adamw.init(params, total_steps=15)
+    opt = adamw.init(params, total_steps=8)
     config = adamw.AdamWConfig(lr=3e-3, warmup_steps=2)
     first = drafter.evaluate(params, frozen, ids, anchors, graphdef=graphdef)
-    for _ in range(15):
+    for _ in range(8):
         params, opt, info = drafter.train_step(params, frozen, opt, ids, anchors, graphdef=graphdef, config=config)
     last = drafter.evaluate(params, frozen, ids, anchors, graphdef=graphdef)
     assert float(last["l1"]) < float(first["l1"]) and float(last["ce"]) < float(first["ce"])
