@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import statistics
 import time
@@ -91,10 +92,9 @@ def race_step(race_fn):
 
 
 def device_times(fns, args, trials):
-    """Per jitted loop in `fns`: (median seconds per call, relative spread, outputs). The loops are
-    timed round robin (kernel, reference, kernel, ...), so a drift of the clock or of the machine
-    hits both alike; the spread (interquartile range / median) says how far apart two medians must
-    be to differ. The first call of each compiles."""
+    """Per jitted loop in `fns`: (seconds per trial [trials], outputs). The loops are timed round
+    robin (kernel, reference, kernel, ...), so a drift of the clock or of the machine hits both
+    alike and trial i of one loop pairs with trial i of the next. The first call of each compiles."""
     outs = [jax.block_until_ready(fn(*args)) for fn in fns]
     times = [[] for _ in fns]
     for _ in range(trials):
@@ -102,11 +102,18 @@ def device_times(fns, args, trials):
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             t.append(time.perf_counter() - start)
-    result = []
-    for t, out in zip(times, outs):
-        q1, median, q3 = np.percentile(t, [25, 50, 75])
-        result.append((float(median), float((q3 - q1) / median), out))
-    return result
+    return [(np.asarray(t), out) for t, out in zip(times, outs)]
+
+
+def paired_ratio(kernel_times, ref_times, confidence=0.95):
+    """Median of the per-trial ratios kernel / reference and a distribution-free confidence interval
+    for it (order statistics of the sorted ratios, binomial(n, 1/2) ranks). The kernel is at least
+    as fast when the interval's upper end is <= 1; an interval around 1 means no measurable difference."""
+    ratios = np.sort(kernel_times / ref_times)
+    n = len(ratios)
+    cdf = np.cumsum([math.comb(n, i) for i in range(n + 1)]) / 2 ** n
+    j = max(int(np.searchsorted(cdf, (1 - confidence) / 2, side="right")) - 1, 0)  # P(X <= j) <= alpha/2
+    return float(np.median(ratios)), float(ratios[j]), float(ratios[n - 1 - j])
 
 
 def host_sampler(logits, q, drafts, uniforms, noise, t, k, p, variant, warp):
@@ -138,16 +145,17 @@ def host_time(args, variant, runs, warp):
 
 def bench_one(variant, batch, width, vocab, cfg, warp):
     args = make_inputs(variant, batch, width, vocab, seed=batch * 100 + width)
-    (e2e_kernel, spread_k, out_k), (e2e_ref, spread_r, out_r) = device_times(
+    (times_k, out_k), (times_r, out_r) = device_times(
         [looped(end_to_end_step(fn, variant), cfg.reps) for fn in (rejection_sample_kernel, ref_rejection_sample)],
         args, cfg.trials)
+    ratio, ratio_low, ratio_high = paired_ratio(times_k, times_r)
     n_acc = np.asarray(out_r[0])
     rejected = int((n_acc < width).sum())
     row = {
         "variant": variant, "batch": batch, "width": width, "vocab": vocab,
         "mean_accepted": float(n_acc.mean()), "rejected_rows": rejected,
-        "e2e_kernel_us": e2e_kernel / cfg.reps * 1e6, "e2e_ref_us": e2e_ref / cfg.reps * 1e6,
-        "e2e_spread": max(spread_k, spread_r),
+        "e2e_kernel_us": np.median(times_k) / cfg.reps * 1e6, "e2e_ref_us": np.median(times_r) / cfg.reps * 1e6,
+        "e2e_ratio": ratio, "e2e_ratio_ci95": [ratio_low, ratio_high],
         "exact_e2e": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out_k, out_r)),
         "host_us": host_time(args, variant, cfg.host_runs, warp) * 1e6,
     }
@@ -158,14 +166,15 @@ def bench_one(variant, batch, width, vocab, cfg, warp):
         return row
     stage_a = jax.jit(functools.partial(race_inputs, variant=variant))(*args)
     race_args = [stage_a.p_row, args[1], stage_a.n_accepted, stage_a.inv_exponentials]
-    (race_kernel, _, tok_k), (race_ref, _, tok_r) = device_times(
+    (times_k, tok_k), (times_r, tok_r) = device_times(
         [looped(race_step(fn), cfg.reps) for fn in (race, ref_race)], race_args, cfg.trials)
+    race_kernel, race_ref = np.median(times_k), np.median(times_r)
     race_bytes = 4 * vocab * (2 * batch + rejected)  # p_row, 1/E, and q[n_acc] where a draft was rejected
     # Stage A: argmax and normaliser passes over the logits, the row gather, p_row and 1/E written.
     row["bytes_design"] = 2 * reads_logits + 4 * vocab * 5 * batch + race_bytes
     row.update({
         "race_kernel_us": race_kernel / cfg.reps * 1e6, "race_ref_us": race_ref / cfg.reps * 1e6,
-        "race_bytes": race_bytes, "exact_race": bool(np.array_equal(np.asarray(tok_k), np.asarray(tok_r))),
+        "race_bytes": race_bytes, "race_ratio": paired_ratio(times_k, times_r)[0], "exact_race": bool(np.array_equal(np.asarray(tok_k), np.asarray(tok_r))),
     })
     row["race_kernel_GBps"] = race_bytes / race_kernel * cfg.reps / 1e9
     row["race_ref_GBps"] = race_bytes / race_ref * cfg.reps / 1e9
@@ -182,7 +191,8 @@ def sweep(batch, width, vocab, cfg):
         for splits in (None, 8, 32, 128):
             for warps in (4, 8):
                 fn = functools.partial(race, tile=tile, splits=splits, num_warps=warps)
-                [(seconds, _, _)] = device_times([looped(race_step(fn), cfg.reps)], race_args, cfg.trials)
+                [(times, _)] = device_times([looped(race_step(fn), cfg.reps)], race_args, cfg.trials)
+                seconds = np.median(times)
                 results.append({"batch": batch, "width": width, "tile": tile, "splits": splits,
                                 "num_warps": warps, "race_kernel_us": seconds / cfg.reps * 1e6})
     return sorted(results, key=lambda r: r["race_kernel_us"])
@@ -190,7 +200,7 @@ def sweep(batch, width, vocab, cfg):
 
 def print_table(rows):
     head = (f"{'variant':8} {'B':>3} {'K':>2} {'acc':>4} | {'e2e kern':>9} {'e2e ref':>9} {'host':>9} | "
-            f"{'race kern':>9} {'race ref':>9} {'kern GB/s':>9} {'ref GB/s':>9} | {'e2e GB/s':>8} {'spread':>6} exact")
+            f"{'race kern':>9} {'race ref':>9} {'kern GB/s':>9} {'ref GB/s':>9} | {'e2e GB/s':>8} {'k/ref':>5} {'95% CI':>11} exact")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -200,9 +210,11 @@ def print_table(rows):
         e2e_bw = r["bytes_design"] / r["e2e_kernel_us"] / 1e3
         print(f"{r['variant']:8} {r['batch']:3d} {r['width']:2d} {r['mean_accepted']:4.1f} | "
               f"{r['e2e_kernel_us']:9.1f} {r['e2e_ref_us']:9.1f} {r['host_us']:9.0f} | {race_cols} | "
-              f"{e2e_bw:8.0f} {r['e2e_spread']:6.1%} {'yes' if exact else 'NO'}")
+              f"{e2e_bw:8.0f} {r['e2e_ratio']:5.3f} {r['e2e_ratio_ci95'][0]:5.3f}-{r['e2e_ratio_ci95'][1]:5.3f} "
+              f"{'yes' if exact else 'NO'}")
     print("times in microseconds per verification (medians, kernel and reference timed round robin); GB/s = "
-          "bytes the path must move / its time; spread = interquartile range / median of the e2e timings")
+          "bytes the path must move / its time; k/ref = median of the per-trial e2e ratios kernel / reference "
+          "with its 95% confidence interval")
 
 
 def main():
@@ -211,8 +223,8 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--widths", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
     parser.add_argument("--variants", nargs="+", default=["sample"], choices=list(PARAMS))
-    parser.add_argument("--reps", type=int, default=20, help="dependent calls per timed loop")
-    parser.add_argument("--trials", type=int, default=31, help="timed loops per measurement (median)")
+    parser.add_argument("--reps", type=int, default=50, help="dependent calls per timed loop")
+    parser.add_argument("--trials", type=int, default=41, help="timed loops per measurement (median)")
     parser.add_argument("--host-runs", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="also time kernel layouts at K=5")
     cfg = parser.parse_args()

@@ -6,6 +6,7 @@
 #   bash scripts/device_bench.sh train            (target + drafter from scratch -> $OUT/tiny-code)
 #   bash scripts/device_bench.sh drafter eval     (train the embedded drafter further, then measure it)
 #   bash scripts/device_bench.sh sampler adaptive serve      (serve: carry .whl, see the part)
+#   bash scripts/device_bench.sh step             (D, V(k) and kernel counts per Sinkhorn formulation)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jdspark-out}; mkdir -p "$OUT"
@@ -33,16 +34,19 @@ for part in "$@"; do
     sampler-tests)
       timeout 170 python3 -m pytest -q -W ignore -p no:cacheprovider tests/pallas_kernels 2>&1 | tail -5 | tee "$OUT/sampler_gpu_tests.log" ;;
     sampler)
-      timeout 170 python3 scripts/bench_rejection_sampler.py --trials 21 2>&1 | grep -v Warning | tee "$OUT/bench_sampler.log" ;;
+      timeout 200 python3 scripts/bench_rejection_sampler.py 2>&1 | grep -v Warning | tee "$OUT/bench_sampler.log" ;;
     load)
       timeout 150 python3 scripts/bench_load.py --preset flash --layers 2 --experts 32 --json "$OUT/bench_load.json" 2>&1 \
         | grep -v -E "Warning|it/s|B/s" | tee "$OUT/bench_load.log" ;;
     adaptive)
-      timeout 270 python3 scripts/bench_adaptive.py --tokens 128 --repeats 5 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
+      timeout 360 python3 scripts/bench_adaptive.py --tokens 160 --repeats 7 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
     serve)  # FastAPI / uvicorn are not on the GPU image: wheels carried in .whl (see the device README)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
       PYTHONPATH=$PWD:/tmp/site timeout 170 python3 scripts/bench_serve.py --requests 16 --max-tokens 64 --max-seconds 25 \
         --out "$OUT/bench_serve.json" 2>&1 | grep -v Warning | tee "$OUT/bench_serve.log" ;;
+    step)
+      timeout 300 python3 scripts/bench_step.py --variants ${STEP_VARIANTS:-package sliced unrolled_sum} 2>&1 \
+        | grep -v Warning | tee "$OUT/bench_step.log" ;;
     engine)
       timeout 230 python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_engine.py \
         -k "greedy or lossless" 2>&1 | tail -5 | tee "$OUT/engine_gpu_tests.log" ;;
