@@ -16,7 +16,8 @@ Kernel layout: grid (B, S). Program (b, s) races its share of request b's vocabu
 tiles (Triton needs power-of-two blocks); the last tile is shifted back to end at V, so no load is
 out of bounds and no lane is masked (an element seen twice cannot change a max / lowest-index
 result). It reads p_row, 1 / E and, unless the row is the bonus row, the draft row q[b, n_acc] once
-each: 12 bytes per vocabulary entry. The vocabulary is split over S programs per request (by
+each: 12 bytes per vocabulary entry. It runs the residual race and the p_row race (the fallback)
+side by side; with no drafts (K = 0) the residual is p_row, so it runs one. The vocabulary is split over S programs per request (by
 default one tile each) so that a batch of 1 still spreads over the GPU: one program per request
 would leave all but B of the H200's 132 SMs idle. A [B, S] combine in XLA picks each winner.
 
@@ -88,16 +89,19 @@ def race(
     partial = jax.ShapeDtypeStruct((batch, splits), jnp.float32)
     index = jax.ShapeDtypeStruct((batch, splits), jnp.int32)
     inputs = (n_accepted.astype(jnp.int32), p_row, inv_exponentials) + ((draft_probs,) if k else ())
-    res_best, res_index, p_best, p_index = pl.pallas_call(
+    races = 2 if k else 1  # without drafts the residual is p_row itself: one race
+    outputs = pl.pallas_call(
         kernel,
-        out_shape=(partial, index, partial, index),
+        out_shape=(partial, index) * races,
         grid=(batch, splits),
         interpret=interpret,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="rejection_race",
     )(*inputs)
-    res_best, res_index = _combine(res_best, res_index)
-    _, p_index = _combine(p_best, p_index)
+    res_best, res_index = _combine(*outputs[:2])
+    if not k:
+        return res_index
+    _, p_index = _combine(*outputs[2:])
     return jnp.where(res_best >= 0, res_index, p_index)
 
 
@@ -120,7 +124,7 @@ def layout(batch: int, vocab: int, tile: int | None, splits: int | None) -> tupl
 
 def _race_kernel(n_acc_ref, p_ref, inv_ref, *refs, k, vocab, tile, tiles_per_program):
     q_ref = refs[0] if k else None
-    res_best_ref, res_index_ref, p_best_ref, p_index_ref = refs[-4:]
+    out_refs = refs[1:] if k else refs  # (best, index) of the residual race, then of the p race
     b, s = pl.program_id(0), pl.program_id(1)
     n_acc = n_acc_ref[b]
     lanes = jax.lax.iota(jnp.int32, tile)
@@ -128,37 +132,25 @@ def _race_kernel(n_acc_ref, p_ref, inv_ref, *refs, k, vocab, tile, tiles_per_pro
     last = jnp.minimum(first + tiles_per_program, -(-vocab // tile))
 
     def step(t, carry):
-        res_best, res_index, p_best, p_index = carry
         # Every tile start is a multiple of gcd(tile, vocab): the hint lets Triton vectorise loads.
         start = pl.multiple_of(jnp.minimum(t * tile, vocab - tile), math.gcd(tile, vocab))
         p = p_ref[b, pl.ds(start, tile)]
         inv_e = inv_ref[b, pl.ds(start, tile)]
-        residual = p
+        scores = [race_score(p, inv_e)]
         if k:
             q_view = q_ref.at[b, jnp.minimum(n_acc, k - 1), pl.ds(start, tile)]
             q = pltriton.load(q_view, mask=n_acc < k, other=0.0)  # the bonus row reads no q
-            residual = jnp.maximum(p - q, 0.0)
-        res_score = race_score(residual, inv_e)
-        p_score = race_score(p, inv_e)
-        res_up = res_score > res_best  # strict: a lane keeps its earlier (lower) index on ties
-        p_up = p_score > p_best
+            scores.insert(0, race_score(jnp.maximum(p - q, 0.0), inv_e))
         index = start + lanes
-        return (
-            jnp.where(res_up, res_score, res_best),
-            jnp.where(res_up, index, res_index),
-            jnp.where(p_up, p_score, p_best),
-            jnp.where(p_up, index, p_index),
-        )
+        updated = []
+        for score, (best, best_index) in zip(scores, carry):
+            up = score > best  # strict: a lane keeps its earlier (lower) index on ties
+            updated.append((jnp.where(up, score, best), jnp.where(up, index, best_index)))
+        return tuple(updated)
 
-    no_score = jnp.full((tile,), -jnp.inf, jnp.float32)
-    no_index = jnp.full((tile,), _NO_INDEX, jnp.int32)
-    res_best, res_index, p_best, p_index = jax.lax.fori_loop(
-        first, last, step, (no_score, no_index, no_score, no_index)
-    )
-    for best, index, best_ref, index_ref in (
-        (res_best, res_index, res_best_ref, res_index_ref),
-        (p_best, p_index, p_best_ref, p_index_ref),
-    ):
+    no_race = (jnp.full((tile,), -jnp.inf, jnp.float32), jnp.full((tile,), _NO_INDEX, jnp.int32))
+    carry = jax.lax.fori_loop(first, last, step, (no_race,) * (len(out_refs) // 2))
+    for (best, index), best_ref, index_ref in zip(carry, out_refs[::2], out_refs[1::2]):
         top = jnp.max(best)
         best_ref[b, s] = top
         index_ref[b, s] = jnp.min(jnp.where(best == top, index, _NO_INDEX))

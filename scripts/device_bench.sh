@@ -45,7 +45,7 @@ for part in "$@"; do
       PYTHONPATH=$PWD:/tmp/site timeout 170 python3 scripts/bench_serve.py --requests 16 --max-tokens 64 --max-seconds 25 \
         --out "$OUT/bench_serve.json" 2>&1 | grep -v Warning | tee "$OUT/bench_serve.log" ;;
     step)
-      timeout 300 python3 scripts/bench_step.py --variants ${STEP_VARIANTS:-package sliced unrolled_sum} 2>&1 \
+      timeout 300 python3 scripts/bench_step.py --variants ${STEP_VARIANTS:-package loop} 2>&1 \
         | grep -v Warning | tee "$OUT/bench_step.log" ;;
     engine)
       timeout 230 python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_engine.py \
