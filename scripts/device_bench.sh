@@ -34,12 +34,12 @@ for part in "$@"; do
     sampler-tests)
       timeout 170 python3 -m pytest -q -W ignore -p no:cacheprovider tests/pallas_kernels 2>&1 | tail -5 | tee "$OUT/sampler_gpu_tests.log" ;;
     sampler)
-      timeout 200 python3 scripts/bench_rejection_sampler.py 2>&1 | grep -v Warning | tee "$OUT/bench_sampler.log" ;;
+      timeout 190 python3 scripts/bench_rejection_sampler.py 2>&1 | grep -v Warning | tee "$OUT/bench_sampler.log" ;;
     load)
       timeout 150 python3 scripts/bench_load.py --preset flash --layers 2 --experts 32 --json "$OUT/bench_load.json" 2>&1 \
         | grep -v -E "Warning|it/s|B/s" | tee "$OUT/bench_load.log" ;;
     adaptive)
-      timeout 360 python3 scripts/bench_adaptive.py --tokens 160 --repeats 7 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
+      timeout 370 python3 scripts/bench_adaptive.py --tokens 160 --repeats 6 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
     serve)  # FastAPI / uvicorn are not on the GPU image: wheels carried in .whl (see the device README)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
       PYTHONPATH=$PWD:/tmp/site timeout 170 python3 scripts/bench_serve.py --requests 16 --max-tokens 64 --max-seconds 25 \
