@@ -90,6 +90,7 @@ def main():
         start = time.perf_counter()
         engine = Engine(model, EngineConfig(max_seq_len=1024, gamma=5, max_batch=1), prefill_chunk=64)
         compile_s = time.perf_counter() - start
+        print(f"regime {name}: engine compiled and profiled in {compile_s:.0f} s", flush=True)
         run(engine, prompt, 16, None)  # warm-up: measures D over its first 5 steps
         modes = [("target-only", -1), *[(f"k={k}", k) for k in range(6)], ("adaptive", None)]
         samples = {label: [] for label, _ in modes}

@@ -3,11 +3,14 @@
 The tiny model's steps are launch-bound, so the number of kernels (and of device loops, which
 cost a host round trip per iteration unless their trip count is known) matters more than bytes.
 This compares formulations of the mHC Sinkhorn projection inside the real executables:
-`package` (`jdspark.model.hyper.sinkhorn`: sums over the 4 streams as slice adds, unrolled on
-the GPU, so all iterations fuse) against the alternatives below, each
+`package` (what `jdspark.model.hyper.sinkhorn` does now: a device loop over the iterations) against
+unrolled alternatives, each
 compiled into a fresh engine. For each: D and V(0..gamma) (medians of synchronised calls), and the
 counts of fusions / custom calls / while loops in the optimised HLO of the draft and verify[gamma]
-executables. Prints a table, writes JSON.
+executables. Prints a table, writes JSON. Compilation dominates: ~2 min per variant on the H200
+for the package form; an unrolled form compiled much longer there (2026-11-30: the adaptive bench,
+whose engine was built with the sliced form, did not finish one regime in 6 min), so give
+each variant its own call.
 
     PYTHONPATH=$PWD python scripts/bench_step.py [--variants package loop] [--runs 21]
 """
@@ -36,19 +39,6 @@ from jdspark.model import hyper
 PACKAGE = hyper.sinkhorn
 
 
-def sinkhorn_loop(logits, iters, eps):
-    """A device loop over the iterations with jnp.sum reductions (the formulation before
-    2026-11-30): small HLO, but a loop per sublayer and two reductions per iteration."""
-    p = jax.nn.softmax(logits, axis=-1) + eps
-    p = p / (jnp.sum(p, axis=-2, keepdims=True) + eps)
-
-    def row_then_column(_, p):
-        p = p / (jnp.sum(p, axis=-1, keepdims=True) + eps)
-        return p / (jnp.sum(p, axis=-2, keepdims=True) + eps)
-
-    return jax.lax.fori_loop(0, iters - 1, row_then_column, p)
-
-
 def sinkhorn_unrolled_sum(logits, iters, eps):
     """Unrolled in Python with jnp.sum reductions (one reduction per normalisation)."""
     p = jax.nn.softmax(logits, axis=-1) + eps
@@ -59,7 +49,27 @@ def sinkhorn_unrolled_sum(logits, iters, eps):
     return p
 
 
-VARIANTS = {"package": PACKAGE, "loop": sinkhorn_loop, "unrolled_sum": sinkhorn_unrolled_sum}
+def sinkhorn_sliced(logits, iters, eps):
+    """Unrolled, each sum over the C = 4 streams written as C - 1 adds of slices: only elementwise
+    operations, which XLA can fuse into one kernel."""
+    c = logits.shape[-1]
+
+    def total(p, axis):
+        parts = jnp.split(p, c, axis=axis)
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part
+        return out
+
+    p = jax.nn.softmax(logits, axis=-1) + eps
+    p = p / (total(p, -2) + eps)
+    for _ in range(iters - 1):
+        p = p / (total(p, -1) + eps)
+        p = p / (total(p, -2) + eps)
+    return p
+
+
+VARIANTS = {"package": PACKAGE, "unrolled_sum": sinkhorn_unrolled_sum, "sliced": sinkhorn_sliced}
 
 
 def kernel_counts(compiled) -> dict:

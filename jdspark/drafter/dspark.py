@@ -19,7 +19,6 @@ from flax import struct
 from jdspark.config import DSV4Config
 from jdspark.model import state
 from jdspark.model.dsv4 import DSV4
-from jdspark.model.layers import unroll_loops
 from jdspark.spec.sampling import sample, warp_probs
 
 
@@ -89,7 +88,7 @@ def propose(model: DSV4, cache: DraftCache, anchor: jax.Array, temperature: jax.
         return token, (token, q, e)
 
     scan_in = (jnp.swapaxes(base, 0, 1), jnp.swapaxes(exponentials, 0, 1))
-    _, (tokens, q, prev_embed) = jax.lax.scan(step, anchor.astype(jnp.int32), scan_in, unroll=unroll_loops())
+    _, (tokens, q, prev_embed) = jax.lax.scan(step, anchor.astype(jnp.int32), scan_in)
     tokens, q, prev_embed = (jnp.swapaxes(a, 0, 1) for a in (tokens, q, prev_embed))
     return Proposal(tokens=tokens, q=q, confidence=confidence(model, h, prev_embed))
 

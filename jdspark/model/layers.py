@@ -78,13 +78,6 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(jnp.float32) * rms_normalize(x, self.eps)).astype(x.dtype)
 
 
-def unroll_loops() -> bool:
-    """Short fixed loops (Sinkhorn iterations, the drafter's gamma steps) are unrolled on an
-    accelerator, where a device loop costs launches per iteration and blocks fusion, and stay
-    rolled on the CPU, where unrolling only lengthens compilation. Read at trace time."""
-    return jax.default_backend() != "cpu"
-
-
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
     """Unweighted RMS normalisation over the last axis, in fp32."""
     x = x.astype(jnp.float32)
