@@ -12,6 +12,7 @@ distribution; this measures only the width choice. Prints a table and writes JSO
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -62,10 +63,15 @@ def run(engine, prompt, tokens, width) -> dict:
     # One seed for every mode: the synthetic acceptance draws are then the same sequence, so modes
     # that choose the same widths accept the same drafts and differ only in what they cost.
     b = engine.add(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, seed=1234, ignore_eos=True))
-    start = time.perf_counter()
-    while engine.active:
-        engine.step()
-    seconds = time.perf_counter() - start
+    gc.collect()
+    gc.disable()  # a collection inside one mode's timed loop would be charged to that mode alone
+    try:
+        start = time.perf_counter()
+        while engine.active:
+            engine.step()
+        seconds = time.perf_counter() - start
+    finally:
+        gc.enable()
     slot = engine.slots[b]
     engine.release(b)
     return {"tok_s": (len(slot.tokens) - 1) / seconds, "tau": slot.stats.tau, "widths": slot.stats.widths}
@@ -94,8 +100,8 @@ def main():
         run(engine, prompt, 16, None)  # warm-up: measures D over its first 5 steps
         modes = [("target-only", -1), *[(f"k={k}", k) for k in range(6)], ("adaptive", None)]
         samples = {label: [] for label, _ in modes}
-        for _ in range(args.repeats):  # round robin: drift in clocks or caches hits every mode alike
-            for label, width in modes:
+        for r in range(args.repeats):  # round robin, each round starting one mode later: drift in clocks
+            for label, width in modes[r % len(modes):] + modes[:r % len(modes)]:  # or caches hits every mode alike
                 samples[label].append(run(engine, prompt, args.tokens, width))
         rows = {label: {"tok_s": statistics.median(s["tok_s"] for s in runs), "tau": runs[-1]["tau"],
                         "widths": runs[-1]["widths"]} for label, runs in samples.items()}

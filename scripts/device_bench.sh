@@ -39,7 +39,7 @@ for part in "$@"; do
       timeout 150 python3 scripts/bench_load.py --preset flash --layers 2 --experts 32 --json "$OUT/bench_load.json" 2>&1 \
         | grep -v -E "Warning|it/s|B/s" | tee "$OUT/bench_load.log" ;;
     adaptive)
-      timeout 420 python3 scripts/bench_adaptive.py --tokens 128 --repeats 5 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
+      timeout 400 python3 scripts/bench_adaptive.py --tokens 128 --repeats 7 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
     serve)  # FastAPI / uvicorn are not on the GPU image: wheels carried in .whl (see the device README)
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
       PYTHONPATH=$PWD:/tmp/site timeout 170 python3 scripts/bench_serve.py --requests 16 --max-tokens 64 --max-seconds 25 \
