@@ -16,7 +16,7 @@ from flax import nnx
 
 from jdspark.checkpoint.names import path_to_official
 from jdspark.checkpoint.quantize import quantize_tensors
-from jdspark.checkpoint.safetensors_io import DTYPES, save_file
+from jdspark.checkpoint.safetensors_io import DTYPES, plan_shards, save_file, shard_name, write_index
 from jdspark.checkpoint.synthetic import tensor_list
 from jdspark.config import DSV4Config
 from jdspark.model.model import Model
@@ -45,28 +45,21 @@ def save_model(model: Model, path: str | Path, config: DSV4Config | None = None,
     path.mkdir(parents=True, exist_ok=True)
     tensors, dtype_names = quantize_tensors(official_tensors(model), Storage.from_config(config))
     stored = {name: spec.dtype for name, spec, _ in tensor_list(config)}
-    missing = sorted(set(stored) ^ set(tensors))
-    if missing:
-        raise ValueError(f"the model's tensors do not match config's layout: {missing[:5]}")
+    mismatched = sorted(set(stored) ^ set(tensors))  # missing from the model or not in the layout
+    if mismatched:
+        raise ValueError(f"the model's tensors do not match the config's layout: {mismatched[:5]}")
     for name, value in tensors.items():
         if name not in dtype_names and np.issubdtype(value.dtype, np.floating) and value.dtype.itemsize >= 2:
             tensors[name] = value.astype(DTYPES[stored[name]])
-    shards, size = [[]], 0
-    for name in sorted(tensors):
-        if shards[-1] and size + tensors[name].nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += tensors[name].nbytes
+    names = sorted(tensors)
+    shards = [[names[i] for i in shard] for shard in plan_shards([tensors[n].nbytes for n in names], shard_bytes)]
     if len(shards) == 1:
-        save_file({n: tensors[n] for n in shards[0]}, path / "model.safetensors", dtype_names)
+        save_file(tensors, path / "model.safetensors", dtype_names)
     else:
         weight_map = {}
-        for i, names in enumerate(shards):
-            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file({n: tensors[n] for n in names}, path / filename, dtype_names)
-            weight_map.update(dict.fromkeys(names, filename))
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+        for i, shard in enumerate(shards):
+            save_file({n: tensors[n] for n in shard}, path / shard_name(i, len(shards)), dtype_names)
+            weight_map.update(dict.fromkeys(shard, shard_name(i, len(shards))))
+        write_index(path, weight_map, sum(t.nbytes for t in tensors.values()))
     (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     return path

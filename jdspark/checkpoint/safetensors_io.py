@@ -166,6 +166,30 @@ def save_file(tensors: dict[str, np.ndarray], path: str | Path, dtype_names: dic
             writer.write(name, np.asarray(array))
 
 
+def plan_shards(sizes: list[int], shard_bytes: int) -> list[list[int]]:
+    """Consecutive groups of tensor indices, each up to about `shard_bytes` (a tensor larger than
+    that gets a shard of its own)."""
+    shards, size = [[]], 0
+    for i, nbytes in enumerate(sizes):
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += nbytes
+    return shards
+
+
+def shard_name(i: int, count: int) -> str:
+    """The official file name of shard i (0-based) of count."""
+    return f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_index(path: Path, weight_map: dict[str, str], total_size: int) -> None:
+    """model.safetensors.index.json: which shard holds each tensor."""
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+
+
 class CheckpointDir:
     """All tensors of a checkpoint directory: `model.safetensors.index.json` + shards, or one file."""
 

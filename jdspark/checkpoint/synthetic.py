@@ -20,7 +20,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jdspark.checkpoint.formats import TensorSpec, disk_specs
-from jdspark.checkpoint.safetensors_io import DTYPES, ShardWriter
+from jdspark.checkpoint.safetensors_io import DTYPES, ShardWriter, plan_shards, shard_name, write_index
 from jdspark.config import DSV4Config
 from jdspark.model.dequant import E2M1_VALUES, FP4_BLOCK, FP8_BLOCK
 from jdspark.model.quantized import Storage, abstract_model
@@ -54,27 +54,20 @@ def write_checkpoint(config: DSV4Config, path: str | Path, seed: int = 0, shard_
     path.mkdir(parents=True, exist_ok=True)
     tensors = tensor_list(config)
     sizes = [math.prod(spec.shape) * DTYPES[spec.dtype].itemsize for _, spec, _ in tensors]
-    shards, size = [[]], 0
-    for item, nbytes in zip(tensors, sizes):
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(item)
-        size += nbytes
+    shards = [[tensors[i] for i in shard] for shard in plan_shards(sizes, shard_bytes)]
     rng = np.random.default_rng(seed)
     weight_map = {}
     with tqdm(total=sum(sizes), unit="B", unit_scale=True, unit_divisor=1024, desc=f"writing {path.name}",
               disable=not progress) as bar:
         for i, shard in enumerate(shards):
-            filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            filename = shard_name(i, len(shards))
             with ShardWriter(path / filename, [(name, spec.dtype, spec.shape) for name, spec, _ in shard]) as writer:
                 for name, spec, _ in shard:
                     array = random_tensor(spec, config, rng)
                     writer.write(name, array)
                     weight_map[name] = filename
                     bar.update(array.nbytes)
-    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    write_index(path, weight_map, sum(sizes))
     (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     return path
 

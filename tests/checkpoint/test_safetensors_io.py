@@ -4,7 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jdspark.checkpoint.safetensors_io import CheckpointError, SafetensorsFile, ShardWriter, save_file
+from jdspark.checkpoint.safetensors_io import (
+    CheckpointError, SafetensorsFile, ShardWriter, plan_shards, save_file, shard_name)
 
 TENSORS = {
     "bf16": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16),
@@ -55,3 +56,12 @@ def test_truncated_file_names_the_tensor(tmp_path):
     path.write_bytes(path.read_bytes()[:5])
     with pytest.raises(CheckpointError, match="truncated safetensors file"):
         SafetensorsFile(path)
+
+
+def test_plan_shards_keeps_order_and_the_size_bound():
+    sizes = [4, 4, 4, 10, 1, 1]
+    shards = plan_shards(sizes, 8)
+    assert shards == [[0, 1], [2], [3], [4, 5]]  # the 10-byte tensor gets a shard of its own
+    assert [i for shard in shards for i in shard] == list(range(len(sizes)))
+    assert plan_shards(sizes, 100) == [list(range(6))]
+    assert shard_name(0, 2) == "model-00001-of-00002.safetensors"
