@@ -2,7 +2,11 @@
 confidences with sequential temperature scaling (§10) on held-out code.
 
     python scripts/train_drafter.py --target build/tiny-code-target --corpus build/corpus \
-        --minutes 2 --out jdspark/assets/tiny-code
+        --minutes 2 --out jdspark/assets/tiny-code [--selfgen-sequences 2048 --selfgen-fraction 0.5]
+
+With --selfgen-sequences N, N corpus prompts of --prompt-tokens tokens are first continued by the
+target itself through the engine (T = --selfgen-temperature) to --seq-len + 1 tokens (§12.1);
+that share of every batch then comes from these rows, with anchors only in the sampled part.
 
 The target is loaded from its checkpoint with the stored (quantized) values, so the drafter learns
 the distribution that is served. Anchors, block layout and losses as `jdspark.train.drafter`
@@ -16,6 +20,7 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -25,8 +30,10 @@ from flax import nnx
 
 from jdspark.checkpoint.export import save_model
 from jdspark.checkpoint.loader import load_model, read_config
+from jdspark.config import EngineConfig
+from jdspark.engine.engine import Engine
 from jdspark.model.model import Model
-from jdspark.train import adamw, drafter, loop, sts
+from jdspark.train import adamw, drafter, loop, selfgen, sts
 from jdspark.train.data import Batches, heldout_windows
 
 
@@ -45,13 +52,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decay", type=float, default=4.0, help="loss weight exp(-(k-1)/decay) per position")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout-windows", type=int, default=256)
+    p.add_argument("--selfgen-sequences", type=int, default=0, help="target-sampled rows to train on (0: corpus only)")
+    p.add_argument("--selfgen-fraction", type=float, default=0.5, help="share of each batch from those rows")
+    p.add_argument("--selfgen-temperature", type=float, default=1.0)
+    p.add_argument("--selfgen-batch", type=int, default=256, help="engine slots while sampling")
+    p.add_argument("--prompt-tokens", type=int, default=64)
     args = p.parse_args(argv)
     stored = read_config(args.target)
     model = load_model(args.target, dtype="float32", dequantize=True, progress=False)
     gamma = stored.dspark.block_size
     graphdef, params, frozen = nnx.split(model.module(), drafter.DRAFTER, ...)
     opt_config = adamw.AdamWConfig(lr=args.lr, warmup_steps=args.warmup)
-    batches = Batches(np.load(Path(args.corpus) / "train.npy"), args.batch, args.seq_len, seed=args.seed + 1)
+    corpus = np.load(Path(args.corpus) / "train.npy")
+    batches = Batches(corpus, args.batch, args.seq_len, seed=args.seed + 1)
+    generated, n_generated, selfgen_s = None, 0, 0.0
+    if args.selfgen_sequences:
+        start = time.perf_counter()
+        engine = Engine(model, EngineConfig(max_seq_len=args.seq_len + 1 + gamma + 1, gamma=gamma,
+                                            max_batch=args.selfgen_batch),
+                        speculative=False, prefill_chunk=args.prompt_tokens)
+        prompts = Batches(corpus, args.selfgen_sequences, args.prompt_tokens - 1, seed=args.seed + 2).next()
+        rows = selfgen.sample_continuations(engine, prompts, args.seq_len + 1 - args.prompt_tokens,
+                                            args.selfgen_temperature, seed=args.seed)
+        del engine
+        selfgen_s = time.perf_counter() - start
+        print(f"sampled {rows.shape} from the target in {selfgen_s:.0f} s", flush=True)
+        n_generated = round(args.selfgen_fraction * args.batch)
+        generated = selfgen.GeneratedBatches(rows, n_generated, seed=args.seed + 3)
+    low = np.where(np.arange(args.batch) < n_generated, args.prompt_tokens, 1)  # generated rows come first
     held = heldout_windows(np.load(Path(args.corpus) / "heldout.npy"), args.seq_len, args.heldout_windows)[:, :-1]
     rng = np.random.default_rng(args.seed)
     held_anchors = drafter.sample_anchors(rng, len(held), args.seq_len, gamma, args.anchors)
@@ -59,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def step(i):
         ids = batches.next()[:, :-1]
-        anchors = drafter.sample_anchors(rng, args.batch, args.seq_len, gamma, args.anchors)
+        if generated is not None:
+            ids[:n_generated] = generated.next()[:, :-1]
+        anchors = drafter.sample_anchors(rng, args.batch, args.seq_len, gamma, args.anchors, low)
         state["params"], state["opt"], info = drafter.train_step(state["params"], frozen, state["opt"], ids, anchors,
                                                                  graphdef=graphdef, config=opt_config, decay=args.decay)
         return info
@@ -87,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if Path(args.tokenizer).resolve() != (out / "tokenizer.json").resolve():
         shutil.copy(args.tokenizer, out / "tokenizer.json")
     record.update(heldout=heldout, sts={"temperatures": temperatures, "ece_before": ece_before, "ece_after": ece_after},
-                  args=vars(args), device=str(jax.devices()[0].device_kind))
+                  args=vars(args), device=str(jax.devices()[0].device_kind), selfgen_seconds=selfgen_s)
     (out / "train_drafter.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({"heldout": heldout, "sts": record["sts"]}, indent=1))
     return 0

@@ -25,10 +25,13 @@ DRAFTER = nnx.All(nnx.Param, nnx.PathContains("mtp"))
 LOSS_WEIGHTS = {"ce": 0.1, "l1": 0.9, "confidence": 1.0}
 
 
-def sample_anchors(rng: np.random.Generator, batch: int, seq_len: int, gamma: int, count: int) -> np.ndarray:
-    """[batch, count] distinct anchors per sequence in [1, seq_len - gamma - 1] (every label in range)."""
-    return np.stack([np.sort(rng.choice(np.arange(1, seq_len - gamma), count, replace=False))
-                     for _ in range(batch)]).astype(np.int32)
+def sample_anchors(rng: np.random.Generator, batch: int, seq_len: int, gamma: int, count: int,
+                   low=1) -> np.ndarray:
+    """[batch, count] distinct anchors per sequence in [low, seq_len - gamma - 1] (every label in
+    range). `low` (scalar or per row) keeps blocks out of a prompt: only sampled text is supervised."""
+    low = np.broadcast_to(np.asarray(low), (batch,))
+    return np.stack([np.sort(rng.choice(np.arange(lo, seq_len - gamma), count, replace=False))
+                     for lo in low]).astype(np.int32)
 
 
 def target_outputs(module: DSV4, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
