@@ -17,9 +17,10 @@ tiles (Triton needs power-of-two blocks); the last tile is shifted back to end a
 out of bounds and no lane is masked (an element seen twice cannot change a max / lowest-index
 result). It reads p_row, 1 / E and, unless the row is the bonus row, the draft row q[b, n_acc] once
 each: 12 bytes per vocabulary entry. It runs the residual race and the p_row race (the fallback)
-side by side; with no drafts (K = 0) the residual is p_row, so it runs one. The vocabulary is split over S programs per request (by
-default one tile each) so that a batch of 1 still spreads over the GPU: one program per request
-would leave all but B of the H200's 132 SMs idle. A [B, S] combine in XLA picks each winner.
+side by side; with no drafts (K = 0) the residual is p_row, so it runs one. The vocabulary is
+split over S programs per request (by default one tile each) so that a batch of 1 still spreads
+over the GPU: one program per request would leave all but B of the H200's 132 SMs idle. A [B, S]
+combine in XLA picks each winner.
 
 `rejection_sample` / `ref_rejection_sample` at the end are the full verification (warp, accept,
 race) with the signature of `jdspark.spec.verify`, which owns the XLA part.
