@@ -100,8 +100,10 @@ def main():
         run(engine, prompt, 16, None)  # warm-up: measures D over its first 5 steps
         modes = [("target-only", -1), *[(f"k={k}", k) for k in range(6)], ("adaptive", None)]
         samples = {label: [] for label, _ in modes}
-        for r in range(args.repeats):  # round robin, each round starting one mode later: drift in clocks
-            for label, width in modes[r % len(modes):] + modes[:r % len(modes)]:  # or caches hits every mode alike
+        # Round robin, each round starting one mode later: drift in clocks or caches, and whatever a
+        # place in the round costs, hits every mode alike.
+        for r in range(args.repeats):
+            for label, width in modes[r % len(modes):] + modes[:r % len(modes)]:
                 samples[label].append(run(engine, prompt, args.tokens, width))
         rows = {label: {"tok_s": statistics.median(s["tok_s"] for s in runs), "tau": runs[-1]["tau"],
                         "widths": runs[-1]["widths"]} for label, runs in samples.items()}

@@ -8,9 +8,9 @@ unrolled alternatives, each
 compiled into a fresh engine. For each: D and V(0..gamma) (medians of synchronised calls), and the
 counts of fusions / custom calls / while loops in the optimised HLO of the draft and verify[gamma]
 executables. Prints a table, writes JSON. Compilation dominates: ~2 min per variant on the H200
-for the package form; an unrolled form compiled much longer there (2026-11-30: the adaptive bench,
-whose engine was built with the sliced form, did not finish one regime in 6 min), so give
-each variant its own call.
+for the package form; an unrolled form took much longer there, compile or run not known (2026-11-30:
+the adaptive bench, built with the sliced form, did not finish one regime in 6 min), so give each
+variant its own call.
 
     PYTHONPATH=$PWD python scripts/bench_step.py [--variants package loop] [--runs 21]
 """

@@ -58,8 +58,9 @@ def save_model(model: Model, path: str | Path, config: DSV4Config | None = None,
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
-            save_file({n: tensors[n] for n in shard}, path / shard_name(i, len(shards)), dtype_names)
-            weight_map.update(dict.fromkeys(shard, shard_name(i, len(shards))))
+            filename = shard_name(i, len(shards))
+            save_file({n: tensors[n] for n in shard}, path / filename, dtype_names)
+            weight_map.update(dict.fromkeys(shard, filename))
         write_index(path, weight_map, sum(t.nbytes for t in tensors.values()))
     (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     return path
