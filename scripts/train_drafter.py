@@ -7,6 +7,8 @@ confidences with sequential temperature scaling (§10) on held-out code.
 With --selfgen-sequences N, N corpus prompts of --prompt-tokens tokens are first continued by the
 target itself through the engine (T = --selfgen-temperature) to --seq-len + 1 tokens (§12.1);
 that share of every batch then comes from these rows, with anchors only in the sampled part.
+With --markov-rank R the checkpoint's Markov head is first widened to rank R without changing
+what it computes (`drafter.widen_markov_head`), so a trained drafter continues with more rank.
 
 The target is loaded from its checkpoint with the stored (quantized) values, so the drafter learns
 the distribution that is served. Anchors, block layout and losses as `jdspark.train.drafter`
@@ -57,9 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--selfgen-temperature", type=float, default=1.0)
     p.add_argument("--selfgen-batch", type=int, default=256, help="engine slots while sampling")
     p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--markov-rank", type=int, default=0,
+                   help="widen the checkpoint's Markov head to this rank first (0: keep it)")
     args = p.parse_args(argv)
     stored = read_config(args.target)
     model = load_model(args.target, dtype="float32", dequantize=True, progress=False)
+    if args.markov_rank:
+        model = drafter.widen_markov_head(model, args.markov_rank, seed=args.seed)
+        stored = stored.replace(extra={**stored.extra, "dspark_markov_rank": args.markov_rank})
     gamma = stored.dspark.block_size
     graphdef, params, frozen = nnx.split(model.module(), drafter.DRAFTER, ...)
     opt_config = adamw.AdamWConfig(lr=args.lr, warmup_steps=args.warmup)

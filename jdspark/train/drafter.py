@@ -19,6 +19,7 @@ from flax import nnx
 from jdspark.drafter import dspark
 from jdspark.model import state
 from jdspark.model.dsv4 import DSV4
+from jdspark.model.model import Model
 from jdspark.train import adamw
 
 DRAFTER = nnx.All(nnx.Param, nnx.PathContains("mtp"))
@@ -32,6 +33,29 @@ def sample_anchors(rng: np.random.Generator, batch: int, seq_len: int, gamma: in
     low = np.broadcast_to(np.asarray(low), (batch,))
     return np.stack([np.sort(rng.choice(np.arange(lo, seq_len - gamma), count, replace=False))
                      for lo in low]).astype(np.int32)
+
+
+def widen_markov_head(model: Model, rank: int, seed: int = 0) -> Model:
+    """The same model with a rank-`rank` Markov head that computes exactly what the old one did, so
+    training continues from where the drafter stands with room for a sharper prev-token bias: the
+    new W1 columns are small random (std 0.02, spec §12.5), the new W2 columns and confidence
+    weights zero (the bias W2.W1[prev] and the confidence logit are unchanged, the gradients not)."""
+    dspark_config = model.config.dspark
+    old = dspark_config.markov_rank
+    if rank < old:
+        raise ValueError(f"markov rank {rank} < the checkpoint's {old}: a head can only be widened")
+    config = model.config.replace(extra={**model.config.extra, "dspark_markov_rank": rank})
+    wide = Model.random(config, model.dtype, seed=seed)
+    pure = nnx.to_pure_dict(model.params)
+    heads = pure["mtp"][dspark_config.num_stages - 1]
+    w1, w2 = heads["markov_head"]["embed"]["weight"], heads["markov_head"]["head"]["weight"]
+    conf = heads["confidence_head"]["proj"]["weight"]
+    noise = 0.02 * jax.random.normal(jax.random.key(seed), (w1.shape[0], rank - old), w1.dtype)
+    heads["markov_head"]["embed"]["weight"] = jnp.concatenate([w1, noise], axis=1)
+    heads["markov_head"]["head"]["weight"] = jnp.pad(w2, ((0, 0), (0, rank - old)))
+    heads["confidence_head"]["proj"]["weight"] = jnp.pad(conf, ((0, 0), (0, rank - old)))
+    nnx.replace_by_pure_dict(wide.params, pure)
+    return Model(wide.graphdef, wide.params)
 
 
 def target_outputs(module: DSV4, ids: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -2,6 +2,7 @@
 equal what the engine's draft cache + `propose` machinery computes for the same anchor."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -72,3 +73,22 @@ def test_anchors_are_distinct_and_leave_room_for_every_label():
     assert anchors.shape == (3, 20)
     assert all(len(set(row)) == 20 for row in anchors.tolist())
     assert anchors.min() >= 1 and anchors.max() + GAMMA <= 63
+
+
+def test_a_widened_markov_head_computes_what_the_narrow_one_did():
+    model = Model.random(CONFIG, "float32", seed=7)
+    wide = drafter.widen_markov_head(model, CONFIG.dspark.markov_rank + 5, seed=1)
+    assert wide.config.dspark.markov_rank == CONFIG.dspark.markov_rank + 5
+    head = wide.module().mtp[-1].markov_head
+    assert head.embed.weight.shape == (CONFIG.vocab_size, CONFIG.dspark.markov_rank + 5)
+    assert np.abs(np.asarray(head.embed.weight[...])[:, -5:]).max() > 0  # room to learn: W1 is not zero
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(4, CONFIG.vocab_size, (2, 40)), jnp.int32)
+    anchors = jnp.asarray(drafter.sample_anchors(rng, 2, 40, GAMMA, 6))
+    run = jax.jit(training_blocks, static_argnums=0)
+    _, (narrow_logits, narrow_z, _, _) = run(model.graphdef, model.params, ids, anchors)
+    _, (wide_logits, wide_z, _, _) = run(wide.graphdef, wide.params, ids, anchors)
+    np.testing.assert_allclose(np.asarray(wide_logits), np.asarray(narrow_logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(wide_z), np.asarray(narrow_z), atol=1e-5)
+    with pytest.raises(ValueError, match="can only be widened"):
+        drafter.widen_markov_head(model, 1)
