@@ -1,18 +1,14 @@
 """Where a decode step's time goes: D, V(k) and the kernels per executable, for the embedded model.
 
-The tiny model's steps are launch-bound, so the number of kernels (and of device loops, which
-cost a host round trip per iteration unless their trip count is known) matters more than bytes.
-This compares formulations of the mHC Sinkhorn projection inside the real executables:
-`package` (what `jdspark.model.hyper.sinkhorn` does now: a device loop over the iterations) against
-unrolled alternatives, each
-compiled into a fresh engine. For each: D and V(0..gamma) (medians of synchronised calls), and the
-counts of fusions / custom calls / while loops in the optimised HLO of the draft and verify[gamma]
-executables. Prints a table, writes JSON. Compilation dominates: ~2 min per variant on the H200
-for the package form; an unrolled form took much longer there, compile or run not known (2026-11-30:
-the adaptive bench, built with the sliced form, did not finish one regime in 6 min), so give each
-variant its own call.
+The tiny model's steps are launch-bound, so the number of kernels (and of device loops: at least
+one launch per iteration) matters more than bytes. This compares the two forms of the mHC Sinkhorn
+projection inside the real executables: `kernel` (the Pallas kernel `jdspark.model.hyper.sinkhorn`
+uses on the GPU, one launch per mHC site) and `loop` (the jnp reference, a device loop of 19
+iterations per site), each compiled into a fresh engine with widths 0 and gamma. For each: D and
+V(0), V(gamma) (medians of synchronised calls) and the counts of fusions / custom calls / while
+loops in the optimised HLO of the draft and verify[gamma] executables. Prints a table, writes JSON.
 
-    PYTHONPATH=$PWD python scripts/bench_step.py [--variants package loop] [--runs 21]
+    PYTHONPATH=$PWD python scripts/bench_step.py [--variants kernel loop] [--runs 21]
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jdspark.assets import default_model_dir
@@ -35,41 +30,10 @@ from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.model import hyper
+from pallas_kernels import sinkhorn as pallas_sinkhorn
 
 PACKAGE = hyper.sinkhorn
-
-
-def sinkhorn_unrolled_sum(logits, iters, eps):
-    """Unrolled in Python with jnp.sum reductions (one reduction per normalisation)."""
-    p = jax.nn.softmax(logits, axis=-1) + eps
-    p = p / (jnp.sum(p, axis=-2, keepdims=True) + eps)
-    for _ in range(iters - 1):
-        p = p / (jnp.sum(p, axis=-1, keepdims=True) + eps)
-        p = p / (jnp.sum(p, axis=-2, keepdims=True) + eps)
-    return p
-
-
-def sinkhorn_sliced(logits, iters, eps):
-    """Unrolled, each sum over the C = 4 streams written as C - 1 adds of slices: only elementwise
-    operations, which XLA can fuse into one kernel."""
-    c = logits.shape[-1]
-
-    def total(p, axis):
-        parts = jnp.split(p, c, axis=axis)
-        out = parts[0]
-        for part in parts[1:]:
-            out = out + part
-        return out
-
-    p = jax.nn.softmax(logits, axis=-1) + eps
-    p = p / (total(p, -2) + eps)
-    for _ in range(iters - 1):
-        p = p / (total(p, -1) + eps)
-        p = p / (total(p, -2) + eps)
-    return p
-
-
-VARIANTS = {"package": PACKAGE, "unrolled_sum": sinkhorn_unrolled_sum, "sliced": sinkhorn_sliced}
+VARIANTS = {"kernel": pallas_sinkhorn.sinkhorn, "loop": pallas_sinkhorn.ref_sinkhorn}
 
 
 def kernel_counts(compiled) -> dict:
@@ -93,7 +57,7 @@ def measure(model, variant: str, runs: int, cache_dir: str) -> dict:
     hyper.sinkhorn = VARIANTS[variant]  # looked up when the executables are traced
     try:
         start = time.perf_counter()
-        engine = Engine(model, EngineConfig(max_seq_len=512, gamma=5, max_batch=1), prefill_chunk=64,
+        engine = Engine(model, EngineConfig(max_seq_len=512, gamma=5, max_batch=1), prefill_chunk=64, widths=(0, 5),
                         options=SpecOptions(width=5, reprofile=True, cost_cache_dir=cache_dir, profile_runs=runs))
         compile_s = time.perf_counter() - start
     finally:
@@ -121,10 +85,10 @@ def main():
         for variant in args.variants:
             result["rows"].append(measure(model, variant, args.runs, cache_dir))
             print(result["rows"][-1], flush=True)
-    print(f"{'variant':>13} {'D ms':>6} {'V(0..5) ms':>40} {'draft fus/cc/while':>19} {'verify5 fus/cc/while':>21}")
+    print(f"{'variant':>13} {'D ms':>6} {'V(0), V(5) ms':>14} {'draft fus/cc/while':>19} {'verify5 fus/cc/while':>21}")
     for r in result["rows"]:
         d, v = r["draft_kernels"], r["verify5_kernels"]
-        print(f"{r['variant']:>13} {r['draft_ms']:6.2f} {' '.join(f'{x:5.2f}' for x in r['verify_ms']):>40} "
+        print(f"{r['variant']:>13} {r['draft_ms']:6.2f} {' '.join(f'{x:5.2f}' for x in r['verify_ms']):>14} "
               f"{d['fusions']:>9}/{d['custom_calls']}/{d['whiles']:<5} {v['fusions']:>11}/{v['custom_calls']}/{v['whiles']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,81 @@
+"""The Pallas Sinkhorn projection equals the jnp reference to float32 rounding on fresh random
+logits of many shapes (interpret mode on CPU; the `gpu` test compiles it through Triton), and its
+gradient is the reference's."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jdspark.model import hyper
+from jdspark.model.model import Model
+from pallas_kernels.sinkhorn import ref_sinkhorn, sinkhorn
+from tests.conftest import SPEC_CONFIG
+
+EPS = 1e-6
+kernel = jax.jit(sinkhorn, static_argnums=(1, 2, 3))
+reference = jax.jit(ref_sinkhorn, static_argnums=(1, 2))
+
+
+def logits(shape, seed, scale=3.0):
+    return jnp.asarray(np.random.default_rng(seed).normal(scale=scale, size=shape), jnp.float32)
+
+
+@pytest.mark.parametrize("lead, c, iters", [
+    ((1,), 4, 20),          # one token (decode, batch 1)
+    ((2, 3), 4, 20),        # 6 tokens: tile 4, the last tile shifted back
+    ((1, 6), 4, 1),         # no iteration after the first normalisations
+    ((17,), 4, 2),
+    ((3, 86), 4, 20),       # 258 tokens: two full tiles of 128 and a shifted one
+    ((5,), 2, 7),
+    ((4, 2, 3), 3, 5),      # C need not be a power of two (vectors are per entry)
+])
+def test_kernel_equals_reference(lead, c, iters):
+    x = logits((*lead, c, c), seed=sum(lead) + c + iters)
+    got = kernel(x, iters, EPS, None)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(reference(x, iters, EPS)), rtol=2e-6, atol=1e-7)
+    assert got.shape == x.shape and got.dtype == jnp.float32
+
+
+def test_extreme_logits_stay_finite_and_match():
+    x = logits((9, 4, 4), seed=3, scale=80.0)  # exp underflows to 0 in most entries of a row
+    got = np.asarray(kernel(x, 20, EPS, None))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np.asarray(reference(x, 20, EPS)), rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(got.sum(axis=-2), 1.0, atol=1e-4)  # columns sum to one after the last step
+
+
+def test_gradient_is_the_reference_gradient():
+    x = logits((6, 4, 4), seed=4)
+    weights = logits((6, 4, 4), seed=5)
+    loss = lambda f: lambda v: jnp.sum(f(v) * weights)  # noqa: E731
+    got = jax.grad(loss(lambda v: sinkhorn(v, 20, EPS)))(x)
+    want = jax.grad(loss(lambda v: ref_sinkhorn(v, 20, EPS)))(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
+
+
+def test_a_model_with_the_kernel_computes_what_it_computes_with_the_loop(monkeypatch):
+    """Every mHC site of a small model (target layers and drafter stages' blocks) through the
+    kernel, as on the GPU: the same logits."""
+    model = Model.random(SPEC_CONFIG, "float32", seed=2)
+    ids = np.random.default_rng(2).integers(2, SPEC_CONFIG.vocab_size, (2, 12))
+    want = np.asarray(model.forward(ids).logits)
+    with monkeypatch.context() as patch:
+        patch.setattr(hyper, "sinkhorn", sinkhorn)
+        jax.clear_caches()  # trace afresh with the kernel
+        got = np.asarray(model.forward(ids).logits)
+    jax.clear_caches()  # later tests trace the package's form again
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_non_square_logits_are_rejected():
+    with pytest.raises(ValueError, match="C x C"):
+        sinkhorn(jnp.zeros((2, 4, 3)), 20, EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 6, 100, 4096])
+def test_compiled_kernel_equals_reference_on_gpu(n):
+    x = logits((n, 4, 4), seed=n)
+    np.testing.assert_allclose(np.asarray(kernel(x, 20, EPS, False)), np.asarray(reference(x, 20, EPS)),
+                               rtol=1e-5, atol=1e-7)
