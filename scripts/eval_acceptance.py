@@ -6,7 +6,8 @@ Prompts are the last --prompt-tokens tokens before a cut point in held-out files
 For T = 0 and T = 1: per-position acceptance and tau (tokens per verification, bonus included) at
 the full block width; greedy speculative tokens compared with greedy target-only tokens; and tokens/s
 target-only vs speculative (fixed full width and adaptive), median over --repeats passes over the
-same prompts (EOS ignored, so every request generates --max-tokens). Prints a table, writes JSON.
+same prompts, the engines' passes interleaved (EOS ignored, so every request generates --max-tokens).
+Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -90,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = {"device": str(jax.devices()[0].device_kind), "model": str(path), "args": vars(args), "runs": {}}
     for temperature in (0.0, 1.0):
-        for name, gen in engines.items():
-            passes = [run_all(gen, prompts, temperature, args.max_tokens, args.seed) for _ in range(args.repeats)]
+        by_engine = {name: [] for name in engines}
+        for _ in range(args.repeats):  # engines interleaved, so drifting machine speed hits each alike
+            for name, gen in engines.items():
+                by_engine[name].append(run_all(gen, prompts, temperature, args.max_tokens, args.seed))
+        for name, passes in by_engine.items():
             first = passes[0]
             result["runs"][f"T={temperature:g} {name}"] = {
                 "tok_s_median": statistics.median(r["tok_s"] for r in passes), "tok_s": [r["tok_s"] for r in passes],
