@@ -98,7 +98,7 @@ class Engine:
         self._no_tokens = jnp.zeros((config.max_batch, config.gamma), jnp.int32)  # width 0 / idle inputs
         self._no_q = jnp.zeros((config.max_batch, config.gamma, model.config.vocab_size), jnp.float32)
         start = time.perf_counter()
-        self.exe.compile(model.params, self.decode, self.draft, self._sampling())
+        self.exe.compile(self.decode, self.draft, self._sampling())
         log.info("compiled %d executables in %.1f s", 1 + (self.exe.draft is not None) + len(self.exe.verify),
                  time.perf_counter() - start)
         self.selector: AdaptiveWidth | None = None
@@ -138,7 +138,7 @@ class Engine:
         sampling = self._sampling()
 
         def run(k):
-            n_acc, _, self.decode, self.draft = self.exe.verify[k](self.model.params, self.decode, self.draft, anchor,
+            n_acc, _, self.decode, self.draft = self.exe.verify[k](self.exe.params.arrays, self.decode, self.draft, anchor,
                                                                   self._no_tokens, self._no_q, active, sampling)
             jax.block_until_ready(n_acc)
 
@@ -184,7 +184,7 @@ class Engine:
                 piece = ids[start:start + chunk]
                 batch_ids[b, :len(piece)] = piece
                 n_valid[b], reset[b] = len(piece), start == 0
-            token, self.decode, self.draft = self.exe.prefill(self.model.params, self.decode, self.draft, batch_ids,
+            token, self.decode, self.draft = self.exe.prefill(self.exe.params.arrays, self.decode, self.draft, batch_ids,
                                                               n_valid, reset, self._sampling())
             token = np.asarray(token)
             for b, ids in zip(slots, prompts):
@@ -247,7 +247,7 @@ class Engine:
                 raise EngineError(f"the width policy chose k={width}, but only widths {sorted(self.exe.verify)} "
                                   "were compiled")
             timed = self.selector is not None and self.selector.wants_draft_timing()
-            proposal = self.exe.draft(self.model.params, self.draft, anchor, sampling)
+            proposal = self.exe.draft(self.exe.params.arrays, self.draft, anchor, sampling)
             if timed:
                 jax.block_until_ready(proposal.tokens)
                 self.selector.record_draft(time.perf_counter() - started)
@@ -256,7 +256,7 @@ class Engine:
         else:
             width, tokens, q = 0, self._no_tokens, self._no_q
         n_acc, token, self.decode, self.draft = self.exe.verify[width](
-            self.model.params, self.decode, self.draft, anchor, tokens, q, mask, sampling)
+            self.exe.params.arrays, self.decode, self.draft, anchor, tokens, q, mask, sampling)
         n_acc, token = np.asarray(n_acc), np.asarray(token)
         drafts = np.asarray(tokens) if width else None
         confidence = None if confidence is None else np.asarray(confidence)

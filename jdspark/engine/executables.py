@@ -7,7 +7,8 @@
   commit of the accepted prefix + 1 in the target state, and the committed rows' features pushed
   into the drafter's context. Width 0 is plain target decoding: it still emits one token.
 
-Every function takes the parameters as an argument (never baked in as constants), donates the
+Every function takes the parameters as an argument (never baked in as constants; packed into a
+few buffers, `jdspark.engine.packed`, since each argument buffer costs host time per call), donates the
 decode state and the draft cache, and draws its randomness on the device from per-slot (seed,
 counter) keys, so a request's samples depend only on its own seed and step.
 """
@@ -22,6 +23,7 @@ from flax import nnx, struct
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
+from jdspark.engine.packed import PackedParams
 from jdspark.model import state
 from jdspark.model.model import Model
 from jdspark.spec.sampling import sample, warp_probs
@@ -68,6 +70,7 @@ class Executables:
     def __init__(self, model: Model, engine: EngineConfig, prefill_chunk: int, use_kernel: bool,
                  widths: tuple[int, ...]):
         self.graphdef, self.config = model.graphdef, model.config
+        self.params = PackedParams(model.params)  # pass `params.arrays` as every call's first argument
         self.dspark = model.config.dspark
         self.gamma = engine.gamma
         self.use_kernel = use_kernel
@@ -78,8 +81,9 @@ class Executables:
         self.draft = None
         self.verify: dict[int, jax.stages.Compiled] = {}
 
-    def compile(self, params, decode, draft_cache, sampling: SlotSampling) -> None:
+    def compile(self, decode, draft_cache, sampling: SlotSampling) -> None:
         """Lower and compile every executable for these (example) arguments' shapes."""
+        params = self.params.arrays
         b = decode.batch
         ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
         counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
@@ -94,8 +98,8 @@ class Executables:
             self.verify[k] = jax.jit(self._verify_fn(k), donate_argnums=(1, 2)).lower(
                 params, decode, draft_cache, anchor, tokens, q, flags, sampling).compile()
 
-    def _model(self, params):
-        return nnx.merge(self.graphdef, params)
+    def _model(self, arrays):
+        return nnx.merge(self.graphdef, self.params.unpack(arrays))
 
     def _prefill(self, params, decode, draft_cache, ids, n_valid, reset, sampling):
         model = self._model(params)

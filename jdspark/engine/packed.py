@@ -1,0 +1,53 @@
+"""Model parameters as a few device buffers, for the engine's executables.
+
+Every argument buffer of an executable call costs the runtime some host time, and a DeepSeek-V4
+checkpoint has hundreds of small tensors (norms, mHC weights, quantization scales, biases): the
+embedded model has 318, and on the H200 each call of its draft or verify executable took ~1.5 ms
+beyond the kernels it launched. So every small, fully replicated tensor travels inside one flat
+buffer per (dtype, sharding) and is sliced back out inside the executable, where the slice fuses
+into its consumer; large or sharded tensors stay arguments of their own (packing them would copy
+them). The packed copy costs at most `small_bytes` per tensor of extra device memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+SMALL_BYTES = 1 << 20
+
+
+class PackedParams:
+    """`arrays`: the buffers to pass to an executable; `unpack(arrays)` (inside it) rebuilds the
+    parameter pytree with the original shapes, dtypes and values."""
+
+    def __init__(self, params, small_bytes: int = SMALL_BYTES):
+        leaves, self.treedef = jax.tree.flatten(params)
+        arrays, groups = [], {}
+        self._layout: list[tuple[int, int | None, tuple[int, ...]]] = []  # (array, offset or None: whole, shape)
+        for leaf in leaves:
+            if leaf.nbytes > small_bytes or not leaf.sharding.is_fully_replicated:
+                self._layout.append((len(arrays), None, leaf.shape))
+                arrays.append(leaf)
+                continue
+            group = groups.setdefault((leaf.dtype, leaf.sharding), [])
+            self._layout.append(((leaf.dtype, leaf.sharding), sum(x.size for x in group), leaf.shape))
+            group.append(leaf)
+        index = {}
+        for key, group in groups.items():
+            index[key] = len(arrays)
+            arrays.append(jnp.concatenate([x.reshape(-1) for x in group]))
+        self._layout = [(index[where] if offset is not None else where, offset, shape)
+                        for where, offset, shape in self._layout]
+        self.arrays = tuple(arrays)
+
+    def unpack(self, arrays):
+        leaves = []
+        for where, offset, shape in self._layout:
+            array = arrays[where]
+            if offset is not None:
+                array = jax.lax.slice(array, (offset,), (offset + math.prod(shape),)).reshape(shape)
+            leaves.append(array)
+        return jax.tree.unflatten(self.treedef, leaves)

@@ -1,0 +1,24 @@
+"""Packed parameters come back out of an executable exactly as they went in, in a few buffers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jdspark.engine.packed import PackedParams
+from jdspark.model.model import Model
+from tests.conftest import SPEC_CONFIG
+
+
+def test_unpack_inside_jit_returns_every_parameter_exactly():
+    params = Model.random(SPEC_CONFIG, "bfloat16", seed=3).params
+    leaves = jax.tree.leaves(params)
+    big = max(leaves, key=lambda x: x.nbytes)
+    packed = PackedParams(params, small_bytes=big.nbytes - 1)  # the largest tensor stays its own buffer
+    dtypes = {x.dtype for x in leaves if x is not big}
+    assert len(packed.arrays) == len(dtypes) + sum(x.nbytes == big.nbytes for x in leaves) < len(leaves)
+    assert any(a is big for a in packed.arrays)  # not copied
+    unpacked = jax.jit(lambda arrays: jax.tree.leaves(packed.unpack(arrays)))(packed.arrays)
+    assert jax.tree.structure(packed.unpack(packed.arrays)) == jax.tree.structure(params)
+    for got, want in zip(unpacked, leaves):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
