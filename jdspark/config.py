@@ -644,7 +644,8 @@ def pro_config(**overrides) -> DSV4Config:
 def tiny_code_config(**overrides) -> DSV4Config:
     """The embedded model (`jdspark/assets/tiny-code`): every DSV4 feature on (mHC, SWA, CSA with
     the indexer, HCA, hash layers, MoE with a shared expert) at a size trained on one GPU in
-    minutes, with a 2-stage DSpark drafter (gamma 5) reading layers 1, 3 and 5."""
+    minutes, with a 2-stage DSpark drafter (gamma 5) reading layers 1, 3 and 5. The shipped drafter's
+    Markov head was later widened from rank 32 to 256 (`train_drafter.py --markov-rank 256`)."""
     base = dict(
         vocab_size=8192, hidden_size=256, num_hidden_layers=6, num_nextn_predict_layers=2,
         num_hash_layers=3, num_attention_heads=4, head_dim=128, qk_rope_head_dim=64, q_lora_rank=128,

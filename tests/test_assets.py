@@ -28,6 +28,8 @@ def test_the_embedded_model_is_a_dsv4_with_a_drafter_and_a_tokenizer(shipped):
     assert {config.layer_kind(i) for i in range(config.num_hidden_layers)} == {"window", "csa", "hca"}
     assert tokenizer.decode(tokenizer.encode("def f(x):\n    return x\n")) == "def f(x):\n    return x\n"
     assert tokenizer.encode("x")[0] == config.bos_token_id == 0
+    size = sum(f.stat().st_size for f in default_model_dir().iterdir())
+    assert size <= 64e6, f"the embedded model takes {size / 1e6:.1f} MB; the package allows 64 MB"
 
 
 def test_greedy_speculative_equals_greedy_target_only_on_the_shipped_model(shipped):

@@ -2,8 +2,9 @@
 
 Every argument buffer of an executable call costs the runtime some host time, and a DeepSeek-V4
 checkpoint has hundreds of small tensors (norms, mHC weights, quantization scales, biases): the
-embedded model has 318, and on the H200 each call of its draft or verify executable took ~1.5 ms
-beyond the kernels it launched. So every small, fully replicated tensor travels inside one flat
+embedded model has 318: on the H200 a call of its draft or verify executable spent 2.1 ms in
+`Compiled.__call__` with them as arguments and 1.0 ms packed (docs/BENCHMARKS.md, "Where a step's
+time goes"). So every small, fully replicated tensor travels inside one flat
 buffer per (dtype, sharding) and is sliced back out inside the executable, where the slice fuses
 into its consumer; large or sharded tensors stay arguments of their own (packing them would copy
 them). The packed copy costs at most `small_bytes` per tensor of extra device memory.
