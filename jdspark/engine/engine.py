@@ -73,9 +73,12 @@ class SpecOptions:
 class Engine:
     def __init__(self, model: Model, config: EngineConfig, *, speculative: bool = True, prefill_chunk: int = 256,
                  options: SpecOptions = SpecOptions(), width_policy: WidthPolicy | None = None,
-                 widths: tuple[int, ...] | None = None, use_kernel: bool | None = None):
+                 widths: tuple[int, ...] | None = None, use_kernel: bool | None = None,
+                 pack_params: bool | None = None):
         """`widths`: the verify widths to compile (default 0..gamma; only 0 without speculation);
-        `width_policy` overrides the width choice (a function of a slot's stale confidences)."""
+        `width_policy` overrides the width choice (a function of a slot's stale confidences);
+        `use_kernel` (the Pallas rejection sampler) and `pack_params` (small parameters passed in a
+        few buffers, `jdspark.engine.packed`) default to on exactly on the GPU."""
         if speculative and model.config.dspark is None:
             raise EngineError("speculative=True needs a checkpoint with a DSpark drafter (dspark_* config keys and "
                               "mtp.* drafter tensors); this one has none: use speculative=False")
@@ -85,14 +88,15 @@ class Engine:
                               f"{dspark_cfg.block_size}; use gamma={dspark_cfg.block_size}")
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
         self._new_breaker()  # validates the fallback options before anything is compiled
-        if use_kernel is None:
-            use_kernel = jax.default_backend() == "gpu"
+        on_gpu = jax.default_backend() == "gpu"
+        use_kernel = on_gpu if use_kernel is None else use_kernel
+        pack_params = on_gpu if pack_params is None else pack_params
         if widths is None:
             widths = tuple(range(config.gamma + 1)) if speculative else (0,)
         bad = [k for k in widths if not 0 <= k <= config.gamma or (k and not speculative)]
         if bad or not widths:
             raise EngineError(f"widths={widths}: each must be in 0..gamma={config.gamma} (only 0 without speculation)")
-        self.exe = Executables(model, config, min(prefill_chunk, config.max_seq_len), use_kernel, widths)
+        self.exe = Executables(model, config, min(prefill_chunk, config.max_seq_len), use_kernel, widths, pack_params)
         self.decode, self.draft = self._fresh_state()
         self.slots: list[Slot | None] = [None] * config.max_batch
         self._no_tokens = jnp.zeros((config.max_batch, config.gamma), jnp.int32)  # width 0 / idle inputs

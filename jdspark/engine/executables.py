@@ -23,6 +23,7 @@ from flax import nnx, struct
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
+from jdspark.engine import packed
 from jdspark.engine.packed import PackedParams
 from jdspark.model import state
 from jdspark.model.model import Model
@@ -68,9 +69,10 @@ class Executables:
     """AOT-compiled prefill, draft and verify[k] for one model, engine config and prefill chunk."""
 
     def __init__(self, model: Model, engine: EngineConfig, prefill_chunk: int, use_kernel: bool,
-                 widths: tuple[int, ...]):
+                 widths: tuple[int, ...], pack_params: bool):
         self.graphdef, self.config = model.graphdef, model.config
-        self.params = PackedParams(model.params)  # pass `params.arrays` as every call's first argument
+        # Pass `params.arrays` as every call's first argument.
+        self.params = PackedParams(model.params, packed.SMALL_BYTES if pack_params else None)
         self.dspark = model.config.dspark
         self.gamma = engine.gamma
         self.use_kernel = use_kernel

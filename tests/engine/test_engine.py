@@ -2,6 +2,7 @@
 checked exactly): greedy token equality at every width, losslessness of sampling, the draft cache,
 and no compilation after warm-up."""
 
+import jax
 import numpy as np
 import pytest
 from scipy import stats
@@ -9,7 +10,7 @@ from scipy import stats
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import executables
-from jdspark.engine.engine import Engine, EngineError
+from jdspark.engine.engine import Engine, EngineError, SpecOptions
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
 from jdspark.spec.selector import AdaptiveWidth
@@ -49,6 +50,17 @@ def test_greedy_speculative_equals_target_only(engine, greedy_reference, width):
     slot = run(engine, PROMPT, GREEDY, width)
     assert slot.tokens == greedy_reference
     assert slot.stats.widths[width] == slot.stats.steps >= 63 // (width + 1)  # token 1 comes from prefill
+
+
+def test_packed_parameters_decode_what_unpacked_ones_do(model, engine, greedy_reference):
+    """The GPU's default (small parameters packed into a few buffers), run on the CPU, where the
+    session engine passes them unpacked: the same greedy tokens, target-only and at width 5."""
+    assert len(engine.exe.params.arrays) == len(jax.tree.leaves(model.params))
+    packed = Engine(model, EngineConfig(max_seq_len=96, gamma=5, max_batch=2), prefill_chunk=16, widths=(0, 5),
+                    options=SpecOptions(width=5), pack_params=True)
+    assert len(packed.exe.params.arrays) < len(jax.tree.leaves(model.params))
+    for width in (None, 5):
+        assert run(packed, PROMPT, GREEDY, width).tokens == greedy_reference
 
 
 def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greedy_reference, monkeypatch):

@@ -22,3 +22,4 @@ def test_unpack_inside_jit_returns_every_parameter_exactly():
     for got, want in zip(unpacked, leaves):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
