@@ -7,8 +7,8 @@
   commit of the accepted prefix + 1 in the target state, and the committed rows' features pushed
   into the drafter's context. Width 0 is plain target decoding: it still emits one token.
 
-Every function takes the parameters as an argument (never baked in as constants; packed into a
-few buffers, `jdspark.engine.packed`, since each argument buffer costs host time per call), donates the
+Every function takes the parameters as an argument (never baked in as constants; on the GPU packed
+into a few buffers, `jdspark.engine.packed`, since each argument buffer costs host time per call), donates the
 decode state and the draft cache, and draws its randomness on the device from per-slot (seed,
 counter) keys, so a request's samples depend only on its own seed and step.
 """
@@ -24,7 +24,6 @@ from flax import nnx, struct
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import packed
-from jdspark.engine.packed import PackedParams
 from jdspark.model import state
 from jdspark.model.model import Model
 from jdspark.spec.sampling import sample, warp_probs
@@ -72,7 +71,7 @@ class Executables:
                  widths: tuple[int, ...], pack_params: bool):
         self.graphdef, self.config = model.graphdef, model.config
         # Pass `params.arrays` as every call's first argument.
-        self.params = PackedParams(model.params, packed.SMALL_BYTES if pack_params else None)
+        self.params = packed.PackedParams(model.params, packed.SMALL_BYTES if pack_params else None)
         self.dspark = model.config.dspark
         self.gamma = engine.gamma
         self.use_kernel = use_kernel
