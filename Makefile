@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
-# Two worker processes (the CI machine has 2 cores; XLA compiles on one thread): ~12.5 instead of
-# ~16 minutes. --dist loadfile keeps each test file, and so its module fixtures, in one worker.
+# Two worker processes (the CI machine has 2 cores; XLA compiles on one thread; times in the README).
+# --dist loadfile keeps each test file, and so its module fixtures, in one worker.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 

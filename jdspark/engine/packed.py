@@ -9,7 +9,7 @@ buffer per (dtype, sharding) and is sliced back out inside the executable, where
 into its consumer; large or sharded tensors stay arguments of their own (packing them would copy
 them). The packed copy costs at most `small_bytes` per tensor of extra device memory. The engine
 packs on the GPU only: on the CPU a call's arguments cost little and the slices lengthen
-compilation by ~30% (67.6 -> 89.2 s for the test suite's engine).
+compilation by ~30% (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
