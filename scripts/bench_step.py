@@ -1,13 +1,19 @@
 """Where a decode step's time goes: D, V(k) and the kernels per executable, for the embedded model.
 
 The tiny model's steps are launch-bound, so the number of kernels (and of device loops: at least
-one launch per iteration) matters more than bytes. This compares the two forms of the mHC Sinkhorn
-projection inside the real executables: `kernel` (the Pallas kernel `jdspark.model.hyper.sinkhorn`
-uses on the GPU, one launch per mHC site) and `loop` (the jnp reference, a device loop of 19
-iterations per site), each compiled into a fresh engine with widths 0 and gamma. For each: D and
-V(0), V(gamma) (medians of synchronised calls), the wall time of a whole Engine.step() at width gamma
-with the host functions that fill it (cProfile), and the counts of fusions / custom calls / while
-loops in the optimised HLO of the draft and verify[gamma] executables. Prints a table, writes JSON.
+one launch per iteration) and of executable calls matters more than bytes. For each Sinkhorn
+variant — `kernel` (the Pallas kernel `jdspark.model.hyper.sinkhorn` uses on the GPU, one launch
+per mHC site) or `loop` (the jnp reference, a device loop of 19 iterations per site) — a fresh
+engine with widths 0 and gamma is compiled and measured:
+- the synchronised cost of its `decode` and step[0], step[gamma] executables (medians), hence
+  D = S(0) - decode and V(gamma) = S(gamma) - D as the engine's selector sees them;
+- the wall time of a whole Engine.step() on a T = 1 request at width gamma and target-only
+  (median, no profiler), then the host functions that fill a speculative step (cProfile);
+- with a GPU, the device's busy time per Engine.step() from a jax.profiler trace (the union of
+  the kernels' intervals on the GPU streams): busy much below the step's wall time means the
+  host, not the device, sets the pace;
+- the counts of fusions / custom calls / while loops in the optimised HLO of decode and step[gamma].
+Prints a table, writes JSON.
 
     PYTHONPATH=$PWD python scripts/bench_step.py [--variants kernel loop] [--runs 21]
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gzip
 import io
 import json
 import os
@@ -32,6 +39,7 @@ import numpy as np
 from jdspark.assets import default_model_dir
 from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
+from jdspark.engine import costs
 from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.engine.request import SamplingParams
 from jdspark.model import hyper
@@ -48,76 +56,120 @@ def kernel_counts(compiled) -> dict:
             "whiles": len(re.findall(r" while\(", text))}
 
 
-def median_time(fn, runs: int) -> float:
-    fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def engine_steps(engine: Engine, steps: int) -> dict:
-    """Wall time of Engine.step() at width 5 on one T = 1 request (median), and the host functions
-    that take the time (cProfile, top 25 by own time, printed)."""
+def start_request(engine: Engine, speculative: bool) -> None:
+    engine.speculative = speculative
     engine.add(list(range(4, 68)), SamplingParams(max_tokens=400, temperature=1.0, seed=0, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    profiler, times = cProfile.Profile(), []
+
+
+def step_times(engine: Engine, speculative: bool, steps: int) -> float:
+    """Median wall ms of Engine.step() on one T = 1 request, no profiler attached."""
+    start_request(engine, speculative)
+    times = []
     for _ in range(steps):
-        if not engine.active:
-            break
         start = time.perf_counter()
-        profiler.enable()
         engine.step()
-        profiler.disable()
         times.append(time.perf_counter() - start)
+    engine.release(0)
+    return statistics.median(times) * 1e3
+
+
+def host_profile(engine: Engine, steps: int) -> None:
+    """The host functions that fill a speculative Engine.step() (cProfile, top 25 by own time)."""
+    start_request(engine, True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
     engine.release(0)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
     print(text.getvalue(), flush=True)
-    return {"step_ms": statistics.median(times) * 1e3, "steps": len(times)}
 
 
-def measure(model, variant: str, runs: int, cache_dir: str, steps: int) -> dict:
+def device_busy(engine: Engine, speculative: bool, steps: int, trace_dir: str) -> dict | None:
+    """Device busy ms per Engine.step() (union of kernel intervals on the GPU streams of a
+    jax.profiler trace) and the steps' wall ms in the same traced run; None without a GPU."""
+    if jax.default_backend() != "gpu":
+        return None
+    start_request(engine, speculative)
+    start = time.perf_counter()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(steps):
+            engine.step()
+    wall = time.perf_counter() - start
+    engine.release(0)
+    path = next(Path(trace_dir).rglob("*.trace.json.gz"))
+    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in e["args"].get("name", "")}
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e["pid"] in gpu
+                   and names.get((e["pid"], e.get("tid")), "").startswith("Stream"))
+    busy, end = 0.0, -1.0
+    for lo, hi in spans:  # union of intervals (us)
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return {"busy_ms": busy / steps / 1e3, "kernels_per_step": len(spans) / steps, "wall_ms": wall / steps * 1e3}
+
+
+def measure(model, variant: str, runs: int, steps: int) -> dict:
     hyper.sinkhorn = VARIANTS[variant]  # looked up when the executables are traced
     try:
         start = time.perf_counter()
         engine = Engine(model, EngineConfig(max_seq_len=512, gamma=5, max_batch=1), prefill_chunk=64, widths=(0, 5),
-                        options=SpecOptions(width=5, reprofile=True, cost_cache_dir=cache_dir, profile_runs=runs))
+                        options=SpecOptions(width=5))
         compile_s = time.perf_counter() - start
     finally:
         hyper.sinkhorn = PACKAGE
-    verify = engine._verify_costs()
-    anchor = np.zeros(1, np.int32)
-    sampling = engine._sampling()
-    draft = median_time(lambda: jax.block_until_ready(
-        engine.exe.draft(engine.exe.params.arrays, engine.draft, anchor, sampling).tokens), runs)
-    return {"variant": variant, "compile_s": compile_s, "draft_ms": draft * 1e3,
-            "verify_ms": [v * 1e3 for v in verify], **engine_steps(engine, steps),
-            "draft_kernels": kernel_counts(engine.exe.draft), "verify5_kernels": kernel_counts(engine.exe.verify[5])}
+    slots = engine._slot_inputs(np.zeros(1, np.int32), np.ones(1, bool))
+    calls = {"decode": engine.exe.decode, "step0": engine.exe.step[0], "step5": engine.exe.step[5]}
+
+    def call(label):
+        out, engine.decode, engine.draft = calls[label](engine.exe.params.arrays, engine.decode, engine.draft, slots)
+        jax.block_until_ready(out)
+
+    cost = dict(zip(calls, costs.measure(call, list(calls), runs, engine.reset)))
+    engine.reset()
+    draft = cost["step0"] - cost["decode"]
+    row = {"variant": variant, "compile_s": compile_s, "decode_ms": cost["decode"] * 1e3,
+           "step_exe_ms": [cost["step0"] * 1e3, cost["step5"] * 1e3], "draft_ms": draft * 1e3,
+           "verify5_ms": (cost["step5"] - draft) * 1e3,
+           "engine_step_ms": step_times(engine, True, steps), "engine_decode_ms": step_times(engine, False, steps),
+           "decode_kernels": kernel_counts(engine.exe.decode), "step5_kernels": kernel_counts(engine.exe.step[5])}
+    with tempfile.TemporaryDirectory() as trace_dir:
+        row["trace_step"] = device_busy(engine, True, steps, trace_dir + "/spec")
+        row["trace_decode"] = device_busy(engine, False, steps, trace_dir + "/decode")
+    host_profile(engine, steps)
+    return row
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["kernel"], choices=list(VARIANTS))
     parser.add_argument("--runs", type=int, default=21)
-    parser.add_argument("--steps", type=int, default=50, help="Engine.step() calls timed and profiled")
+    parser.add_argument("--steps", type=int, default=50, help="Engine.step() calls per timing, profile and trace")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     args = parser.parse_args()
     model = load_model(default_model_dir(), dtype=args.dtype, progress=False)
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": []}
-    with tempfile.TemporaryDirectory() as cache_dir:
-        for variant in args.variants:
-            result["rows"].append(measure(model, variant, args.runs, cache_dir, args.steps))
-            print(result["rows"][-1], flush=True)
-    print(f"{'variant':>13} {'D ms':>6} {'V(0), V(5) ms':>14} {'step ms':>8} {'draft fus/cc/while':>19} {'verify5 fus/cc/while':>21}")
+    for variant in args.variants:
+        result["rows"].append(measure(model, variant, args.runs, args.steps))
+        print(result["rows"][-1], flush=True)
+    print(f"{'variant':>8} {'decode':>7} {'S(0)':>6} {'S(5)':>6} {'D':>6} {'V(5)':>6} {'step':>6} {'t-only':>6} "
+          f"{'ratio':>6} {'busy step/t-only':>16} {'decode fus/cc/while':>19} {'step5 fus/cc/while':>19}   (ms)")
     for r in result["rows"]:
-        d, v = r["draft_kernels"], r["verify5_kernels"]
-        print(f"{r['variant']:>13} {r['draft_ms']:6.2f} {' '.join(f'{x:5.2f}' for x in r['verify_ms']):>14} {r['step_ms']:8.2f} "
-              f"{d['fusions']:>9}/{d['custom_calls']}/{d['whiles']:<5} {v['fusions']:>11}/{v['custom_calls']}/{v['whiles']}")
+        d, v = r["decode_kernels"], r["step5_kernels"]
+        busy = "—" if r["trace_step"] is None else f"{r['trace_step']['busy_ms']:.2f}/{r['trace_decode']['busy_ms']:.2f}"
+        print(f"{r['variant']:>8} {r['decode_ms']:7.2f} {r['step_exe_ms'][0]:6.2f} {r['step_exe_ms'][1]:6.2f} "
+              f"{r['draft_ms']:6.2f} {r['verify5_ms']:6.2f} {r['engine_step_ms']:6.2f} {r['engine_decode_ms']:6.2f} "
+              f"{r['engine_step_ms'] / r['engine_decode_ms']:6.2f} {busy:>16} "
+              f"{d['fusions']:>9}/{d['custom_calls']}/{d['whiles']:<5} {v['fusions']:>9}/{v['custom_calls']}/{v['whiles']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_step.json").write_text(json.dumps(result, indent=1))

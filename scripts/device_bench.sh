@@ -6,7 +6,7 @@
 #   bash scripts/device_bench.sh train            (target + drafter from scratch -> $OUT/tiny-code)
 #   bash scripts/device_bench.sh drafter eval     (train the embedded drafter further, then measure it)
 #   bash scripts/device_bench.sh sampler adaptive serve      (serve: carry .whl, see the part)
-#   bash scripts/device_bench.sh step             (D, V(k) and kernel counts: Sinkhorn kernel vs loop)
+#   bash scripts/device_bench.sh step             (D, V(k), step wall vs device busy time, kernel counts)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jdspark-out}; mkdir -p "$OUT"
@@ -45,7 +45,7 @@ for part in "$@"; do
       PYTHONPATH=$PWD:/tmp/site timeout 170 python3 scripts/bench_serve.py --requests 16 --max-tokens 64 --max-seconds 25 \
         --out "$OUT/bench_serve.json" 2>&1 | grep -v Warning | tee "$OUT/bench_serve.log" ;;
     step)
-      timeout 300 python3 scripts/bench_step.py --variants ${STEP_VARIANTS:-kernel loop} 2>&1 \
+      timeout 300 python3 scripts/bench_step.py --variants ${STEP_VARIANTS:-kernel} 2>&1 \
         | grep -v Warning | tee "$OUT/bench_step.log" ;;
     engine)
       timeout 230 python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_engine.py \

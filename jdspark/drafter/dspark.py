@@ -88,7 +88,7 @@ def propose(model: DSV4, cache: DraftCache, anchor: jax.Array, temperature: jax.
         return token, (token, q, e)
 
     scan_in = (jnp.swapaxes(base, 0, 1), jnp.swapaxes(exponentials, 0, 1))
-    _, (tokens, q, prev_embed) = jax.lax.scan(step, anchor.astype(jnp.int32), scan_in)
+    _, (tokens, q, prev_embed) = jax.lax.scan(step, anchor.astype(jnp.int32), scan_in, unroll=True)  # no device loop
     tokens, q, prev_embed = (jnp.swapaxes(a, 0, 1) for a in (tokens, q, prev_embed))
     return Proposal(tokens=tokens, q=q, confidence=confidence(model, h, prev_embed))
 

@@ -1,9 +1,11 @@
-"""Measured verify costs V(k), cached on disk per (device kind, model config, engine config).
+"""Measured costs of the engine's executables, cached on disk per (device kind, model config,
+engine config).
 
-V(k) is the median wall time of N synchronised calls of the compiled width-k verify executable on
-the engine's state, after one warm-up call. Every slot is active and verifies k rows, as in a full
-batch step (idle slots skip writes, so an idle profile under-counts what a width costs); the state
-is reset before each call (outside the timed region), so the profile leaves nothing behind.
+A cost is the median wall time of N synchronised calls of one compiled executable on the engine's
+state, after one warm-up call. Every slot is active, as in a full batch step (idle slots skip
+writes, so an idle profile under-counts what a call costs); the state is reset before each call
+(outside the timed region), so the profile leaves nothing behind. The engine turns the costs of
+its decode and step[k] executables into the selector's D and V(k).
 """
 
 from __future__ import annotations
@@ -27,43 +29,45 @@ def default_cache_dir() -> Path:
 
 def cost_key(model_config: dict, dtype: str, engine_config: dict) -> str:
     """A stable key: the device kind plus a hash of everything that changes the executables."""
-    blob = json.dumps({"model": model_config, "dtype": dtype, "engine": engine_config, "profile": "active slots"},
+    blob = json.dumps({"model": model_config, "dtype": dtype, "engine": engine_config, "profile": "fused steps"},
                       sort_keys=True, default=str)
     kind = jax.devices()[0].device_kind.replace(" ", "_").replace("/", "_")
     return f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
-def measure(run_width, widths, runs: int, reset=lambda: None) -> list[float]:
-    """Median seconds of `runs` timed calls per width; `run_width(k)` runs and blocks on one call,
+def measure(run, labels, runs: int, reset=lambda: None) -> list[float]:
+    """Median seconds of `runs` timed calls per label; `run(label)` runs and blocks on one call,
     `reset()` (untimed) runs before each call."""
     costs = []
-    for k in widths:
+    for label in labels:
         reset()
-        run_width(k)  # warm-up
+        run(label)  # warm-up
         times = []
         for _ in range(runs):
             reset()
             start = time.perf_counter()
-            run_width(k)
+            run(label)
             times.append(time.perf_counter() - start)
         costs.append(statistics.median(times))
     return costs
 
 
-def load_or_measure(key: str, run_width, widths, runs: int, cache_dir: Path | None, reprofile: bool,
-                    reset=lambda: None) -> list[float]:
+def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path | None, reprofile: bool,
+                    reset=lambda: None) -> dict[str, float]:
+    """{label: seconds} from the cache file of `key` when it holds these labels, else measured and stored."""
     path = (cache_dir or default_cache_dir()) / f"{key}.json"
     if path.exists() and not reprofile:
         data = json.loads(path.read_text())
-        if data.get("widths") == list(widths):
-            log.info("verify costs from %s: %s", path, _fmt(data["verify_costs_s"]))
-            return data["verify_costs_s"]
-    costs = measure(run_width, widths, runs, reset)
-    log.info("profiled verify costs (median of %d runs): %s", runs, _fmt(costs))
+        if data.get("labels") == list(labels):
+            costs = dict(zip(data["labels"], data["costs_s"]))
+            log.info("costs from %s: %s", path, _fmt(costs))
+            return costs
+    costs = dict(zip(labels, measure(run, labels, runs, reset)))
+    log.info("profiled costs (median of %d runs): %s", runs, _fmt(costs))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"widths": list(widths), "verify_costs_s": costs, "runs": runs}, indent=1))
+    path.write_text(json.dumps({"labels": list(labels), "costs_s": list(costs.values()), "runs": runs}, indent=1))
     return costs
 
 
-def _fmt(costs) -> str:
-    return ", ".join(f"V({k})={c * 1e3:.2f}ms" for k, c in enumerate(costs))
+def _fmt(costs: dict[str, float]) -> str:
+    return ", ".join(f"{label}={c * 1e3:.2f}ms" for label, c in costs.items())

@@ -1,8 +1,8 @@
 """The engine: slots of requests over one decode state, one step = draft, choose width, verify.
 
 The host owns the bookkeeping (which slot holds which request, its tokens, stop conditions,
-statistics); the device owns the model state. Per step only (n_accepted, token) per slot, the
-drafted tokens and their confidences come back to the host. Requests join a free slot (prefill in
+statistics); the device owns the model state. A step is one executable call: per slot only
+(n_accepted, token), the drafted tokens and their confidences come back, in one small array. Requests join a free slot (prefill in
 chunks of `prefill_chunk`, other slots idle in that call) and leave it when they finish.
 """
 
@@ -15,13 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import costs
-from jdspark.engine.executables import Executables, SlotSampling
+from jdspark.engine.executables import Executables, read_output, slot_inputs
 from jdspark.engine.request import CompletionStats, SamplingParams
 from jdspark.model import state
 from jdspark.model.model import Model
@@ -75,7 +74,7 @@ class Engine:
                  options: SpecOptions = SpecOptions(), width_policy: WidthPolicy | None = None,
                  widths: tuple[int, ...] | None = None, use_kernel: bool | None = None,
                  pack_params: bool | None = None):
-        """`widths`: the verify widths to compile (default 0..gamma; only 0 without speculation);
+        """`widths`: the step widths to compile (default 0..gamma; only 0 without speculation);
         `width_policy` overrides the width choice (a function of a slot's stale confidences);
         `use_kernel` (the Pallas rejection sampler) and `pack_params` (small parameters passed in a
         few buffers, `jdspark.engine.packed`) default to on exactly on the GPU."""
@@ -96,15 +95,13 @@ class Engine:
         bad = [k for k in widths if not 0 <= k <= config.gamma or (k and not speculative)]
         if bad or not widths:
             raise EngineError(f"widths={widths}: each must be in 0..gamma={config.gamma} (only 0 without speculation)")
-        self.exe = Executables(model, config, min(prefill_chunk, config.max_seq_len), use_kernel, widths, pack_params)
+        self.exe = Executables(model, config, min(prefill_chunk, config.max_seq_len), use_kernel,
+                               widths if speculative else (), pack_params)
         self.decode, self.draft = self._fresh_state()
         self.slots: list[Slot | None] = [None] * config.max_batch
-        self._no_tokens = jnp.zeros((config.max_batch, config.gamma), jnp.int32)  # width 0 / idle inputs
-        self._no_q = jnp.zeros((config.max_batch, config.gamma, model.config.vocab_size), jnp.float32)
         start = time.perf_counter()
-        self.exe.compile(self.decode, self.draft, self._sampling())
-        log.info("compiled %d executables in %.1f s", 1 + (self.exe.draft is not None) + len(self.exe.verify),
-                 time.perf_counter() - start)
+        self.exe.compile(self.decode, self.draft)
+        log.info("compiled %d executables in %.1f s", 2 + len(self.exe.step), time.perf_counter() - start)
         self.selector: AdaptiveWidth | None = None
         if width_policy is None and speculative:
             if options.width is not None:
@@ -112,7 +109,8 @@ class Engine:
                     raise EngineError(f"width={options.width}: must be one of the compiled widths {sorted(widths)}")
                 width_policy = lambda confidence: options.width  # noqa: E731
             elif set(widths) == set(range(config.gamma + 1)):
-                self.selector = AdaptiveWidth(self._verify_costs(), config.gamma)
+                verify_costs, draft_cost = self._measure_costs()
+                self.selector = AdaptiveWidth(verify_costs, draft_cost, config.gamma)
                 width_policy = self.selector
             else:
                 raise EngineError(f"adaptive width needs every width 0..{config.gamma} compiled, got {widths}")
@@ -134,17 +132,18 @@ class Engine:
         self.slots = [None] * self.config.max_batch
         self.decode, self.draft = self._fresh_state()
 
-    def _verify_costs(self) -> list[float]:
-        """V(k) with every slot verifying k rows (drafts of token 0 with q = 0: all accepted, the most
-        work), each call on emptied state; runs before any request is admitted."""
+    def _measure_costs(self) -> tuple[list[float], float]:
+        """(V(0..gamma), D) from start-up timings with every slot active, each call on emptied state;
+        runs before any request is admitted. A step[k] call drafts and verifies, so it costs
+        S(k) = D + V(k) as a whole; D is S(0) less a plain decode call (the same verification without
+        the draft), and V(k) = S(k) - D. The selector's E(k) / (D + V(k)) is then E(k) / S(k)."""
         active = np.ones(self.config.max_batch, bool)
-        anchor = np.zeros(self.config.max_batch, np.int32)
-        sampling = self._sampling()
+        slots = self._slot_inputs(np.zeros(self.config.max_batch, np.int32), active)
+        calls = {"decode": self.exe.decode, **{f"step{k}": self.exe.step[k] for k in sorted(self.exe.step)}}
 
-        def run(k):
-            n_acc, _, self.decode, self.draft = self.exe.verify[k](self.exe.params.arrays, self.decode, self.draft, anchor,
-                                                                  self._no_tokens, self._no_q, active, sampling)
-            jax.block_until_ready(n_acc)
+        def run(label):
+            out, self.decode, self.draft = calls[label](self.exe.params.arrays, self.decode, self.draft, slots)
+            jax.block_until_ready(out)
 
         def reset():
             self.decode = state.reset_slots(self.decode, active)
@@ -153,10 +152,12 @@ class Engine:
 
         key = costs.cost_key(self.model.config.to_dict(), str(self.model.dtype), dataclasses.asdict(self.config))
         cache_dir = Path(self.options.cost_cache_dir) if self.options.cost_cache_dir else None
-        measured = costs.load_or_measure(key, run, sorted(self.exe.verify), self.options.profile_runs, cache_dir,
+        measured = costs.load_or_measure(key, run, list(calls), self.options.profile_runs, cache_dir,
                                          self.options.reprofile, reset)
         reset()
-        return measured
+        step = [measured[f"step{k}"] for k in sorted(self.exe.step)]
+        draft = max(step[0] - measured["decode"], 0.0)
+        return [s - draft for s in step], draft
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, prompt_ids, params: SamplingParams) -> int:
@@ -180,6 +181,7 @@ class Engine:
                                  breaker=self._new_breaker())
         chunk, batch = self.exe.prefill_chunk, self.config.max_batch
         first = np.zeros(batch, np.int32)
+        sampling = self._slot_inputs(np.zeros(batch, np.int32), np.zeros(batch, bool))
         for start in range(0, max(len(p) for p in prompts), chunk):
             batch_ids = np.zeros((batch, chunk), np.int32)
             n_valid = np.zeros(batch, np.int32)
@@ -189,7 +191,7 @@ class Engine:
                 batch_ids[b, :len(piece)] = piece
                 n_valid[b], reset[b] = len(piece), start == 0
             token, self.decode, self.draft = self.exe.prefill(self.exe.params.arrays, self.decode, self.draft, batch_ids,
-                                                              n_valid, reset, self._sampling())
+                                                              n_valid, reset, sampling)
             token = np.asarray(token)
             for b, ids in zip(slots, prompts):
                 if start < len(ids) <= start + chunk:  # this chunk held the prompt's last token
@@ -226,7 +228,8 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> dict[int, list[int]]:
-        """One draft + verify for every active slot; returns the tokens each slot emitted.
+        """One draft + verify (one executable call) for every active slot; returns the tokens each
+        slot emitted.
 
         The width comes from confidences the host already holds (the previous step's), so the
         choice never waits on the device and never sees the block it applies to. Speculation is
@@ -241,29 +244,19 @@ class Engine:
         anchor = np.zeros(self.config.max_batch, np.int32)
         for b in active:
             anchor[b] = self.slots[b].anchor
-        sampling = self._sampling()
+        slots = self._slot_inputs(anchor, mask)
         stale = {b: self.slots[b].confidence for b in active}  # the previous step's: what the choice reads
         speculate = self.speculative and any([self._breaker_allows(self.slots[b]) for b in active])
-        confidence = None
         if speculate:
             width = max(self.width_policy(stale[b]) for b in active)
-            if width not in self.exe.verify:
-                raise EngineError(f"the width policy chose k={width}, but only widths {sorted(self.exe.verify)} "
+            if width not in self.exe.step:
+                raise EngineError(f"the width policy chose k={width}, but only widths {sorted(self.exe.step)} "
                                   "were compiled")
-            timed = self.selector is not None and self.selector.wants_draft_timing()
-            proposal = self.exe.draft(self.exe.params.arrays, self.draft, anchor, sampling)
-            if timed:
-                jax.block_until_ready(proposal.tokens)
-                self.selector.record_draft(time.perf_counter() - started)
-            tokens, q, confidence = proposal.tokens, proposal.q, proposal.confidence
-            confidence.copy_to_host_async()
+            call = self.exe.step[width]
         else:
-            width, tokens, q = 0, self._no_tokens, self._no_q
-        n_acc, token, self.decode, self.draft = self.exe.verify[width](
-            self.exe.params.arrays, self.decode, self.draft, anchor, tokens, q, mask, sampling)
-        n_acc, token = np.asarray(n_acc), np.asarray(token)
-        drafts = np.asarray(tokens) if width else None
-        confidence = None if confidence is None else np.asarray(confidence)
+            width, call = 0, self.exe.decode
+        out, self.decode, self.draft = call(self.exe.params.arrays, self.decode, self.draft, slots)
+        n_acc, token, drafts, confidence = read_output(out, self.config.gamma)
         emitted, cost = {}, self.cost_summary()
         for b in active:
             slot = self.slots[b]
@@ -320,9 +313,10 @@ class Engine:
         slot.stats.elapsed_s = time.perf_counter() - slot.started
         return out
 
-    def _sampling(self) -> SlotSampling:
-        """Per-slot sampling arrays; idle slots get greedy defaults. The counter makes every call's
-        noise fresh (it counts the slot's own steps, so a seeded request is reproducible)."""
+    def _slot_inputs(self, anchor: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """Every per-slot input of a call (`executables.slot_inputs`); idle slots get greedy
+        defaults. The counter makes every call's noise fresh (it counts the slot's own steps, so a
+        seeded request is reproducible)."""
         n = self.config.max_batch
         temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
         seed, counter = np.zeros(n, np.uint32), np.zeros(n, np.int32)
@@ -331,7 +325,7 @@ class Engine:
                 p = slot.params
                 temperature[b], top_k[b], top_p[b] = p.temperature, p.top_k, p.top_p
                 seed[b], counter[b] = slot.seed, slot.steps
-        return SlotSampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, counter=counter)
+        return slot_inputs(anchor, active, temperature, top_k, top_p, seed, counter)
 
 
 class _Window:

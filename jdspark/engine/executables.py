@@ -2,23 +2,33 @@
 
 - prefill: a prompt chunk into some slots (others pass n_valid = 0), drafter context pushed,
   the first token sampled from each slot's last real row;
-- draft: one DSpark proposal (gamma tokens, their distributions q, confidences) per slot;
-- verify[k] for k = 0..gamma: target extend over [anchor, k drafts], exact rejection sampling,
-  commit of the accepted prefix + 1 in the target state, and the committed rows' features pushed
-  into the drafter's context. Width 0 is plain target decoding: it still emits one token.
+- decode: one plain target step (no drafting): the width-0 verification, which emits one token;
+- step[k] for k = 0..gamma: one DSpark proposal (gamma tokens, their distributions q, confidences)
+  and, in the same executable, the target extend over [anchor, first k drafts], exact rejection
+  sampling, commit of the accepted prefix + 1 in the target state and the committed rows'
+  features pushed into the drafter's context. Width 0 drafts too: its confidences choose the next
+  step's width.
+
+One executable per engine step, one small array in and one out: each call costs host time on its
+own (argument handling, launch), and each device-to-host read waits for the device. Per-slot
+inputs go in as `slot_inputs` (int32 [B, 7], floats bit-cast), results come back as one int32
+array: per slot n_accepted, the emitted token, then for step[k] the gamma drafted tokens and the
+gamma confidences (float32 bits); `read_output` splits it on the host.
 
 Every function takes the parameters as an argument (never baked in as constants; on the GPU packed
-into a few buffers, `jdspark.engine.packed`, since each argument buffer costs host time per call), donates the
-decode state and the draft cache, and draws its randomness on the device from per-slot (seed,
-counter) keys, so a request's samples depend only on its own seed and step.
+into a few buffers, `jdspark.engine.packed`, since each argument buffer costs host time per call),
+donates the decode state and the draft cache, and draws its randomness on the device from per-slot
+(seed, counter) keys, so a request's samples depend only on its own seed and step.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from jdspark.config import EngineConfig
@@ -30,6 +40,7 @@ from jdspark.spec.sampling import sample, warp_probs
 from jdspark.spec.verify import rejection_sample
 
 _PREFILL, _DRAFT, _VERIFY = 1, 2, 3  # key purposes: independent streams per kind of draw
+SLOT_FIELDS = ("anchor", "active", "temperature", "top_k", "top_p", "seed", "counter")
 
 
 @struct.dataclass
@@ -41,6 +52,41 @@ class SlotSampling:
     top_p: jax.Array  # f32, 1 = off
     seed: jax.Array  # u32
     counter: jax.Array  # i32: the slot's step number, so every call draws fresh noise
+
+
+class StepOutput(NamedTuple):
+    """One call's results on the host; drafts and confidence are None for `decode` (no drafting)."""
+
+    n_accepted: np.ndarray  # [B] int32
+    token: np.ndarray  # [B] int32: the emitted (bonus or residual) token
+    drafts: np.ndarray | None  # [B, gamma] int32: the proposal (its first n_accepted were accepted)
+    confidence: np.ndarray | None  # [B, gamma] float32: the proposal's confidences
+
+
+def slot_inputs(anchor, active, temperature, top_k, top_p, seed, counter) -> np.ndarray:
+    """Every per-slot input of a call as one int32 [B, 7] host array (field order SLOT_FIELDS)."""
+    columns = [np.asarray(anchor, np.int32), np.asarray(active, np.int32),
+               np.asarray(temperature, np.float32).view(np.int32), np.asarray(top_k, np.int32),
+               np.asarray(top_p, np.float32).view(np.int32), np.asarray(seed, np.uint32).view(np.int32),
+               np.asarray(counter, np.int32)]
+    return np.stack(columns, axis=1)
+
+
+def _unpack_slots(slots: jax.Array) -> tuple[jax.Array, jax.Array, SlotSampling]:
+    """slot_inputs on the device -> (anchor [B], active [B] bool, SlotSampling)."""
+    column = {name: slots[:, i] for i, name in enumerate(SLOT_FIELDS)}
+    as_float = lambda name: jax.lax.bitcast_convert_type(column[name], jnp.float32)  # noqa: E731
+    sampling = SlotSampling(temperature=as_float("temperature"), top_k=column["top_k"], top_p=as_float("top_p"),
+                            seed=jax.lax.bitcast_convert_type(column["seed"], jnp.uint32), counter=column["counter"])
+    return column["anchor"], column["active"] != 0, sampling
+
+
+def read_output(out, gamma: int) -> StepOutput:
+    """A decode or step[k] result (one device-to-host copy) split into its fields."""
+    out = np.asarray(out)
+    if out.shape[1] == 2:
+        return StepOutput(out[:, 0], out[:, 1], None, None)
+    return StepOutput(out[:, 0], out[:, 1], out[:, 2:2 + gamma], out[:, 2 + gamma:].view(np.float32))
 
 
 def enable_compile_cache(path: str | None = None) -> None:
@@ -65,10 +111,11 @@ def _exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 class Executables:
-    """AOT-compiled prefill, draft and verify[k] for one model, engine config and prefill chunk."""
+    """AOT-compiled prefill, decode and step[k] for one model, engine config and prefill chunk."""
 
     def __init__(self, model: Model, engine: EngineConfig, prefill_chunk: int, use_kernel: bool,
                  widths: tuple[int, ...], pack_params: bool):
+        """`widths`: the step[k] to compile (empty: a target-only engine, prefill and decode only)."""
         self.graphdef, self.config = model.graphdef, model.config
         # Pass `params.arrays` as every call's first argument.
         self.params = packed.PackedParams(model.params, packed.SMALL_BYTES if pack_params else None)
@@ -79,31 +126,29 @@ class Executables:
         self.prefill_chunk = prefill_chunk
         self.widths = widths
         self.prefill = None
-        self.draft = None
-        self.verify: dict[int, jax.stages.Compiled] = {}
+        self.decode = None
+        self.step: dict[int, jax.stages.Compiled] = {}
 
-    def compile(self, decode, draft_cache, sampling: SlotSampling) -> None:
+    def compile(self, decode, draft_cache) -> None:
         """Lower and compile every executable for these (example) arguments' shapes."""
         params = self.params.arrays
         b = decode.batch
         ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
         counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
+        slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)
         self.prefill = jax.jit(self._prefill, donate_argnums=(1, 2)).lower(
-            params, decode, draft_cache, ids, counts, flags, sampling).compile()
-        anchor = jnp.zeros((b,), jnp.int32)
-        tokens = jnp.zeros((b, self.gamma), jnp.int32)
-        q = jnp.zeros((b, self.gamma, self.config.vocab_size), jnp.float32)
-        if draft_cache is not None and any(self.widths):
-            self.draft = jax.jit(self._draft).lower(params, draft_cache, anchor, sampling).compile()
+            params, decode, draft_cache, ids, counts, flags, slots).compile()
+        self.decode = jax.jit(self._decode, donate_argnums=(1, 2)).lower(params, decode, draft_cache, slots).compile()
         for k in self.widths:
-            self.verify[k] = jax.jit(self._verify_fn(k), donate_argnums=(1, 2)).lower(
-                params, decode, draft_cache, anchor, tokens, q, flags, sampling).compile()
+            self.step[k] = jax.jit(self.step_function(k), donate_argnums=(1, 2)).lower(
+                params, decode, draft_cache, slots).compile()
 
     def _model(self, arrays):
         return nnx.merge(self.graphdef, self.params.unpack(arrays))
 
-    def _prefill(self, params, decode, draft_cache, ids, n_valid, reset, sampling):
+    def _prefill(self, params, decode, draft_cache, ids, n_valid, reset, slots):
         model = self._model(params)
+        _, _, sampling = _unpack_slots(slots)
         decode = state.reset_slots(decode, reset)
         logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
         if draft_cache is not None:
@@ -113,26 +158,45 @@ class Executables:
         token = sample(p, _exponentials(_keys(sampling, _PREFILL), (self.config.vocab_size,)))
         return token, decode, draft_cache
 
-    def _draft(self, params, draft_cache, anchor, sampling):
-        shape = (self.gamma, self.config.vocab_size)
-        return dspark.propose(self._model(params), draft_cache, anchor, sampling.temperature, sampling.top_k,
-                              sampling.top_p, _exponentials(_keys(sampling, _DRAFT), shape))
+    def _decode(self, params, decode, draft_cache, slots):
+        anchor, active, sampling = _unpack_slots(slots)
+        b = anchor.shape[0]
+        no_drafts = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, self.config.vocab_size), jnp.float32)
+        n_acc, token, decode, draft_cache = self._verify(self._model(params), decode, draft_cache, anchor, active,
+                                                         sampling, *no_drafts)
+        return jnp.stack([n_acc, token], axis=1), decode, draft_cache
 
-    def _verify_fn(self, k: int):
-        def verify(params, decode, draft_cache, anchor, tokens, q, active, sampling):
+    def step_function(self, k: int, external_drafts: bool = False):
+        """The (uncompiled) step[k]. With external_drafts it takes the drafted tokens [B, gamma] as a
+        fifth argument and verifies those instead of the proposal's (their q stays the proposal's):
+        for tests that script which drafts get accepted."""
+        def step(params, decode, draft_cache, slots, tokens=None):
             model = self._model(params)
-            drafts = tokens[:, :k]
-            ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
-            logits, features, decode = model.extend(ids, decode, jnp.where(active, k + 1, 0), self.feature_layers)
-            keys = _keys(sampling, _VERIFY)
-            uniforms = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0), (k,)))(keys)
-            exps = jax.vmap(lambda key: jax.random.exponential(jax.random.fold_in(key, 1),
-                                                               (self.config.vocab_size,)))(keys)
-            n_acc, token = rejection_sample(logits, q[:, :k], drafts, uniforms, exps, sampling.temperature,
-                                            sampling.top_k, sampling.top_p, use_kernel=self.use_kernel)
-            n_keep = jnp.where(active, n_acc + 1, 0)
-            decode = state.commit(decode, n_keep)
-            if draft_cache is not None:
-                draft_cache = dspark.push_context(model, draft_cache, features, n_keep)
-            return n_acc, token, decode, draft_cache
-        return verify
+            anchor, active, sampling = _unpack_slots(slots)
+            shape = (self.gamma, self.config.vocab_size)
+            proposal = dspark.propose(model, draft_cache, anchor, sampling.temperature, sampling.top_k,
+                                      sampling.top_p, _exponentials(_keys(sampling, _DRAFT), shape))
+            drafts = tokens if external_drafts else proposal.tokens
+            n_acc, token, decode, draft_cache = self._verify(model, decode, draft_cache, anchor, active, sampling,
+                                                             drafts[:, :k], proposal.q[:, :k])
+            confidence = jax.lax.bitcast_convert_type(proposal.confidence.astype(jnp.float32), jnp.int32)
+            out = jnp.concatenate([n_acc[:, None], token[:, None], drafts.astype(jnp.int32), confidence], axis=1)
+            return out, decode, draft_cache
+        return step
+
+    def _verify(self, model, decode, draft_cache, anchor, active, sampling, drafts, q):
+        """Target extend over [anchor, drafts], exact rejection sampling, commit, drafter context."""
+        k = drafts.shape[1]
+        ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
+        logits, features, decode = model.extend(ids, decode, jnp.where(active, k + 1, 0), self.feature_layers)
+        keys = _keys(sampling, _VERIFY)
+        uniforms = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0), (k,)))(keys)
+        exps = jax.vmap(lambda key: jax.random.exponential(jax.random.fold_in(key, 1),
+                                                           (self.config.vocab_size,)))(keys)
+        n_acc, token = rejection_sample(logits, q, drafts, uniforms, exps, sampling.temperature,
+                                        sampling.top_k, sampling.top_p, use_kernel=self.use_kernel)
+        n_keep = jnp.where(active, n_acc + 1, 0)
+        decode = state.commit(decode, n_keep)
+        if draft_cache is not None:
+            draft_cache = dspark.push_context(model, draft_cache, features, n_keep)
+        return n_acc.astype(jnp.int32), token.astype(jnp.int32), decode, draft_cache

@@ -10,11 +10,8 @@ a while on requests whose drafts keep getting rejected.
 from __future__ import annotations
 
 import math
-import statistics
 
 import numpy as np
-
-WARMUP_DRAFT_SAMPLES = 5  # D = median of the first 5 real draft steps
 
 
 def monotone_costs(verify_costs) -> np.ndarray:
@@ -50,30 +47,16 @@ def choose_width(confidences, draft_cost: float, verify_costs) -> int:
 
 
 class AdaptiveWidth:
-    """The engine's width policy: full gamma until D is measured, then `choose_width`."""
+    """The engine's width policy: `choose_width` with the costs measured at start-up."""
 
-    def __init__(self, verify_costs, gamma: int):
+    def __init__(self, verify_costs, draft_cost: float, gamma: int):
         self.verify_costs = monotone_costs(verify_costs)
         if self.verify_costs.shape != (gamma + 1,):
             raise ValueError(f"need V(0..{gamma}): {gamma + 1} verify costs, got {len(self.verify_costs)}")
-        self.gamma = gamma
-        self.draft_samples: list[float] = []
-
-    @property
-    def draft_cost(self) -> float | None:
-        if len(self.draft_samples) < WARMUP_DRAFT_SAMPLES:
-            return None
-        return statistics.median(self.draft_samples[:WARMUP_DRAFT_SAMPLES])
-
-    def wants_draft_timing(self) -> bool:
-        return len(self.draft_samples) < WARMUP_DRAFT_SAMPLES
-
-    def record_draft(self, seconds: float) -> None:
-        self.draft_samples.append(seconds)
+        self.draft_cost, self.gamma = float(draft_cost), gamma
 
     def __call__(self, confidences) -> int:
-        d = self.draft_cost
-        return self.gamma if d is None else choose_width(confidences, d, self.verify_costs)
+        return choose_width(confidences, self.draft_cost, self.verify_costs)
 
 
 class FallbackBreaker:

@@ -64,24 +64,21 @@ def test_packed_parameters_decode_what_unpacked_ones_do(model, engine, greedy_re
 
 
 def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greedy_reference, monkeypatch):
-    """Drafts copied from the reference continuation, corrupted at random positions: every
-    accepted-prefix length occurs, and the output is still the reference."""
+    """Drafts copied from the reference continuation, corrupted at random positions, verified by
+    the step function the engine compiles (`external_drafts`): every accepted-prefix length
+    occurs, and the output is still the reference."""
     rng = np.random.default_rng(0)
-    real_draft = engine.exe.draft
+    scripted_step = jax.jit(engine.exe.step_function(5, external_drafts=True), donate_argnums=(1, 2))
 
-    def scripted(params, cache, anchor, sampling):
-        proposal = real_draft(params, cache, anchor, sampling)
-        slot = engine.slots[0]
-        done = len(slot.tokens)
+    def scripted(params, decode, cache, slots):
+        done = len(engine.slots[0].tokens)
         tokens = np.array([greedy_reference[min(done + i, len(greedy_reference) - 1)] for i in range(5)], np.int32)
         bad = rng.integers(0, 7)  # 5 or 6: all correct
         if bad < 5:
             tokens[bad] = (tokens[bad] + 1) % 16
-        batch_tokens = np.asarray(proposal.tokens).copy()
-        batch_tokens[0] = tokens
-        return proposal.replace(tokens=batch_tokens)
+        return scripted_step(params, decode, cache, slots, np.stack([tokens, tokens]))
 
-    monkeypatch.setattr(engine.exe, "draft", scripted)
+    monkeypatch.setitem(engine.exe.step, 5, scripted)
     slot = run(engine, PROMPT, GREEDY, 5)
     assert slot.tokens == greedy_reference
     accepted = np.array(slot.stats.accepted_at)
@@ -209,9 +206,7 @@ def stat_engine(model, request):
     sampler and once with the Pallas kernel (interpret mode on the CPU, Triton on the GPU)."""
     engine = Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH), prefill_chunk=4,
                     widths=(0, 1, 2), width_policy=lambda confidence: 2, use_kernel=request.param)
-    selector = AdaptiveWidth([1e-3, 1e-3, 1.5e-3, 10.0, 10.0, 10.0], gamma=5)
-    selector.draft_samples = [1e-3] * 5
-    engine.width_policy = selector
+    engine.width_policy = AdaptiveWidth([1e-3, 1e-3, 1.5e-3, 10.0, 10.0, 10.0], 1e-3, gamma=5)
     return engine
 
 

@@ -43,15 +43,12 @@ def test_malformed_inputs_raise_clear_errors(args, message):
         choose_width(*args)
 
 
-def test_adaptive_width_verifies_the_full_block_until_d_is_measured():
-    policy = AdaptiveWidth([1.0, 1.0, 50.0, 50.0], gamma=3)
-    for i in range(5):
-        assert policy([0.9, 0.9, 0.9]) == 3 and policy.draft_cost is None
-        policy.record_draft([0.5, 0.1, 0.2, 0.3, 0.4][i])
-    assert policy.draft_cost == pytest.approx(0.3) and not policy.wants_draft_timing()
-    assert policy([0.9, 0.9, 0.9]) == 1
+def test_adaptive_width_chooses_with_the_measured_costs():
+    policy = AdaptiveWidth([1.0, 1.0, 50.0, 50.0], 0.3, gamma=3)
+    assert policy([0.9, 0.9, 0.9]) == 1 == choose_width([0.9, 0.9, 0.9], 0.3, [1.0, 1.0, 50.0, 50.0])
+    assert AdaptiveWidth([1.0, 1.0, 50.0, 50.0], 200.0, gamma=3)([0.9, 0.9, 0.9]) == 3  # a costly draft: verify it all
     with pytest.raises(ValueError, match="need V\\(0..3\\): 4 verify costs, got 3"):
-        AdaptiveWidth([1, 1, 1], gamma=3)
+        AdaptiveWidth([1, 1, 1], 0.0, gamma=3)
 
 
 def test_breaker_trips_cools_down_probes_and_resets_its_window():
