@@ -133,8 +133,12 @@ def measure(model, variant: str, runs: int, steps: int) -> dict:
         out, engine.decode, engine.draft = calls[label](engine.exe.params.arrays, engine.decode, engine.draft, slots)
         jax.block_until_ready(out)
 
-    cost = dict(zip(calls, costs.measure(call, list(calls), runs, engine.reset)))
-    engine.reset()
+    def reset():  # untimed: fresh state, finished on the device before the timed call
+        engine.reset()
+        jax.block_until_ready((engine.decode, engine.draft))
+
+    cost = dict(zip(calls, costs.measure(call, list(calls), runs, reset)))
+    reset()
     draft = cost["step0"] - cost["decode"]
     row = {"variant": variant, "compile_s": compile_s, "decode_ms": cost["decode"] * 1e3,
            "step_exe_ms": [cost["step0"] * 1e3, cost["step5"] * 1e3], "draft_ms": draft * 1e3,

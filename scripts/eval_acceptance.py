@@ -7,7 +7,8 @@ For T = 0 and T = 1: per-position acceptance and tau (tokens per verification, b
 the full block width; greedy speculative tokens compared with greedy target-only tokens; and tokens/s
 target-only vs speculative (fixed full width and adaptive), median over --repeats passes over the
 same prompts, the engines' passes interleaved (EOS ignored, so every request generates --max-tokens).
-Prints a table, writes JSON.
+Prints a table, writes JSON. --temperatures and --engines run a subset (e.g. `--temperatures 1
+--engines fixed` compares the tau of two drafters on the CPU, where the speed means little).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from jdspark.engine.executables import enable_compile_cache
 from jdspark.engine.request import SamplingParams
 from jdspark.generator import Generator
 from jdspark.tokenizer.tokenizer import Tokenizer
+
+
+ENGINES = ("target-only", "fixed", "adaptive")  # --engines keys: target-only, speculative at width gamma, adaptive
 
 
 def heldout_prompts(corpus: Path, tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
@@ -74,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     p.add_argument("--json", default="eval_acceptance.json")
     args = p.parse_args(argv)
     enable_compile_cache()  # the fixed-width engine's executables are the adaptive engine's
@@ -83,14 +89,15 @@ def main(argv: list[str] | None = None) -> int:
     prompts = heldout_prompts(Path(args.corpus), tokenizer, args.prompts, args.prompt_tokens, args.seed)
     max_seq_len = args.prompt_tokens + args.max_tokens + 64
     gamma = model.config.dspark.block_size
-    engines = {
-        "target-only": Generator.from_model(model, tokenizer, speculative=False, max_seq_len=max_seq_len),
-        f"speculative k={gamma}": Generator.from_model(model, tokenizer, max_seq_len=max_seq_len,
-                                                       options=SpecOptions(width=gamma), widths=(gamma,)),
-        "speculative adaptive": Generator.from_model(model, tokenizer, max_seq_len=max_seq_len),
+    build = {
+        "target-only": lambda: Generator.from_model(model, tokenizer, speculative=False, max_seq_len=max_seq_len),
+        f"speculative k={gamma}": lambda: Generator.from_model(model, tokenizer, max_seq_len=max_seq_len,
+                                                               options=SpecOptions(width=gamma), widths=(gamma,)),
+        "speculative adaptive": lambda: Generator.from_model(model, tokenizer, max_seq_len=max_seq_len),
     }
+    engines = {name: make() for (key, (name, make)) in zip(ENGINES, build.items()) if key in args.engines}
     result = {"device": str(jax.devices()[0].device_kind), "model": str(path), "args": vars(args), "runs": {}}
-    for temperature in (0.0, 1.0):
+    for temperature in args.temperatures:
         by_engine = {name: [] for name in engines}
         for _ in range(args.repeats):  # engines interleaved, so drifting machine speed hits each alike
             for name, gen in engines.items():
@@ -102,15 +109,20 @@ def main(argv: list[str] | None = None) -> int:
                 "tau": first["tau"], "acceptance": first["acceptance"], "widths": first["widths"],
                 "tokens": first["tokens"]}
     runs = result["runs"]
-    for temperature in ("0", "1"):
-        base = runs[f"T={temperature} target-only"]["tok_s_median"]
+    for temperature in args.temperatures:
+        base = runs.get(f"T={temperature:g} target-only", {}).get("tok_s_median")
         for name in engines:
-            runs[f"T={temperature} {name}"]["speedup"] = runs[f"T={temperature} {name}"]["tok_s_median"] / base
-    result["greedy_equal"] = all(runs[f"T=0 {name}"]["tokens"] == runs["T=0 target-only"]["tokens"] for name in engines)
+            run = runs[f"T={temperature:g} {name}"]
+            run["speedup"] = run["tok_s_median"] / base if base else None
+    if 0.0 in args.temperatures and "target-only" in engines:
+        result["greedy_equal"] = all(runs[f"T=0 {name}"]["tokens"] == runs["T=0 target-only"]["tokens"]
+                                     for name in engines)
     print(f"{'run':34s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s}  acceptance by position")
     for name, r in runs.items():
-        print(f"{name:34s} {r['tok_s_median']:8.1f} {r['speedup']:7.2f}x {r['tau']:6.2f}  {r['acceptance']}")
-    print(f"greedy speculative == greedy target-only: {result['greedy_equal']}")
+        speedup = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        print(f"{name:34s} {r['tok_s_median']:8.1f} {speedup:>8s} {r['tau']:6.2f}  {r['acceptance']}")
+    if "greedy_equal" in result:
+        print(f"greedy speculative == greedy target-only: {result['greedy_equal']}")
     for r in runs.values():
         r.pop("tokens")
     Path(args.json).write_text(json.dumps(result, indent=1))

@@ -281,7 +281,7 @@ class Engine:
         return emitted
 
     def cost_summary(self) -> dict:
-        """D and V(k) (seconds) the selector uses; None before they are known."""
+        """D and V(k) (seconds) the selector uses; None without a selector (fixed width)."""
         if self.selector is None:
             return {"draft_cost_s": None, "verify_costs_s": None}
         return {"draft_cost_s": self.selector.draft_cost, "verify_costs_s": self.selector.verify_costs.tolist()}

@@ -53,7 +53,7 @@ class CompletionStats:
     widths: list[int] = dataclasses.field(default_factory=list)  # widths[k]: steps that verified k drafts
     verified_at: list[int] = dataclasses.field(default_factory=list)  # position i was verified
     accepted_at: list[int] = dataclasses.field(default_factory=list)  # position i was accepted
-    draft_cost_s: float | None = None  # D the width selector used (None: fixed width or not yet known)
+    draft_cost_s: float | None = None  # D the width selector used (None: fixed width)
     verify_costs_s: list[float] | None = None  # V(0..gamma) the width selector used
 
     @classmethod

@@ -31,18 +31,35 @@ def choose_width(confidences, draft_cost: float, verify_costs) -> int:
     if c.ndim != 1 or v.shape != (c.size + 1,):
         raise ValueError(f"verify_costs has {v.size} values but {c.size} confidences need {c.size + 1} "
                          "(V(0..gamma), one per width)")
-    if not np.all(np.isfinite(c)) or np.any((c < 0) | (c > 1)):
-        raise ValueError(f"confidences={c.tolist()}: each must be a probability in [0, 1]")
+    _check_confidences(c.tolist())
     if not np.all(np.isfinite(v)) or np.any(v < 0):
         raise ValueError(f"verify_costs={v.tolist()}: each must be finite and >= 0")
     if not (math.isfinite(draft_cost) and draft_cost >= 0):
         raise ValueError(f"draft_cost={draft_cost}: must be finite and >= 0")
-    expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(c))])  # E(0..gamma)
-    throughput = expected / np.maximum(draft_cost + monotone_costs(v), 1e-6)
-    best = 0
-    for k in range(1, c.size + 1):
-        if throughput[k] > throughput[best]:  # strict: ties keep the smaller width
-            best = k
+    return _best_width(c.tolist(), _step_costs(draft_cost, v))
+
+
+def _check_confidences(c: list[float]) -> None:
+    if not all(0.0 <= x <= 1.0 for x in c):  # also false for NaN
+        raise ValueError(f"confidences={c}: each must be a probability in [0, 1]")
+
+
+def _step_costs(draft_cost: float, verify_costs: np.ndarray) -> list[float]:
+    """D + V(k) per width, V made monotone, floored at 1e-6."""
+    return np.maximum(draft_cost + monotone_costs(verify_costs), 1e-6).tolist()
+
+
+def _best_width(c: list[float], step_costs: list[float]) -> int:
+    """argmax_k E(k) / step_costs[k] in plain floats (a step runs it per slot: numpy's per-call
+    overhead on 6 values would be most of its cost)."""
+    best, best_throughput = 0, 1.0 / step_costs[0]
+    survival, expected_drafts = 1.0, 0.0
+    for k in range(1, len(c) + 1):
+        survival *= c[k - 1]
+        expected_drafts += survival
+        throughput = (1.0 + expected_drafts) / step_costs[k]
+        if throughput > best_throughput:  # strict: ties keep the smaller width
+            best, best_throughput = k, throughput
     return best
 
 
@@ -53,10 +70,17 @@ class AdaptiveWidth:
         self.verify_costs = monotone_costs(verify_costs)
         if self.verify_costs.shape != (gamma + 1,):
             raise ValueError(f"need V(0..{gamma}): {gamma + 1} verify costs, got {len(self.verify_costs)}")
+        if not (math.isfinite(draft_cost) and draft_cost >= 0):
+            raise ValueError(f"draft_cost={draft_cost}: must be finite and >= 0")
         self.draft_cost, self.gamma = float(draft_cost), gamma
+        self._step_costs = _step_costs(self.draft_cost, self.verify_costs)
 
     def __call__(self, confidences) -> int:
-        return choose_width(confidences, self.draft_cost, self.verify_costs)
+        c = [float(x) for x in confidences]
+        if len(c) != self.gamma:
+            raise ValueError(f"{len(c)} confidences, the drafter proposes gamma={self.gamma}")
+        _check_confidences(c)
+        return _best_width(c, self._step_costs)
 
 
 class FallbackBreaker:

@@ -43,12 +43,26 @@ def test_malformed_inputs_raise_clear_errors(args, message):
         choose_width(*args)
 
 
+def test_choice_is_the_argmax_of_expected_tokens_per_second_on_random_inputs():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        c, d, v = rng.random(5), rng.random() * 2e-3, np.sort(rng.random(6)) * 5e-3
+        expected = 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(c))])
+        throughput = expected / (d + v)
+        assert choose_width(c, d, v) == int(np.argmax(throughput))  # argmax: the first of ties
+        assert AdaptiveWidth(v, d, gamma=5)(c) == choose_width(c, d, v)
+
+
 def test_adaptive_width_chooses_with_the_measured_costs():
     policy = AdaptiveWidth([1.0, 1.0, 50.0, 50.0], 0.3, gamma=3)
     assert policy([0.9, 0.9, 0.9]) == 1 == choose_width([0.9, 0.9, 0.9], 0.3, [1.0, 1.0, 50.0, 50.0])
     assert AdaptiveWidth([1.0, 1.0, 50.0, 50.0], 200.0, gamma=3)([0.9, 0.9, 0.9]) == 3  # a costly draft: verify it all
     with pytest.raises(ValueError, match="need V\\(0..3\\): 4 verify costs, got 3"):
         AdaptiveWidth([1, 1, 1], 0.0, gamma=3)
+    with pytest.raises(ValueError, match="confidences=\\[0.5, nan, 0.5\\]"):
+        policy([0.5, float("nan"), 0.5])
+    with pytest.raises(ValueError, match="2 confidences, the drafter proposes gamma=3"):
+        policy([0.5, 0.5])
 
 
 def test_breaker_trips_cools_down_probes_and_resets_its_window():
