@@ -14,8 +14,9 @@ from jdspark.tokenizer.tokenizer import Tokenizer
 
 jax.config.update("jax_default_matmul_precision", "highest")
 os.environ["JDSPARK_CACHE"] = tempfile.mkdtemp(prefix="jdspark-test-cache-")  # measured costs stay out of ~
-# Identical executables (the same tiny engine built twice) compile once per session.
-jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["JDSPARK_CACHE"], "xla"))
+# Identical executables (the same tiny engine built twice, also by two xdist workers) compile once per run.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
+jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), f"jdspark-test-xla-{_RUN}"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 

@@ -56,7 +56,7 @@ def test_packed_parameters_decode_what_unpacked_ones_do(model, engine, greedy_re
     """The GPU's default (small parameters packed into a few buffers), run on the CPU, where the
     session engine passes them unpacked: the same greedy tokens, target-only and at width 5."""
     assert len(engine.exe.params.arrays) == len(jax.tree.leaves(model.params))
-    packed = Engine(model, EngineConfig(max_seq_len=96, gamma=5, max_batch=2), prefill_chunk=16, widths=(0, 5),
+    packed = Engine(model, EngineConfig(max_seq_len=96, gamma=5, max_batch=2), prefill_chunk=16, widths=(5,),
                     options=SpecOptions(width=5), pack_params=True)
     assert len(packed.exe.params.arrays) < len(jax.tree.leaves(model.params))
     for width in (None, 5):
