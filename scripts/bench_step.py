@@ -169,11 +169,13 @@ def main():
           f"{'ratio':>6} {'busy step/t-only':>16} {'decode fus/cc/while':>19} {'step5 fus/cc/while':>19}   (ms)")
     for r in result["rows"]:
         d, v = r["decode_kernels"], r["step5_kernels"]
-        busy = "—" if r["trace_step"] is None else f"{r['trace_step']['busy_ms']:.2f}/{r['trace_decode']['busy_ms']:.2f}"
+        traced = r["trace_step"] is not None
+        busy = f"{r['trace_step']['busy_ms']:.2f}/{r['trace_decode']['busy_ms']:.2f}" if traced else "—"
         print(f"{r['variant']:>8} {r['decode_ms']:7.2f} {r['step_exe_ms'][0]:6.2f} {r['step_exe_ms'][1]:6.2f} "
               f"{r['draft_ms']:6.2f} {r['verify5_ms']:6.2f} {r['engine_step_ms']:6.2f} {r['engine_decode_ms']:6.2f} "
               f"{r['engine_step_ms'] / r['engine_decode_ms']:6.2f} {busy:>16} "
-              f"{d['fusions']:>9}/{d['custom_calls']}/{d['whiles']:<5} {v['fusions']:>9}/{v['custom_calls']}/{v['whiles']}")
+              f"{d['fusions']:>9}/{d['custom_calls']}/{d['whiles']:<5} "
+              f"{v['fusions']:>9}/{v['custom_calls']}/{v['whiles']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_step.json").write_text(json.dumps(result, indent=1))

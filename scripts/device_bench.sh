@@ -48,7 +48,7 @@ for part in "$@"; do
       timeout 300 python3 scripts/bench_step.py --variants ${STEP_VARIANTS:-kernel} 2>&1 \
         | grep -v Warning | tee "$OUT/bench_step.log" ;;
     engine)
-      timeout 420 python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_engine.py \
+      timeout 420 python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_engine.py tests/engine/test_lossless.py \
         -k "greedy or lossless" 2>&1 | tail -5 | tee "$OUT/engine_gpu_tests.log" ;;
   esac
 done

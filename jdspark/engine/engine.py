@@ -1,9 +1,11 @@
-"""The engine: slots of requests over one decode state, one step = draft, choose width, verify.
+"""The engine: slots of requests over one decode state; a step = choose the width, then draft and
+verify in one executable call.
 
 The host owns the bookkeeping (which slot holds which request, its tokens, stop conditions,
-statistics); the device owns the model state. A step is one executable call: per slot only
-(n_accepted, token), the drafted tokens and their confidences come back, in one small array. Requests join a free slot (prefill in
-chunks of `prefill_chunk`, other slots idle in that call) and leave it when they finish.
+statistics); the device owns the model state. Per step only (n_accepted, token) per slot, the
+drafted tokens and their confidences come back to the host, as one small array. Requests join a
+free slot (prefill in chunks of `prefill_chunk`, other slots idle in that call) and leave it when
+they finish.
 """
 
 from __future__ import annotations
