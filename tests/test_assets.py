@@ -35,7 +35,7 @@ def test_the_embedded_model_is_a_dsv4_with_a_drafter_and_a_tokenizer(shipped):
 def test_greedy_speculative_equals_greedy_target_only_on_the_shipped_model(shipped):
     model, tokenizer = shipped
     gen = Generator.from_model(model, tokenizer, max_seq_len=96, prefill_chunk=32, options=SpecOptions(width=5),
-                               widths=(0, 5))  # speculative=False below: plain decode steps (verify width 0)
+                               widths=(5,))  # speculative=False below: the plain `decode` executable
     for prompt in PROMPTS:
         gen.engine.speculative = False
         expected = gen.generate(prompt, GREEDY)
