@@ -34,12 +34,10 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from jdspark.assets import default_model_dir
 from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
-from jdspark.engine import costs
 from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.engine.request import SamplingParams
 from jdspark.model import hyper
@@ -117,28 +115,16 @@ def device_busy(engine: Engine, speculative: bool, steps: int, trace_dir: str) -
     return {"busy_ms": busy / steps / 1e3, "kernels_per_step": len(spans) / steps, "wall_ms": wall / steps * 1e3}
 
 
-def measure(model, variant: str, runs: int, steps: int) -> dict:
+def measure(model, variant: str, runs: int, steps: int, cache_dir: str) -> dict:
     hyper.sinkhorn = VARIANTS[variant]  # looked up when the executables are traced
     try:
         start = time.perf_counter()
         engine = Engine(model, EngineConfig(max_seq_len=512, gamma=5, max_batch=1), prefill_chunk=64, widths=(0, 5),
-                        options=SpecOptions(width=5))
+                        options=SpecOptions(width=5, profile_runs=runs, reprofile=True, cost_cache_dir=cache_dir))
         compile_s = time.perf_counter() - start
     finally:
         hyper.sinkhorn = PACKAGE
-    slots = engine._slot_inputs(np.zeros(1, np.int32), np.ones(1, bool))
-    calls = {"decode": engine.exe.decode, "step0": engine.exe.step[0], "step5": engine.exe.step[5]}
-
-    def call(label):
-        out, engine.decode, engine.draft = calls[label](engine.exe.params.arrays, engine.decode, engine.draft, slots)
-        jax.block_until_ready(out)
-
-    def reset():  # untimed: fresh state, finished on the device before the timed call
-        engine.reset()
-        jax.block_until_ready((engine.decode, engine.draft))
-
-    cost = dict(zip(calls, costs.measure(call, list(calls), runs, reset)))
-    reset()
+    cost = engine.measure_call_costs()
     draft = cost["step0"] - cost["decode"]
     row = {"variant": variant, "compile_s": compile_s, "decode_ms": cost["decode"] * 1e3,
            "step_exe_ms": [cost["step0"] * 1e3, cost["step5"] * 1e3], "draft_ms": draft * 1e3,
@@ -162,9 +148,10 @@ def main():
     args = parser.parse_args()
     model = load_model(default_model_dir(), dtype=args.dtype, progress=False)
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": []}
-    for variant in args.variants:
-        result["rows"].append(measure(model, variant, args.runs, args.steps))
-        print(result["rows"][-1], flush=True)
+    with tempfile.TemporaryDirectory() as cache_dir:
+        for variant in args.variants:
+            result["rows"].append(measure(model, variant, args.runs, args.steps, cache_dir))
+            print(result["rows"][-1], flush=True)
     print(f"{'variant':>8} {'decode':>7} {'S(0)':>6} {'S(5)':>6} {'D':>6} {'V(5)':>6} {'step':>6} {'t-only':>6} "
           f"{'ratio':>6} {'busy step/t-only':>16} {'decode fus/cc/while':>19} {'step5 fus/cc/while':>19}   (ms)")
     for r in result["rows"]:

@@ -89,13 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     prompts = heldout_prompts(Path(args.corpus), tokenizer, args.prompts, args.prompt_tokens, args.seed)
     max_seq_len = args.prompt_tokens + args.max_tokens + 64
     gamma = model.config.dspark.block_size
-    build = {
-        "target-only": lambda: Generator.from_model(model, tokenizer, speculative=False, max_seq_len=max_seq_len),
-        f"speculative k={gamma}": lambda: Generator.from_model(model, tokenizer, max_seq_len=max_seq_len,
-                                                               options=SpecOptions(width=gamma), widths=(gamma,)),
-        "speculative adaptive": lambda: Generator.from_model(model, tokenizer, max_seq_len=max_seq_len),
+    build = {  # --engines key: (name in the results, engine)
+        "target-only": ("target-only", lambda: Generator.from_model(model, tokenizer, speculative=False,
+                                                                     max_seq_len=max_seq_len)),
+        "fixed": (f"speculative k={gamma}", lambda: Generator.from_model(
+            model, tokenizer, max_seq_len=max_seq_len, options=SpecOptions(width=gamma), widths=(gamma,))),
+        "adaptive": ("speculative adaptive", lambda: Generator.from_model(model, tokenizer, max_seq_len=max_seq_len)),
     }
-    engines = {name: make() for (key, (name, make)) in zip(ENGINES, build.items()) if key in args.engines}
+    engines = {name: make() for key, (name, make) in build.items() if key in args.engines}
     result = {"device": str(jax.devices()[0].device_kind), "model": str(path), "args": vars(args), "runs": {}}
     for temperature in args.temperatures:
         by_engine = {name: [] for name in engines}

@@ -135,10 +135,18 @@ class Engine:
         self.decode, self.draft = self._fresh_state()
 
     def _measure_costs(self) -> tuple[list[float], float]:
-        """(V(0..gamma), D) from start-up timings with every slot active, each call on emptied state;
-        runs before any request is admitted. A step[k] call drafts and verifies, so it costs
+        """(V(0..gamma), D) for the selector: a step[k] call drafts and verifies, so it costs
         S(k) = D + V(k) as a whole; D is S(0) less a plain decode call (the same verification without
         the draft), and V(k) = S(k) - D. The selector's E(k) / (D + V(k)) is then E(k) / S(k)."""
+        measured = self.measure_call_costs()
+        step = [measured[f"step{k}"] for k in sorted(self.exe.step)]
+        draft = max(step[0] - measured["decode"], 0.0)
+        return [s - draft for s in step], draft
+
+    def measure_call_costs(self) -> dict[str, float]:
+        """Seconds per synchronised call of `decode` and of each step[k] ("step{k}"), every slot
+        active, each call on emptied state (`jdspark.engine.costs`: median of `profile_runs`, cached
+        unless `reprofile`); runs before any request is admitted."""
         active = np.ones(self.config.max_batch, bool)
         slots = self._slot_inputs(np.zeros(self.config.max_batch, np.int32), active)
         calls = {"decode": self.exe.decode, **{f"step{k}": self.exe.step[k] for k in sorted(self.exe.step)}}
@@ -157,9 +165,7 @@ class Engine:
         measured = costs.load_or_measure(key, run, list(calls), self.options.profile_runs, cache_dir,
                                          self.options.reprofile, reset)
         reset()
-        step = [measured[f"step{k}"] for k in sorted(self.exe.step)]
-        draft = max(step[0] - measured["decode"], 0.0)
-        return [s - draft for s in step], draft
+        return measured
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, prompt_ids, params: SamplingParams) -> int:
@@ -327,7 +333,8 @@ class Engine:
                 p = slot.params
                 temperature[b], top_k[b], top_p[b] = p.temperature, p.top_k, p.top_p
                 seed[b], counter[b] = slot.seed, slot.steps
-        return slot_inputs(anchor, active, temperature, top_k, top_p, seed, counter)
+        return slot_inputs(anchor=anchor, active=active, temperature=temperature, top_k=top_k, top_p=top_p,
+                           seed=seed, counter=counter)
 
 
 class _Window:

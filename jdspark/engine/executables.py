@@ -40,7 +40,9 @@ from jdspark.spec.sampling import sample, warp_probs
 from jdspark.spec.verify import rejection_sample
 
 _PREFILL, _DRAFT, _VERIFY = 1, 2, 3  # key purposes: independent streams per kind of draw
-SLOT_FIELDS = ("anchor", "active", "temperature", "top_k", "top_p", "seed", "counter")
+# Per-slot inputs of every call, in column order, with the dtype each is bit-cast from (active: 0/1).
+SLOT_FIELDS = {"anchor": jnp.int32, "active": jnp.int32, "temperature": jnp.float32, "top_k": jnp.int32,
+               "top_p": jnp.float32, "seed": jnp.uint32, "counter": jnp.int32}
 
 
 @struct.dataclass
@@ -63,21 +65,16 @@ class StepOutput(NamedTuple):
     confidence: np.ndarray | None  # [B, gamma] float32: the proposal's confidences
 
 
-def slot_inputs(anchor, active, temperature, top_k, top_p, seed, counter) -> np.ndarray:
-    """Every per-slot input of a call as one int32 [B, 7] host array (field order SLOT_FIELDS)."""
-    columns = [np.asarray(anchor, np.int32), np.asarray(active, np.int32),
-               np.asarray(temperature, np.float32).view(np.int32), np.asarray(top_k, np.int32),
-               np.asarray(top_p, np.float32).view(np.int32), np.asarray(seed, np.uint32).view(np.int32),
-               np.asarray(counter, np.int32)]
-    return np.stack(columns, axis=1)
+def slot_inputs(**fields) -> np.ndarray:
+    """Every per-slot input of a call (the SLOT_FIELDS, each [B]) as one int32 [B, 7] host array."""
+    return np.stack([np.asarray(fields[name], dtype).view(np.int32) for name, dtype in SLOT_FIELDS.items()], axis=1)
 
 
 def _unpack_slots(slots: jax.Array) -> tuple[jax.Array, jax.Array, SlotSampling]:
     """slot_inputs on the device -> (anchor [B], active [B] bool, SlotSampling)."""
-    column = {name: slots[:, i] for i, name in enumerate(SLOT_FIELDS)}
-    as_float = lambda name: jax.lax.bitcast_convert_type(column[name], jnp.float32)  # noqa: E731
-    sampling = SlotSampling(temperature=as_float("temperature"), top_k=column["top_k"], top_p=as_float("top_p"),
-                            seed=jax.lax.bitcast_convert_type(column["seed"], jnp.uint32), counter=column["counter"])
+    column = {name: jax.lax.bitcast_convert_type(slots[:, i], dtype)
+              for i, (name, dtype) in enumerate(SLOT_FIELDS.items())}
+    sampling = SlotSampling(**{name: column[name] for name in ("temperature", "top_k", "top_p", "seed", "counter")})
     return column["anchor"], column["active"] != 0, sampling
 
 

@@ -15,7 +15,8 @@ def test_slot_inputs_unpack_exactly_on_the_device():
     top_p = np.array([0.9, 1.0, np.nextafter(np.float32(1), np.float32(0))], np.float32)
     seed = np.array([2 ** 32 - 1, 0, 2 ** 31], np.uint32)
     counter = np.array([0, 5, 123456], np.int32)
-    packed = executables.slot_inputs(anchor, active, temperature, top_k, top_p, seed, counter)
+    packed = executables.slot_inputs(anchor=anchor, active=active, temperature=temperature, top_k=top_k,
+                                     top_p=top_p, seed=seed, counter=counter)
     assert packed.dtype == np.int32 and packed.shape == (3, len(executables.SLOT_FIELDS))
     got_anchor, got_active, sampling = jax.jit(executables._unpack_slots)(packed)
     np.testing.assert_array_equal(got_anchor, anchor)
