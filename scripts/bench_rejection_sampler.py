@@ -12,6 +12,9 @@ work out of the loop. It checks kernel == reference on every input it times and 
 states the bytes each path must move and the bandwidth that implies (H200 HBM: 4.8 TB/s datasheet,
 ~3.3 TB/s measured for XLA elementwise copies).
 
+With --profile (GPU) it also traces each shape's two loops once with jax.profiler and reports the
+device kernels per verification, the device busy time and the longest kernel of each path.
+
 Run from the repository root: PYTHONPATH=$PWD python scripts/bench_rejection_sampler.py
 Writes rejection_sampler.json to $OUT if set, else ./bench_out/.
 """
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdspark.engine.profile import busy_us, gpu_kernels
 from jdspark.spec.sampling import sample, warp_probs
 from jdspark.spec.verify import race_inputs, ref_rejection_sample, rejection_sample
 from pallas_kernels.rejection_sampler import race, ref_race
@@ -145,9 +149,8 @@ def host_time(args, variant, runs, warp):
 
 def bench_one(variant, batch, width, vocab, cfg, warp):
     args = make_inputs(variant, batch, width, vocab, seed=batch * 100 + width)
-    (times_k, out_k), (times_r, out_r) = device_times(
-        [looped(end_to_end_step(fn, variant), cfg.reps) for fn in (rejection_sample_kernel, ref_rejection_sample)],
-        args, cfg.trials)
+    loops = [looped(end_to_end_step(fn, variant), cfg.reps) for fn in (rejection_sample_kernel, ref_rejection_sample)]
+    (times_k, out_k), (times_r, out_r) = device_times(loops, args, cfg.trials)
     ratio, ratio_low, ratio_high = paired_ratio(times_k, times_r)
     n_acc = np.asarray(out_r[0])
     rejected = int((n_acc < width).sum())
@@ -159,6 +162,8 @@ def bench_one(variant, batch, width, vocab, cfg, warp):
         "exact_e2e": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out_k, out_r)),
         "host_us": host_time(args, variant, cfg.host_runs, warp) * 1e6,
     }
+    if cfg.profile and jax.default_backend() == "gpu":
+        row["profile"] = {path: kernel_profile(loop, args, cfg.reps) for path, loop in zip(("kernel", "ref"), loops)}
     reads_logits = 4 * batch * (width + 1) * vocab
     row["bytes_floor"] = reads_logits + 4 * vocab * (batch + rejected)  # logits, E, one q row per rejection
     if variant == "greedy":  # one argmax pass; no race
@@ -180,6 +185,17 @@ def bench_one(variant, batch, width, vocab, cfg, warp):
     row["race_kernel_GBps"] = race_bytes / race_kernel * cfg.reps / 1e9
     row["race_ref_GBps"] = race_bytes / race_ref * cfg.reps / 1e9
     return row
+
+
+def kernel_profile(loop, args, reps):
+    """Device kernels per verification in one traced run of `loop`: count, busy us (union of the
+    kernels' intervals) and, per kernel name, [launches, median us] per verification."""
+    kernels = gpu_kernels(lambda: jax.block_until_ready(loop(*args)))
+    by_name = {}
+    for _, duration, name in kernels:
+        by_name.setdefault(name, []).append(duration)
+    return {"kernels": len(kernels) / reps, "busy_us": busy_us(kernels) / reps,
+            "by_name": {n: [len(d) / reps, float(np.median(d))] for n, d in by_name.items()}}
 
 
 def sweep(batch, width, vocab, cfg):
@@ -213,6 +229,16 @@ def print_table(rows):
               f"{r['e2e_kernel_us']:9.1f} {r['e2e_ref_us']:9.1f} {r['host_us']:9.0f} | {race_cols} | "
               f"{e2e_bw:8.0f} {r['e2e_ratio']:5.3f} {r['e2e_ratio_ci95'][0]:5.3f}-{r['e2e_ratio_ci95'][1]:5.3f} "
               f"{'yes' if exact else 'NO'}")
+    profiled = [r for r in rows if "profile" in r]
+    if profiled:
+        print(f"\n{'variant':8} {'B':>3} {'K':>2} | {'kernels kern':>12} {'ref':>5} | {'busy us kern':>12} {'ref':>6} | "
+              "longest kernel kern / ref (us)")
+        for r in profiled:
+            kern, ref = r["profile"]["kernel"], r["profile"]["ref"]
+            top = [max(p["by_name"].items(), key=lambda item: item[1][1]) for p in (kern, ref)]
+            print(f"{r['variant']:8} {r['batch']:3d} {r['width']:2d} | {kern['kernels']:12.1f} {ref['kernels']:5.1f} | "
+                  f"{kern['busy_us']:12.1f} {ref['busy_us']:6.1f} | "
+                  + " / ".join(f"{name[:28]} {median:.1f}" for name, (_, median) in top))
     print("times in microseconds per verification (medians, kernel and reference timed round robin); GB/s = "
           "bytes the path must move / its time; k/ref = median of the per-trial e2e ratios kernel / reference "
           "with its 95% confidence interval")
@@ -228,6 +254,8 @@ def main():
     parser.add_argument("--trials", type=int, default=41, help="timed loops per measurement (median)")
     parser.add_argument("--host-runs", type=int, default=5)
     parser.add_argument("--sweep", action="store_true", help="also time kernel layouts at K=5")
+    parser.add_argument("--profile", action="store_true",
+                        help="also trace each shape's two loops once: device kernels and busy time per verification")
     cfg = parser.parse_args()
     warp = jax.jit(warp_probs, static_argnames="variant")
     device = jax.devices()[0]

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import gzip
 import io
 import json
 import os
@@ -39,6 +38,7 @@ from jdspark.assets import default_model_dir
 from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine, SpecOptions
+from jdspark.engine.profile import busy_us, gpu_kernels
 from jdspark.engine.request import SamplingParams
 from jdspark.model import hyper
 from pallas_kernels import sinkhorn as pallas_sinkhorn
@@ -87,32 +87,24 @@ def host_profile(engine: Engine, steps: int) -> None:
     print(text.getvalue(), flush=True)
 
 
-def device_busy(engine: Engine, speculative: bool, steps: int, trace_dir: str) -> dict | None:
+def device_busy(engine: Engine, speculative: bool, steps: int) -> dict | None:
     """Device busy ms per Engine.step() (union of kernel intervals on the GPU streams of a
     jax.profiler trace) and the steps' wall ms in the same traced run; None without a GPU."""
     if jax.default_backend() != "gpu":
         return None
     start_request(engine, speculative)
-    start = time.perf_counter()
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    timing = {}
+
+    def run_steps():
+        start = time.perf_counter()
         for _ in range(steps):
             engine.step()
-    wall = time.perf_counter() - start
+        timing["wall"] = time.perf_counter() - start
+
+    kernels = gpu_kernels(run_steps)
     engine.release(0)
-    path = next(Path(trace_dir).rglob("*.trace.json.gz"))
-    events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
-    names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in e["args"].get("name", "")}
-    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and e["pid"] in gpu
-                   and names.get((e["pid"], e.get("tid")), "").startswith("Stream"))
-    busy, end = 0.0, -1.0
-    for lo, hi in spans:  # union of intervals (us)
-        if hi > end:
-            busy += hi - max(lo, end)
-            end = hi
-    return {"busy_ms": busy / steps / 1e3, "kernels_per_step": len(spans) / steps, "wall_ms": wall / steps * 1e3}
+    return {"busy_ms": busy_us(kernels) / steps / 1e3, "kernels_per_step": len(kernels) / steps,
+            "wall_ms": timing["wall"] / steps * 1e3}
 
 
 def measure(model, variant: str, runs: int, steps: int, cache_dir: str) -> dict:
@@ -131,9 +123,8 @@ def measure(model, variant: str, runs: int, steps: int, cache_dir: str) -> dict:
            "verify5_ms": (cost["step5"] - draft) * 1e3,
            "engine_step_ms": step_times(engine, True, steps), "engine_decode_ms": step_times(engine, False, steps),
            "decode_kernels": kernel_counts(engine.exe.decode), "step5_kernels": kernel_counts(engine.exe.step[5])}
-    with tempfile.TemporaryDirectory() as trace_dir:
-        row["trace_step"] = device_busy(engine, True, steps, trace_dir + "/spec")
-        row["trace_decode"] = device_busy(engine, False, steps, trace_dir + "/decode")
+    row["trace_step"] = device_busy(engine, True, steps)
+    row["trace_decode"] = device_busy(engine, False, steps)
     host_profile(engine, steps)
     return row
 

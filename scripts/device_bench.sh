@@ -34,7 +34,7 @@ for part in "$@"; do
     sampler-tests)
       timeout 170 python3 -m pytest -q -W ignore -p no:cacheprovider tests/pallas_kernels 2>&1 | tail -5 | tee "$OUT/sampler_gpu_tests.log" ;;
     sampler)
-      timeout 190 python3 scripts/bench_rejection_sampler.py 2>&1 | grep -v Warning | tee "$OUT/bench_sampler.log" ;;
+      timeout 280 python3 scripts/bench_rejection_sampler.py --profile 2>&1 | grep -v Warning | tee "$OUT/bench_sampler.log" ;;
     load)
       timeout 150 python3 scripts/bench_load.py --preset flash --layers 2 --experts 32 --json "$OUT/bench_load.json" 2>&1 \
         | grep -v -E "Warning|it/s|B/s" | tee "$OUT/bench_load.log" ;;

@@ -4,12 +4,17 @@ Writes into the output directory: `trace/` (a jax.profiler trace for TensorBoard
 `profile.json` (V(k), D, every step's width, stale confidences and acceptances, the completion
 stats) and `profile.png` (V(k) and D, E(k)/(D+V(k)) for the observed mean confidence profile, and
 acceptance by draft position).
+
+`gpu_kernels` / `busy_us` read the device side of a trace for the benchmark scripts.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 import jax
 import numpy as np
@@ -63,3 +68,29 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def gpu_kernels(fn: Callable[[], object]) -> list[tuple[float, float, str]]:
+    """(start us, duration us, name) of every kernel on the GPU streams while fn() runs under
+    jax.profiler, sorted by start; empty without a GPU. fn must block until its work is done."""
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            fn()
+        path = next(Path(trace_dir).rglob("*.trace.json.gz"))
+        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in e["args"].get("name", "")}
+    return sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e["pid"] in gpu
+                  and threads.get((e["pid"], e.get("tid")), "").startswith("Stream"))
+
+
+def busy_us(kernels: list[tuple[float, float, str]]) -> float:
+    """Time at least one kernel was running: the union of the kernels' intervals, in us."""
+    busy, end = 0.0, float("-inf")
+    for start, duration, _ in kernels:  # sorted by start
+        if start + duration > end:
+            busy += start + duration - max(start, end)
+            end = start + duration
+    return busy
