@@ -4,6 +4,8 @@
 # TARGET_MINUTES (3.2), DRAFTER_MINUTES (1.8), MODEL (the model `eval` measures; default: the embedded one
 # or, after `train`/`drafter`, the one they wrote).
 #   bash scripts/device_bench.sh train            (target + drafter from scratch -> $OUT/tiny-code)
+#   bash scripts/device_bench.sh corpus-large target   (the shipped target trained further on the larger
+#       corpus: carry build/corpus_large/train.jsonl.xz, build/corpus_device; TARGET_ARGS="--init jdspark/assets/tiny-code")
 #   bash scripts/device_bench.sh drafter eval     (train the embedded drafter further, then measure it)
 #   bash scripts/device_bench.sh sampler adaptive serve      (serve: carry .whl, see the part)
 #   bash scripts/device_bench.sh step             (D, V(k), step wall vs device busy time, kernel counts)
@@ -12,7 +14,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jdspark-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD JDSPARK_CACHE=$OUT/cache
 CORPUS=${CORPUS:-build/corpus_device}; MODEL=${MODEL:-}
-python3 -c "import jax, flax; print(jax.__version__, flax.__version__, jax.devices())" | tee "$OUT/versions.txt"
+python3 -c "import jax, flax; print(jax.__version__, flax.__version__, jax.devices())"  # stdout only: $OUT holds 8 files
 for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case $part in
@@ -22,6 +24,15 @@ for part in "$@"; do
       python3 scripts/train_drafter.py --target /tmp/target --corpus "$CORPUS" --minutes "${DRAFTER_MINUTES:-1.8}" \
         --out "$OUT/tiny-code" 2>&1 | grep -v Warning | tee -a "$OUT/train.log"
       cp /tmp/target/train_target.json "$OUT/tiny-code/"; MODEL=$OUT/tiny-code ;;
+    corpus-large)  # the stdlib plus site-packages text (scripts/build_corpus.py --extra-root), tokenized here
+      mkdir -p /tmp/corpus_large && xz -dc build/corpus_large/train.jsonl.xz > /tmp/corpus_large/train.jsonl \
+        && cp "$CORPUS/heldout.jsonl" /tmp/corpus_large/ \
+        && python3 scripts/train_tokenizer.py --corpus /tmp/corpus_large --existing jdspark/assets/tiny-code/tokenizer.json \
+        && CORPUS=/tmp/corpus_large ;;
+    target)
+      python3 scripts/train_target.py --corpus "$CORPUS" --minutes "${TARGET_MINUTES:-3.2}" ${TARGET_ARGS:-} --out "$OUT/tiny-code" \
+        2>&1 | grep -v Warning | tee "$OUT/target.log"
+      MODEL=$OUT/tiny-code ;;
     drafter)
       python3 scripts/train_drafter.py --target jdspark/assets/tiny-code --corpus "$CORPUS" \
         --minutes "${DRAFTER_MINUTES:-4.5}" ${DRAFTER_ARGS:-} --out "$OUT/tiny-code" 2>&1 | grep -v Warning | tee "$OUT/drafter.log"

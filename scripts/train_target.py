@@ -7,7 +7,9 @@ a shared expert. Hand-written AdamW, cosine schedule fitted to the time budget. 
 held-out loss is measured for the float weights and for the official storage formats (FP8 linears
 with ds_fp4 or FP8 experts, values quantized and dequantized); the checkpoint is written in the
 official layout with ds_fp4 experts when they cost at most --fp4-tolerance nats/token, else FP8.
-Writes <out>/ (config.json, model.safetensors) and <out>/train_target.json.
+Writes <out>/ (config.json, model.safetensors) and <out>/train_target.json. With --init DIR training
+continues from that checkpoint (its config; its drafter stages are saved unchanged), e.g. the
+shipped model on a larger corpus.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from jdspark.checkpoint.export import save_model
+from jdspark.checkpoint.loader import load_model, read_config
 from jdspark.checkpoint.quantize import roundtrip
 from jdspark.config import QuantConfig, tiny_code_config
 from jdspark.model.dsv4 import DSV4
@@ -57,10 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heldout-windows", type=int, default=384)
     p.add_argument("--fp4-tolerance", type=float, default=0.03, help="nats/token ds_fp4 experts may cost")
+    p.add_argument("--init", default=None, help="continue from this checkpoint instead of a fresh tiny_code_config")
     args = p.parse_args(argv)
     corpus = Path(args.corpus)
-    config = tiny_code_config()
-    module = DSV4(config, dtype=jnp.float32, rngs=Keys(args.seed))
+    if args.init:
+        config = read_config(args.init)
+        module = load_model(args.init, dtype="float32", dequantize=True, progress=False).module()
+    else:
+        config = tiny_code_config()
+        module = DSV4(config, dtype=jnp.float32, rngs=Keys(args.seed))
     graphdef, trainable, frozen = target.split(module)
     opt_config = adamw.AdamWConfig(lr=args.lr, warmup_steps=args.warmup)
     opt = adamw.init(trainable, total_steps=10 ** 6)

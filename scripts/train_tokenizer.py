@@ -6,7 +6,8 @@
 Ids 0 and 1 are DSV4's BOS and EOS; then the DSpark noise token (the drafter's masked-position
 input), a pad token, and DSV4's chat / tool tokens (spec dsv4.md §8) so that real prompts in the
 DSV4 format tokenize with single ids. Writes train.npy / heldout.npy (uint16 ids; every file is
-BOS + text + EOS) next to the corpus.
+BOS + text + EOS) next to the corpus. With --existing PATH no tokenizer is trained: the corpus is
+tokenized with PATH (a larger corpus for the same shipped tokenizer).
 """
 
 from __future__ import annotations
@@ -58,12 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", default="build/corpus")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--out", default="jdspark/assets/tiny-code/tokenizer.json")
+    p.add_argument("--existing", default=None, help="tokenize with this tokenizer.json instead of training one")
     args = p.parse_args(argv)
     corpus, out = Path(args.corpus), Path(args.out)
-    tok = train(corpus, args.vocab)
+    if args.existing:
+        tok = Tokenizer.from_file(args.existing)
+    else:
+        tok = train(corpus, args.vocab)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tok.save(str(out))
     assert [tok.token_to_id(t) for t in CONTROL] == [0, 1, 2, 3], "control tokens must be ids 0..3"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out))
     stats = {"vocab_size": tok.get_vocab_size(), "noise_token_id": tok.token_to_id(NOISE)}
     for split in ("train", "heldout"):
         ids = encode_split(tok, corpus / f"{split}.jsonl")
