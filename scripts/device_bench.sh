@@ -36,7 +36,7 @@ for part in "$@"; do
     drafter)
       python3 scripts/train_drafter.py --target jdspark/assets/tiny-code --corpus "$CORPUS" \
         --minutes "${DRAFTER_MINUTES:-4.5}" ${DRAFTER_ARGS:-} --out "$OUT/tiny-code" 2>&1 | grep -v Warning | tee "$OUT/drafter.log"
-      MODEL=$OUT/tiny-code ;;
+      rm -f "$OUT/tiny-code/tokenizer.json"; MODEL=$OUT/tiny-code ;;  # in the repo already: $OUT holds 8 files
     eval)
       [ -n "$MODEL" ] && cp jdspark/assets/tiny-code/tokenizer.json "$MODEL/"
       timeout 330 python3 scripts/eval_acceptance.py ${MODEL:+--model "$MODEL"} --corpus "$CORPUS" ${EVAL_ARGS:-} \
