@@ -51,7 +51,7 @@ def copy_key(rel: str) -> str:
 
 
 def extra_files(roots: list[Path], max_bytes: int, budget: int, seen: set[str], held_keys: set[str]):
-    """Training-only files from the extra roots (see the module docstring), sorted by path."""
+    """(training-only files from the extra roots, sorted by path, their total bytes); see the module docstring."""
     candidates = {}
     for root in roots:
         for rel, text in python_files(root, max_bytes):
@@ -61,11 +61,12 @@ def extra_files(roots: list[Path], max_bytes: int, budget: int, seen: set[str], 
     chosen, total = [], 0
     for digest in sorted(candidates):
         rel, text = candidates[digest]
-        if budget and total + len(text.encode()) > budget:
+        size = len(text.encode())
+        if budget and total + size > budget:
             continue
         chosen.append((rel, text))
-        total += len(text.encode())
-    return sorted(chosen)
+        total += size
+    return sorted(chosen), total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
              for rel, text in python_files(Path(args.root), args.max_bytes)]
     seen = {hashlib.sha256(text.encode()).hexdigest() for _, text, _ in files}
     held_keys = {copy_key(rel) for rel, _, split in files if split == "heldout"}
-    extra = extra_files([Path(r) for r in args.extra_root], args.max_bytes, args.extra_bytes, seen, held_keys)
+    extra, extra_bytes = extra_files([Path(r) for r in args.extra_root], args.max_bytes, args.extra_bytes, seen,
+                                     held_keys)
     files += [(rel, text, "train") for rel, text in extra]
     digest = hashlib.sha256()
     counts = {"train": [0, 0], "heldout": [0, 0]}
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             counts[split][1] += len(text.encode())
             digest.update(rel.encode() + b"\0" + text.encode())
     manifest = {"python": sys.version.split()[0], "root": args.root, "extra_roots": args.extra_root,
-                "extra_files": len(extra), "extra_bytes": sum(len(t.encode()) for _, t in extra), "sha256": digest.hexdigest(),
+                "extra_files": len(extra), "extra_bytes": extra_bytes, "sha256": digest.hexdigest(),
                 **{f"{k}_files": v[0] for k, v in counts.items()}, **{f"{k}_bytes": v[1] for k, v in counts.items()}}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(json.dumps(manifest, indent=1))
