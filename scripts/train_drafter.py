@@ -8,7 +8,12 @@ With --selfgen-sequences N, N corpus prompts of --prompt-tokens tokens are first
 target itself through the engine (T = --selfgen-temperature) to --seq-len + 1 tokens (§12.1);
 that share of every batch then comes from these rows, with anchors only in the sampled part.
 With --markov-rank R the checkpoint's Markov head is first widened to rank R without changing
-what it computes (`drafter.widen_markov_head`), so a trained drafter continues with more rank.
+what it computes (`drafter.widen_markov_head`), so a trained drafter continues with more rank;
+--add-stages N likewise inserts N identity stages before the last (`drafter.add_stages`).
+
+Held-out figures: teacher-forced acceptance (1 - TV per position, tau_prob) on --heldout-windows
+windows of held-out code, and the tau generation gets, replayed (`jdspark.train.replay`) on
+--replay-rows held-out prompts continued by the target at T = 1 (what speculative decoding meets).
 
 The target is loaded from its checkpoint with the stored (quantized) values, so the drafter learns
 the distribution that is served. Anchors, block layout and losses as `jdspark.train.drafter`
@@ -35,7 +40,7 @@ from jdspark.checkpoint.loader import load_model, read_config
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine
 from jdspark.model.model import Model
-from jdspark.train import adamw, drafter, loop, selfgen, sts
+from jdspark.train import adamw, drafter, loop, replay, selfgen, sts
 from jdspark.train.data import Batches, heldout_windows
 
 
@@ -61,33 +66,44 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--markov-rank", type=int, default=0,
                    help="widen the checkpoint's Markov head to this rank first (0: keep it)")
+    p.add_argument("--add-stages", type=int, default=0, help="insert this many identity drafter stages first")
+    p.add_argument("--replay-rows", type=int, default=64, help="held-out prompts continued by the target for replay")
+    p.add_argument("--eval-every", type=int, default=500)
     args = p.parse_args(argv)
     stored = read_config(args.target)
     model = load_model(args.target, dtype="float32", dequantize=True, progress=False)
     if args.markov_rank:
         model = drafter.widen_markov_head(model, args.markov_rank, seed=args.seed)
         stored = stored.replace(extra={**stored.extra, "dspark_markov_rank": args.markov_rank})
+    if args.add_stages:
+        model = drafter.add_stages(model, args.add_stages, seed=args.seed)
+        stored = stored.replace(num_nextn_predict_layers=model.config.num_nextn_predict_layers,
+                                compress_ratios=model.config.compress_ratios)
     gamma = stored.dspark.block_size
     graphdef, params, frozen = nnx.split(model.module(), drafter.DRAFTER, ...)
     opt_config = adamw.AdamWConfig(lr=args.lr, warmup_steps=args.warmup)
     corpus = np.load(Path(args.corpus) / "train.npy")
     batches = Batches(corpus, args.batch, args.seq_len, seed=args.seed + 1)
+    engine = Engine(model, EngineConfig(max_seq_len=args.seq_len + 1 + gamma + 1, gamma=gamma,
+                                        max_batch=args.selfgen_batch),
+                    speculative=False, prefill_chunk=args.prompt_tokens)
+    held = heldout_windows(np.load(Path(args.corpus) / "heldout.npy"), args.seq_len, args.heldout_windows)[:, :-1]
+    replay_rows = selfgen.sample_continuations(engine, held[:args.replay_rows, :args.prompt_tokens],
+                                               args.seq_len - args.prompt_tokens, 1.0, seed=10 ** 6)
+    replay_anchors = np.broadcast_to(np.arange(args.prompt_tokens - 1, args.seq_len - gamma - 1),
+                                     (args.batch, args.seq_len - gamma - args.prompt_tokens)).astype(np.int32)
     generated, n_generated, selfgen_s = None, 0, 0.0
     if args.selfgen_sequences:
         start = time.perf_counter()
-        engine = Engine(model, EngineConfig(max_seq_len=args.seq_len + 1 + gamma + 1, gamma=gamma,
-                                            max_batch=args.selfgen_batch),
-                        speculative=False, prefill_chunk=args.prompt_tokens)
         prompts = Batches(corpus, args.selfgen_sequences, args.prompt_tokens - 1, seed=args.seed + 2).next()
         rows = selfgen.sample_continuations(engine, prompts, args.seq_len + 1 - args.prompt_tokens,
                                             args.selfgen_temperature, seed=args.seed)
-        del engine
         selfgen_s = time.perf_counter() - start
         print(f"sampled {rows.shape} from the target in {selfgen_s:.0f} s", flush=True)
         n_generated = round(args.selfgen_fraction * args.batch)
         generated = selfgen.GeneratedBatches(rows, n_generated, seed=args.seed + 3)
+    del engine
     low = np.where(np.arange(args.batch) < n_generated, args.prompt_tokens, 1)  # generated rows come first
-    held = heldout_windows(np.load(Path(args.corpus) / "heldout.npy"), args.seq_len, args.heldout_windows)[:, :-1]
     rng = np.random.default_rng(args.seed)
     held_anchors = drafter.sample_anchors(rng, len(held), args.seq_len, gamma, args.anchors)
     state = {"params": params, "opt": adamw.init(params, total_steps=10 ** 6)}
@@ -107,9 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     def evaluate(limit=args.batch):
         rows = [drafter.evaluate(state["params"], frozen, held[i:i + args.batch], held_anchors[i:i + args.batch],
                                  graphdef=graphdef, decay=args.decay) for i in range(0, limit - args.batch + 1, args.batch)]
-        return {k: np.mean([np.asarray(r[k]) for r in rows], axis=0).round(4).tolist() for k in ("accept", "tau", "l1")}
+        result = {k: np.mean([np.asarray(r[k]) for r in rows], axis=0).round(4).tolist() for k in ("accept", "tau", "l1")}
+        alpha = np.concatenate([replay.sample_acceptance(state["params"], frozen, replay_rows[i:i + args.batch],
+                                                         replay_anchors[:len(replay_rows[i:i + args.batch])],
+                                                         graphdef=graphdef)
+                                for i in range(0, len(replay_rows), args.batch)])
+        generation = replay.replayed_generation(jnp.asarray(alpha))
+        return {**result, "replay_tau": round(float(generation["tau"]), 4),
+                "replay_accept": np.asarray(generation["acceptance"]).round(4).tolist()}
 
-    record = loop.run(step, args.minutes * 60, set_total, evaluate=evaluate, eval_every=250)
+    record = loop.run(step, args.minutes * 60, set_total, evaluate=evaluate, eval_every=args.eval_every)
     heldout = evaluate(len(held))
     z, accept = [], []
     for i in range(0, len(held) - args.batch + 1, args.batch):

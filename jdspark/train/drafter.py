@@ -58,6 +58,45 @@ def widen_markov_head(model: Model, rank: int, seed: int = 0) -> Model:
     return Model(wide.graphdef, wide.params)
 
 
+IDENTITY_COMB_LOGIT = 30.0  # comb logits 30 * I: Sinkhorn gives the identity to its eps (1e-6)
+
+
+def add_stages(model: Model, count: int, seed: int = 0) -> Model:
+    """The same model with `count` more drafter stages that compute the identity, so a trained
+    drafter grows deeper and training continues from where it stands. The new stages go before the
+    last one (which keeps its heads); their attention output (`wo_b`) and expert down projections
+    (`w2`) are zero, so the branches add nothing, and their comb matrices are the identity (comb rows
+    of `fn` zero, bias 30 * I), so the streams pass through unmixed. The other weights are the
+    random initialisation: the zero projections get gradients from the first step."""
+    config = model.config
+    stages = config.num_nextn_predict_layers
+    if count < 1 or stages < 2:
+        raise ValueError(f"add {count} stages to a {stages}-stage drafter: need count >= 1 and 2 stages or more "
+                         "(the first stage owns the context projection, the last the heads)")
+    main = config.compress_ratios[:config.num_hidden_layers]
+    ratios = main + (0,) * (stages + count)  # drafter stages are window-only
+    grown = Model.random(config.replace(num_nextn_predict_layers=stages + count, compress_ratios=ratios),
+                         model.dtype, seed=seed)
+    old, new = nnx.to_pure_dict(model.params), nnx.to_pure_dict(grown.params)
+    c = config.hc_mult
+    for i in range(stages - 1, stages - 1 + count):  # the inserted ones
+        stage = new["mtp"][i]
+        stage["attn"]["wo_b"]["weight"] = jnp.zeros_like(stage["attn"]["wo_b"]["weight"])
+        for experts in ("experts", "shared_experts"):
+            stage["ffn"][experts]["w2"]["weight"] = jnp.zeros_like(stage["ffn"][experts]["w2"]["weight"])
+        for site in ("hc_attn", "hc_ffn"):
+            stage[site]["fn"] = stage[site]["fn"].at[2 * c:].set(0.0)
+            stage[site]["base"] = stage[site]["base"].at[2 * c:].set(IDENTITY_COMB_LOGIT * jnp.eye(c).reshape(-1))
+    for i in range(stages - 1):
+        new["mtp"][i] = old["mtp"][i]
+    new["mtp"][stages - 1 + count] = old["mtp"][stages - 1]
+    for key, value in old.items():
+        if key != "mtp":
+            new[key] = value
+    nnx.replace_by_pure_dict(grown.params, new)
+    return Model(grown.graphdef, grown.params)
+
+
 def target_outputs(module: DSV4, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The frozen target on ids [B, S]: (log-probabilities [B, S, V] fp32, drafter features)."""
     logits, _, features = module(ids, module.config.dspark.target_layer_ids)

@@ -92,3 +92,28 @@ def test_a_widened_markov_head_computes_what_the_narrow_one_did():
     np.testing.assert_allclose(np.asarray(wide_z), np.asarray(narrow_z), atol=1e-5)
     with pytest.raises(ValueError, match="can only be widened"):
         drafter.widen_markov_head(model, 1)
+
+
+def test_added_stages_compute_what_the_drafter_did():
+    model = Model.random(CONFIG, "float32", seed=8)
+    deep = drafter.add_stages(model, 2, seed=1)
+    assert deep.config.dspark.num_stages == CONFIG.dspark.num_stages + 2
+    assert deep.config.compress_ratios[-4:] == (0, 0, 0, 0)
+    new = deep.module().mtp[1]
+    assert np.abs(np.asarray(new.attn.wq_a.weight[...])).max() > 0  # room to learn: only the outputs are zero
+    rng = np.random.default_rng(2)
+    ids = jnp.asarray(rng.integers(4, CONFIG.vocab_size, (2, 40)), jnp.int32)
+    anchors = jnp.asarray(drafter.sample_anchors(rng, 2, 40, GAMMA, 6))
+    run = jax.jit(training_blocks, static_argnums=0)
+    _, (logits, z, _, _) = run(model.graphdef, model.params, ids, anchors)
+    _, (deep_logits, deep_z, _, _) = run(deep.graphdef, deep.params, ids, anchors)
+    np.testing.assert_allclose(np.asarray(deep_logits), np.asarray(logits), atol=1e-4)
+    np.testing.assert_allclose(np.asarray(deep_z), np.asarray(z), atol=1e-4)
+    graphdef, params, frozen = nnx.split(deep.module(), drafter.DRAFTER, ...)
+    params, _, _ = drafter.train_step(params, frozen, adamw.init(params, total_steps=2), ids, anchors,
+                                      graphdef=graphdef, config=adamw.AdamWConfig(lr=1e-3, warmup_steps=0))
+    trained = nnx.merge(graphdef, params, frozen).mtp[1]
+    assert np.abs(np.asarray(trained.attn.wo_b.weight[...])).max() > 0  # the zero branches learn at once
+    assert np.abs(np.asarray(trained.ffn.experts.w2.weight[...])).max() > 0
+    with pytest.raises(ValueError, match="count >= 1"):
+        drafter.add_stages(model, 0)
