@@ -30,23 +30,10 @@ from jdspark.engine.executables import enable_compile_cache
 from jdspark.engine.request import SamplingParams
 from jdspark.generator import Generator
 from jdspark.tokenizer.tokenizer import Tokenizer
+from jdspark.train.data import heldout_prompts
 
 
 ENGINES = ("target-only", "fixed", "adaptive")  # --engines keys: target-only, speculative at width gamma, adaptive
-
-
-def heldout_prompts(corpus: Path, tokenizer: Tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    docs = [json.loads(line)["text"] for line in open(corpus / "heldout.jsonl")]
-    prompts = []
-    for i in rng.permutation(len(docs)):
-        ids = tokenizer.encode(docs[i])
-        if len(ids) > length + 64:
-            cut = int(rng.integers(length, len(ids) - 64))
-            prompts.append(ids[cut - length:cut])
-        if len(prompts) == count:
-            break
-    return prompts
 
 
 def run_all(gen: Generator, prompts, temperature: float, max_tokens: int, seed: int) -> dict:
@@ -86,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     path = Path(args.model) if args.model else default_model_dir()
     model = load_model(path, dtype=args.dtype, progress=False)
     tokenizer = Tokenizer(path / "tokenizer.json")
-    prompts = heldout_prompts(Path(args.corpus), tokenizer, args.prompts, args.prompt_tokens, args.seed)
+    texts = [json.loads(line)["text"] for line in open(Path(args.corpus) / "heldout.jsonl")]
+    prompts = heldout_prompts(texts, tokenizer.encode, args.prompts, args.prompt_tokens, args.seed)
     max_seq_len = args.prompt_tokens + args.max_tokens + 64
     gamma = model.config.dspark.block_size
     build = {  # --engines key: (name in the results, engine)

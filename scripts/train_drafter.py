@@ -13,7 +13,8 @@ what it computes (`drafter.widen_markov_head`), so a trained drafter continues w
 
 Held-out figures: teacher-forced acceptance (1 - TV per position, tau_prob) on --heldout-windows
 windows of held-out code, and the tau generation gets, replayed (`jdspark.train.replay`) on
---replay-rows held-out prompts continued by the target at T = 1 (what speculative decoding meets).
+--replay-rows prompts cut from random held-out files (`data.heldout_prompts`, as
+eval_acceptance.py picks them) continued by the target at T = 1 (what speculative decoding meets).
 
 The target is loaded from its checkpoint with the stored (quantized) values, so the drafter learns
 the distribution that is served. Anchors, block layout and losses as `jdspark.train.drafter`
@@ -41,7 +42,8 @@ from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine
 from jdspark.model.model import Model
 from jdspark.train import adamw, drafter, loop, replay, selfgen, sts
-from jdspark.train.data import Batches, heldout_windows
+from jdspark.tokenizer.tokenizer import Tokenizer
+from jdspark.train.data import Batches, heldout_prompts, heldout_windows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,8 +90,11 @@ def main(argv: list[str] | None = None) -> int:
                                         max_batch=args.selfgen_batch),
                     speculative=False, prefill_chunk=args.prompt_tokens)
     held = heldout_windows(np.load(Path(args.corpus) / "heldout.npy"), args.seq_len, args.heldout_windows)[:, :-1]
-    replay_rows = selfgen.sample_continuations(engine, held[:args.replay_rows, :args.prompt_tokens],
-                                               args.seq_len - args.prompt_tokens, 1.0, seed=10 ** 6)
+    texts = [json.loads(line)["text"] for line in open(Path(args.corpus) / "heldout.jsonl")]
+    replay_prompts = np.asarray(heldout_prompts(texts, Tokenizer(args.tokenizer).encode, args.replay_rows,
+                                                args.prompt_tokens, seed=0), np.int32)
+    replay_rows = selfgen.sample_continuations(engine, replay_prompts, args.seq_len - args.prompt_tokens, 1.0,
+                                               seed=10 ** 6)
     replay_anchors = np.broadcast_to(np.arange(args.prompt_tokens - 1, args.seq_len - gamma - 1),
                                      (args.batch, args.seq_len - gamma - args.prompt_tokens)).astype(np.int32)
     generated, n_generated, selfgen_s = None, 0, 0.0
