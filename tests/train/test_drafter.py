@@ -75,6 +75,19 @@ def test_anchors_are_distinct_and_leave_room_for_every_label():
     assert anchors.min() >= 1 and anchors.max() + GAMMA <= 63
 
 
+def assert_same_drafts(model: Model, changed: Model, seed: int, atol: float):
+    """Draft logits and confidence logits of `changed` equal `model`'s on random blocks; returns them."""
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(rng.integers(4, CONFIG.vocab_size, (2, 40)), jnp.int32)
+    anchors = jnp.asarray(drafter.sample_anchors(rng, 2, 40, GAMMA, 6))
+    run = jax.jit(training_blocks, static_argnums=0)
+    _, (logits, z, _, _) = run(model.graphdef, model.params, ids, anchors)
+    _, (changed_logits, changed_z, _, _) = run(changed.graphdef, changed.params, ids, anchors)
+    np.testing.assert_allclose(np.asarray(changed_logits), np.asarray(logits), atol=atol)
+    np.testing.assert_allclose(np.asarray(changed_z), np.asarray(z), atol=atol)
+    return ids, anchors
+
+
 def test_a_widened_markov_head_computes_what_the_narrow_one_did():
     model = Model.random(CONFIG, "float32", seed=7)
     wide = drafter.widen_markov_head(model, CONFIG.dspark.markov_rank + 5, seed=1)
@@ -82,14 +95,7 @@ def test_a_widened_markov_head_computes_what_the_narrow_one_did():
     head = wide.module().mtp[-1].markov_head
     assert head.embed.weight.shape == (CONFIG.vocab_size, CONFIG.dspark.markov_rank + 5)
     assert np.abs(np.asarray(head.embed.weight[...])[:, -5:]).max() > 0  # room to learn: W1 is not zero
-    rng = np.random.default_rng(1)
-    ids = jnp.asarray(rng.integers(4, CONFIG.vocab_size, (2, 40)), jnp.int32)
-    anchors = jnp.asarray(drafter.sample_anchors(rng, 2, 40, GAMMA, 6))
-    run = jax.jit(training_blocks, static_argnums=0)
-    _, (narrow_logits, narrow_z, _, _) = run(model.graphdef, model.params, ids, anchors)
-    _, (wide_logits, wide_z, _, _) = run(wide.graphdef, wide.params, ids, anchors)
-    np.testing.assert_allclose(np.asarray(wide_logits), np.asarray(narrow_logits), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(wide_z), np.asarray(narrow_z), atol=1e-5)
+    assert_same_drafts(model, wide, seed=1, atol=1e-5)
     with pytest.raises(ValueError, match="can only be widened"):
         drafter.widen_markov_head(model, 1)
 
@@ -101,14 +107,7 @@ def test_added_stages_compute_what_the_drafter_did():
     assert deep.config.compress_ratios[-4:] == (0, 0, 0, 0)
     new = deep.module().mtp[1]
     assert np.abs(np.asarray(new.attn.wq_a.weight[...])).max() > 0  # room to learn: only the outputs are zero
-    rng = np.random.default_rng(2)
-    ids = jnp.asarray(rng.integers(4, CONFIG.vocab_size, (2, 40)), jnp.int32)
-    anchors = jnp.asarray(drafter.sample_anchors(rng, 2, 40, GAMMA, 6))
-    run = jax.jit(training_blocks, static_argnums=0)
-    _, (logits, z, _, _) = run(model.graphdef, model.params, ids, anchors)
-    _, (deep_logits, deep_z, _, _) = run(deep.graphdef, deep.params, ids, anchors)
-    np.testing.assert_allclose(np.asarray(deep_logits), np.asarray(logits), atol=1e-4)
-    np.testing.assert_allclose(np.asarray(deep_z), np.asarray(z), atol=1e-4)
+    ids, anchors = assert_same_drafts(model, deep, seed=2, atol=1e-4)
     graphdef, params, frozen = nnx.split(deep.module(), drafter.DRAFTER, ...)
     params, _, _ = drafter.train_step(params, frozen, adamw.init(params, total_steps=2), ids, anchors,
                                       graphdef=graphdef, config=adamw.AdamWConfig(lr=1e-3, warmup_steps=0))
