@@ -41,8 +41,8 @@ from jdspark.checkpoint.loader import load_model, read_config
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine
 from jdspark.model.model import Model
-from jdspark.train import adamw, drafter, loop, replay, selfgen, sts
 from jdspark.tokenizer.tokenizer import Tokenizer
+from jdspark.train import adamw, drafter, loop, replay, selfgen, sts
 from jdspark.train.data import Batches, heldout_prompts, heldout_windows
 
 
@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markov-rank", type=int, default=0,
                    help="widen the checkpoint's Markov head to this rank first (0: keep it)")
     p.add_argument("--add-stages", type=int, default=0, help="insert this many identity drafter stages first")
-    p.add_argument("--replay-rows", type=int, default=64, help="held-out prompts continued by the target for replay")
+    p.add_argument("--replay-rows", type=int, default=64,
+                   help="held-out prompts continued by the target for the replayed tau (0: none)")
     p.add_argument("--eval-every", type=int, default=500)
     args = p.parse_args(argv)
     stored = read_config(args.target)
@@ -93,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     texts = [json.loads(line)["text"] for line in open(Path(args.corpus) / "heldout.jsonl")]
     replay_prompts = np.asarray(heldout_prompts(texts, Tokenizer(args.tokenizer).encode, args.replay_rows,
                                                 args.prompt_tokens, seed=0), np.int32)
+    if args.replay_rows and not len(replay_prompts):
+        p.error(f"no held-out file has more than --prompt-tokens {args.prompt_tokens} + 64 tokens to cut a replay "
+                "prompt from; lower --prompt-tokens or pass --replay-rows 0")
     replay_rows = selfgen.sample_continuations(engine, replay_prompts, args.seq_len - args.prompt_tokens, 1.0,
-                                               seed=10 ** 6)
+                                               seed=10 ** 6) if args.replay_rows else None
     replay_anchors = np.broadcast_to(np.arange(args.prompt_tokens - 1, args.seq_len - gamma - 1),
                                      (args.batch, args.seq_len - gamma - args.prompt_tokens)).astype(np.int32)
     generated, n_generated, selfgen_s = None, 0, 0.0
@@ -129,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [drafter.evaluate(state["params"], frozen, held[i:i + args.batch], held_anchors[i:i + args.batch],
                                  graphdef=graphdef, decay=args.decay) for i in range(0, limit - args.batch + 1, args.batch)]
         result = {k: np.mean([np.asarray(r[k]) for r in rows], axis=0).round(4).tolist() for k in ("accept", "tau", "l1")}
+        if replay_rows is None:
+            return result
         alpha = np.concatenate([replay.sample_acceptance(state["params"], frozen, replay_rows[i:i + args.batch],
                                                          replay_anchors[:len(replay_rows[i:i + args.batch])],
                                                          graphdef=graphdef)

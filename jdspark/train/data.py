@@ -38,10 +38,10 @@ def heldout_prompts(texts: list[str], encode: Callable[[str], list[int]], count:
     rng = np.random.default_rng(seed)
     prompts = []
     for i in rng.permutation(len(texts)):
+        if len(prompts) == count:
+            break
         ids = encode(texts[i])
         if len(ids) > length + 64:
             cut = int(rng.integers(length, len(ids) - 64))
             prompts.append(ids[cut - length:cut])
-        if len(prompts) == count:
-            break
     return prompts

@@ -29,3 +29,7 @@ def test_heldout_prompts_stop_at_the_files_that_are_long_enough():
     texts = ["x" * 200, "y" * 10, "z" * 97]
     prompts = heldout_prompts(texts, encode, count=5, length=32, seed=0)
     assert sorted("".join(map(chr, p)) for p in prompts) == ["x" * 32, "z" * 32]
+
+
+def test_no_heldout_prompts_asked_none_given():
+    assert heldout_prompts(["x" * 200], encode, count=0, length=32, seed=0) == []
