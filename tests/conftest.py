@@ -2,6 +2,7 @@
 a compilation counter, and the tiny speculative model shared by the engine and API tests."""
 
 import os
+import shutil
 import tempfile
 
 import jax
@@ -13,12 +14,21 @@ from jdspark.model.model import Model
 from jdspark.tokenizer.tokenizer import Tokenizer
 
 jax.config.update("jax_default_matmul_precision", "highest")
-os.environ["JDSPARK_CACHE"] = tempfile.mkdtemp(prefix="jdspark-test-cache-")  # measured costs stay out of ~
+# One temporary folder per run, made by the process that starts it (the xdist workers inherit the
+# variable) and removed by that process at the end (`pytest_unconfigure`).
+if "JDSPARK_TEST_RUN_DIR" not in os.environ:
+    os.environ["JDSPARK_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="jdspark-test-")
+_RUN_DIR = os.environ["JDSPARK_TEST_RUN_DIR"]
+os.environ["JDSPARK_CACHE"] = tempfile.mkdtemp(prefix="cache-", dir=_RUN_DIR)  # measured costs stay out of ~
 # Identical executables (the same tiny engine built twice, also by two xdist workers) compile once per run.
-_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid()))
-jax.config.update("jax_compilation_cache_dir", os.path.join(tempfile.gettempdir(), f"jdspark-test-xla-{_RUN}"))
+jax.config.update("jax_compilation_cache_dir", os.path.join(_RUN_DIR, "xla"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if not hasattr(config, "workerinput"):  # the process that made the folder, after its workers ended
+        shutil.rmtree(_RUN_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
