@@ -87,9 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     opt_config = adamw.AdamWConfig(lr=args.lr, warmup_steps=args.warmup)
     corpus = np.load(Path(args.corpus) / "train.npy")
     batches = Batches(corpus, args.batch, args.seq_len, seed=args.seed + 1)
-    engine = Engine(model, EngineConfig(max_seq_len=args.seq_len + 1 + gamma + 1, gamma=gamma,
-                                        max_batch=args.selfgen_batch),
-                    speculative=False, prefill_chunk=args.prompt_tokens)
     held = heldout_windows(np.load(Path(args.corpus) / "heldout.npy"), args.seq_len, args.heldout_windows)[:, :-1]
     texts = [json.loads(line)["text"] for line in open(Path(args.corpus) / "heldout.jsonl")]
     replay_prompts = np.asarray(heldout_prompts(texts, Tokenizer(args.tokenizer).encode, args.replay_rows,
@@ -97,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay_rows and not len(replay_prompts):
         p.error(f"no held-out file has more than --prompt-tokens {args.prompt_tokens} + 64 tokens to cut a replay "
                 "prompt from; lower --prompt-tokens or pass --replay-rows 0")
+    engine = None  # the target through the serving engine, compiled only when something samples from it
+    if args.replay_rows or args.selfgen_sequences:
+        engine = Engine(model, EngineConfig(max_seq_len=args.seq_len + 1 + gamma + 1, gamma=gamma,
+                                            max_batch=args.selfgen_batch),
+                        speculative=False, prefill_chunk=args.prompt_tokens)
     replay_rows = selfgen.sample_continuations(engine, replay_prompts, args.seq_len - args.prompt_tokens, 1.0,
                                                seed=10 ** 6) if args.replay_rows else None
     replay_anchors = np.broadcast_to(np.arange(args.prompt_tokens - 1, args.seq_len - gamma - 1),

@@ -16,7 +16,8 @@ from jdspark.tokenizer.tokenizer import Tokenizer
 jax.config.update("jax_default_matmul_precision", "highest")
 # One temporary folder per run, made by the process that starts it (the xdist workers inherit the
 # variable) and removed by that process at the end (`pytest_unconfigure`).
-if "JDSPARK_TEST_RUN_DIR" not in os.environ:
+_MADE_HERE = "JDSPARK_TEST_RUN_DIR" not in os.environ
+if _MADE_HERE:
     os.environ["JDSPARK_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="jdspark-test-")
 _RUN_DIR = os.environ["JDSPARK_TEST_RUN_DIR"]
 os.environ["JDSPARK_CACHE"] = tempfile.mkdtemp(prefix="cache-", dir=_RUN_DIR)  # measured costs stay out of ~
@@ -27,7 +28,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput"):  # the process that made the folder, after its workers ended
+    if _MADE_HERE:  # in the process that made the folder, after its workers ended
         shutil.rmtree(_RUN_DIR, ignore_errors=True)
 
 
