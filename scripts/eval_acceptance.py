@@ -55,6 +55,13 @@ def run_all(gen: Generator, prompts, temperature: float, max_tokens: int, seed: 
             "widths": np.sum([s.widths for s in stats], axis=0).tolist()}
 
 
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where a and b differ (or one ends), None when equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint directory (default: the embedded model)")
@@ -84,13 +91,19 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer, max_seq_len=max_seq_len, options=SpecOptions(width=gamma), widths=(gamma,))),
         "adaptive": ("speculative adaptive", lambda: Generator.from_model(model, tokenizer, max_seq_len=max_seq_len)),
     }
-    engines = {name: make() for key, (name, make) in build.items() if key in args.engines}
+    engines = {}
+    for key, (name, make) in build.items():
+        if key in args.engines:
+            start = time.perf_counter()
+            engines[name] = make()
+            print(f"built {name} in {time.perf_counter() - start:.0f} s", flush=True)
     result = {"device": str(jax.devices()[0].device_kind), "model": str(path), "args": vars(args), "runs": {}}
     for temperature in args.temperatures:
         by_engine = {name: [] for name in engines}
         for _ in range(args.repeats):  # engines interleaved, so drifting machine speed hits each alike
             for name, gen in engines.items():
-                by_engine[name].append(run_all(gen, prompts, temperature, args.max_tokens, args.seed))
+                by_engine[name].append(run := run_all(gen, prompts, temperature, args.max_tokens, args.seed))
+                print(f"pass T={temperature:g} {name}: {run['tok_s']:.1f} tok/s, tau {run['tau']:.2f}", flush=True)
         for name, passes in by_engine.items():
             first = passes[0]
             result["runs"][f"T={temperature:g} {name}"] = {
@@ -104,14 +117,21 @@ def main(argv: list[str] | None = None) -> int:
             run = runs[f"T={temperature:g} {name}"]
             run["speedup"] = run["tok_s_median"] / base if base else None
     if 0.0 in args.temperatures and "target-only" in engines:
-        result["greedy_equal"] = all(runs[f"T=0 {name}"]["tokens"] == runs["T=0 target-only"]["tokens"]
-                                     for name in engines)
+        reference = runs["T=0 target-only"]["tokens"]
+        result["greedy_first_difference"] = {  # per prompt: None, or the index of the first differing token
+            name: [first_difference(a, b) for a, b in zip(runs[f"T=0 {name}"]["tokens"], reference)]
+            for name in engines if name != "target-only"}
+        result["greedy_equal"] = all(i is None for d in result["greedy_first_difference"].values() for i in d)
     print(f"{'run':34s} {'tok/s':>8s} {'speedup':>8s} {'tau':>6s}  acceptance by position")
     for name, r in runs.items():
         speedup = "" if r["speedup"] is None else f"{r['speedup']:.2f}x"
         print(f"{name:34s} {r['tok_s_median']:8.1f} {speedup:>8s} {r['tau']:6.2f}  {r['acceptance']}")
     if "greedy_equal" in result:
-        print(f"greedy speculative == greedy target-only: {result['greedy_equal']}")
+        print(f"greedy speculative == greedy target-only ({args.dtype}): {result['greedy_equal']}")
+        for name, differences in result["greedy_first_difference"].items():
+            diverged = [i for i in differences if i is not None]
+            print(f"  {name}: {len(differences) - len(diverged)} of {len(differences)} prompts equal; "
+                  f"first differing token of the others: {diverged}")
     for r in runs.values():
         r.pop("tokens")
     Path(args.json).write_text(json.dumps(result, indent=1))

@@ -23,6 +23,7 @@ donates the decode state and the draft cache, and draws its randomness on the de
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import NamedTuple
 
@@ -113,7 +114,7 @@ class Executables:
     def __init__(self, model: Model, engine: EngineConfig, prefill_chunk: int, use_kernel: bool,
                  widths: tuple[int, ...], pack_params: bool):
         """`widths`: the step[k] to compile (empty: a target-only engine, prefill and decode only)."""
-        self.graphdef, self.config = model.graphdef, model.config
+        self.graphdef, self.config, self.dtype = model.graphdef, model.config, model.dtype
         # Pass `params.arrays` as every call's first argument.
         self.params = packed.PackedParams(model.params, packed.SMALL_BYTES if pack_params else None)
         self.dspark = model.config.dspark
@@ -127,7 +128,18 @@ class Executables:
         self.step: dict[int, jax.stages.Compiled] = {}
 
     def compile(self, decode, draft_cache) -> None:
-        """Lower and compile every executable for these (example) arguments' shapes."""
+        """Lower and compile every executable for these (example) arguments' shapes.
+
+        A float32 model's dot products are traced at true float32 precision: JAX's default computes
+        them in TF32 on recent NVIDIA GPUs (10-bit mantissas), so a float32 model on the GPU would
+        neither match the CPU nor keep greedy speculative output equal to greedy target-only output
+        (rounding that depends on the verified width flips near-ties). A bfloat16 model keeps the
+        default (its few float32 dots, e.g. the head, stay as measured in docs/BENCHMARKS.md)."""
+        full_float32 = self.dtype == jnp.float32
+        with jax.default_matmul_precision("float32") if full_float32 else contextlib.nullcontext():
+            self._compile(decode, draft_cache)
+
+    def _compile(self, decode, draft_cache) -> None:
         params = self.params.arrays
         b = decode.batch
         ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)

@@ -1,10 +1,16 @@
 """The per-slot inputs and the step output of the executables: packed into one int32 array each
-way, unpacked exactly (bit-cast floats and unsigned seeds included)."""
+way, unpacked exactly (bit-cast floats and unsigned seeds included); a float32 model's executables
+compute every dot product at full float32 precision whatever the ambient default."""
+
+import re
 
 import jax
 import numpy as np
 
+from jdspark.config import EngineConfig
 from jdspark.engine import executables
+from jdspark.engine.engine import Engine
+from tests.conftest import SPEC_CONFIG
 
 
 def test_slot_inputs_unpack_exactly_on_the_device():
@@ -40,3 +46,13 @@ def test_read_output_splits_a_step_and_a_decode_result():
     decode = executables.read_output(np.array([[0, 3], [0, 9]], np.int32), gamma=3)
     assert decode.drafts is None and decode.confidence is None
     np.testing.assert_array_equal(decode.token, [3, 9])
+
+
+def test_a_float32_model_compiles_every_dot_at_full_precision(spec_model):
+    """Under a low ambient precision (TF32 is the GPU default) the engine's dots still say highest."""
+    with jax.default_matmul_precision("bfloat16"):
+        engine = Engine(spec_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=1), prefill_chunk=8,
+                        speculative=False)
+    for exe in (engine.exe.prefill, engine.exe.decode):
+        dots = re.findall(r" dot\(.*", exe.as_text())
+        assert dots and all("operand_precision={highest,highest}" in d for d in dots)
