@@ -1,8 +1,11 @@
 """A training loop bounded by wall-clock time rather than a step count.
 
 The first call compiles; steps 1..`probe` are timed, and the total step count (where the cosine
-schedule ends) is then fixed so that training ends at the budget. Logs a line every `log_every`
-steps and returns the history (step, seconds, metrics) for the JSON record.
+schedule ends) is then fixed so that training ends at the budget. With an `evaluate` every
+`eval_every` steps, one evaluation runs at the probe as well (the held-out figure near the start),
+and its time (compilation included, so an over-estimate) is charged to every `eval_every` steps:
+evaluations are part of the budget, not added to it. Logs a line every `log_every` steps and
+returns the history (step, seconds, metrics) for the JSON record.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ def run(step: Callable[[int], dict], budget_s: float, set_total: Callable[[int],
         log_every: int = 100, evaluate: Callable[[], dict] | None = None, eval_every: int = 0) -> dict:
     start = time.perf_counter()
     history, total, compile_s, timed_from = [], None, None, None
+    evaluating = evaluate is not None and eval_every > 0
     i = 0
     while total is None or i < total:
         info = step(i)
@@ -28,15 +32,33 @@ def run(step: Callable[[int], dict], budget_s: float, set_total: Callable[[int],
         elif i == probe:
             jax.block_until_ready(info)
             per_step = (time.perf_counter() - timed_from) / probe
-            total = max(probe + 1, int((budget_s - (time.perf_counter() - start)) / per_step) + probe)
+            eval_s, row = 0.0, None
+            if evaluating:
+                eval_start = time.perf_counter()
+                row = _row(i + 1, start, info, evaluate)  # after probe + 1 steps
+                eval_s = time.perf_counter() - eval_start
+            cost = per_step + (eval_s / eval_every if evaluating else 0.0)  # per step, evaluations spread
+            total = max(probe + 1, int((budget_s - (time.perf_counter() - start)) / cost) + probe)
             set_total(total)
-            print(f"compile {compile_s:.1f} s, {per_step * 1e3:.1f} ms/step -> {total} steps", flush=True)
+            print(f"compile {compile_s:.1f} s, {per_step * 1e3:.1f} ms/step"
+                  + (f", evaluation {eval_s:.1f} s" if evaluating else "") + f" -> {total} steps", flush=True)
+            if row is not None:
+                _log(history, row)
         i += 1
         if i % log_every == 0 or i == total:
-            row = {"step": i, "seconds": round(time.perf_counter() - start, 2),
-                   **{k: np.asarray(v).round(4).tolist() for k, v in info.items()}}
-            if evaluate is not None and eval_every and (i % eval_every == 0 or i == total):
-                row.update({f"heldout_{k}": v for k, v in evaluate().items()})
-            history.append(row)
-            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+            due = evaluating and (i % eval_every == 0 or i == total)
+            _log(history, _row(i, start, info, evaluate if due else None))
     return {"steps": i, "compile_s": compile_s, "seconds": time.perf_counter() - start, "history": history}
+
+
+def _row(i: int, start: float, info: dict, evaluate: Callable[[], dict] | None) -> dict:
+    row = {"step": i, "seconds": round(time.perf_counter() - start, 2),
+           **{k: np.asarray(v).round(4).tolist() for k, v in info.items()}}
+    if evaluate is not None:
+        row.update({f"heldout_{k}": v for k, v in evaluate().items()})
+    return row
+
+
+def _log(history: list[dict], row: dict) -> None:
+    history.append(row)
+    print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
