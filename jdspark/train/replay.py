@@ -41,10 +41,10 @@ def block_lengths(alpha: jax.Array) -> jax.Array:
     return reach * stop
 
 
-def anchor_probabilities(alpha: jax.Array) -> jax.Array:
-    """pi [B, L]: P(position l is a block's anchor) given alpha [B, L, gamma] at consecutive
+def anchor_probabilities(lengths: jax.Array) -> jax.Array:
+    """pi [B, L]: P(position l is a block's anchor) given the block lengths [B, L, gamma + 1]
+    (`block_lengths`; a block anchored at l puts the next anchor at l + 1 + j) at consecutive
     positions, the first of which is an anchor (the prompt's last token)."""
-    lengths = block_lengths(alpha)  # [B, L, gamma + 1]: the next anchor is l + 1 + j
     span = lengths.shape[-1]
 
     def step(incoming, lengths_l):  # incoming [B, span]: mass arriving at l, l + 1, ...
@@ -52,18 +52,19 @@ def anchor_probabilities(alpha: jax.Array) -> jax.Array:
         shifted = jnp.concatenate([incoming[:, 1:], jnp.zeros_like(incoming[:, :1])], axis=1)
         return shifted + pi[:, None] * lengths_l, pi
 
-    start = jnp.zeros((alpha.shape[0], span), alpha.dtype).at[:, 0].set(1.0)
+    start = jnp.zeros((lengths.shape[0], span), lengths.dtype).at[:, 0].set(1.0)
     _, pi = jax.lax.scan(step, start, jnp.swapaxes(lengths, 0, 1))
     return jnp.swapaxes(pi, 0, 1)
 
 
 def replayed_generation(alpha: jax.Array) -> dict[str, jax.Array]:
     """tau (emitted tokens per verification, bonus included) and the fraction of blocks whose
-    accepted prefix reaches each draft position, over the blocks the chain visits (alpha as
-    `anchor_probabilities`)."""
-    pi = anchor_probabilities(alpha)
+    accepted prefix reaches each draft position, over the blocks the chain visits; alpha [B, L,
+    gamma] at consecutive positions from an anchor, as `token_acceptance` gives them."""
+    lengths = block_lengths(alpha)
+    pi = anchor_probabilities(lengths)
     steps = jnp.sum(pi)
-    emitted = jnp.sum(pi[..., None] * block_lengths(alpha) * jnp.arange(1, alpha.shape[-1] + 2))
+    emitted = jnp.sum(pi[..., None] * lengths * jnp.arange(1, alpha.shape[-1] + 2))
     reached = jnp.sum(pi[..., None] * jnp.cumprod(alpha, axis=-1), axis=(0, 1)) / steps
     return {"tau": emitted / steps, "acceptance": reached, "anchors": pi}
 
