@@ -4,7 +4,8 @@
 
 Prompts are the last --prompt-tokens tokens before a cut point in held-out files (deterministic).
 For T = 0 and T = 1: per-position acceptance and tau (tokens per verification, bonus included) at
-the full block width; greedy speculative tokens compared with greedy target-only tokens; and tokens/s
+the full block width; greedy speculative tokens compared with greedy target-only tokens (per
+prompt: equal, or the index of the first differing token); and tokens/s
 target-only vs speculative (fixed full width and adaptive), median over --repeats passes over the
 same prompts, the engines' passes interleaved (EOS ignored, so every request generates --max-tokens).
 Prints a table, writes JSON. --temperatures and --engines run a subset (e.g. `--temperatures 1
