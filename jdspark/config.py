@@ -575,7 +575,7 @@ class EngineConfig:
                 raise ConfigError(f"EngineConfig.{key}={value!r}: must be an integer >= {low}")
 
     @property
-    def spec_rows(self) -> int:
+    def rollback_rows(self) -> int:
         """Most rows one call may write and later roll back: a verification of the full block."""
         return self.gamma + 1
 

@@ -1,6 +1,6 @@
 """Rejection sampler: the vocabulary-wide exponential race of exact verification, as a Pallas kernel.
 
-Once the accepted prefix is known (n_accepted, computed in XLA by `jdspark.spec.verify`), one token
+Once the accepted prefix is known (n_accepted, computed in XLA by `jdspark.speculative.verify`), one token
 is drawn per request from normalise(max(p_row - q_row, 0)): the residual at the first rejected row,
 or, when all K drafts were accepted, the bonus row with q_row = 0. When that residual is all zero
 the draw falls back to p_row (spec dspark.md §5.3). With E ~ Exp(1) per token the draw is the race
@@ -23,7 +23,7 @@ over the GPU: one program per request would leave all but B of the H200's 132 SM
 combine in XLA picks each winner.
 
 `rejection_sample` / `ref_rejection_sample` at the end are the full verification (warp, accept,
-race) with the signature of `jdspark.spec.verify`, which owns the XLA part.
+race) with the signature of `jdspark.speculative.verify`, which owns the XLA part.
 """
 
 from __future__ import annotations
@@ -164,14 +164,14 @@ def _combine(best, index):
 
 
 def ref_rejection_sample(*args, **kwargs):
-    """`jdspark.spec.verify.ref_rejection_sample` (the reference: XLA warp and accept, `ref_race`)."""
-    from jdspark.spec import verify  # the spec layer owns the warp; imported late to avoid a cycle
+    """`jdspark.speculative.verify.ref_rejection_sample` (the reference: XLA warp and accept, `ref_race`)."""
+    from jdspark.speculative import verify  # the spec layer owns the warp; imported late to avoid a cycle
 
     return verify.ref_rejection_sample(*args, **kwargs)
 
 
 def rejection_sample(*args, **kwargs):
-    """`jdspark.spec.verify.rejection_sample` with use_kernel=True (XLA warp and accept, `race`)."""
-    from jdspark.spec import verify  # the spec layer owns the warp; imported late to avoid a cycle
+    """`jdspark.speculative.verify.rejection_sample` with use_kernel=True (XLA warp and accept, `race`)."""
+    from jdspark.speculative import verify  # the spec layer owns the warp; imported late to avoid a cycle
 
     return verify.rejection_sample(*args, use_kernel=True, **kwargs)

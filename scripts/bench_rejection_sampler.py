@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdspark.engine.profile import busy_us, gpu_kernels
-from jdspark.spec.sampling import sample, warp_probs
-from jdspark.spec.verify import race_inputs, ref_rejection_sample, rejection_sample
+from jdspark.speculative.sampling import sample, warp_probs
+from jdspark.speculative.verify import race_inputs, ref_rejection_sample, rejection_sample
 from pallas_kernels.rejection_sampler import race, ref_race
 
 PARAMS = {  # (temperature, top_k, top_p) per variant, the same on every row

@@ -19,7 +19,7 @@ from flax import struct
 from jdspark.config import DSV4Config
 from jdspark.model import state
 from jdspark.model.dsv4 import DSV4
-from jdspark.spec.sampling import sample, warp_probs
+from jdspark.speculative.sampling import sample, warp_probs
 
 
 @struct.dataclass

@@ -22,19 +22,16 @@ import numpy as np
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import costs
+from jdspark.engine.errors import CapacityError, ContextLengthError, EngineError, PromptError
 from jdspark.engine.executables import Executables, read_output, slot_inputs
 from jdspark.engine.request import CompletionStats, SamplingParams
 from jdspark.model import state
 from jdspark.model.model import Model
-from jdspark.spec.selector import AdaptiveWidth, FallbackBreaker
+from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
 
 log = logging.getLogger(__name__)
 
 WidthPolicy = Callable[[np.ndarray], int]  # stale confidences [gamma] of one slot -> width k
-
-
-class EngineError(ValueError):
-    """A request the engine cannot take (too long, no free slot, no drafter); the message says why."""
 
 
 @dataclasses.dataclass
@@ -178,7 +175,7 @@ class Engine:
         prompts = [self.check_prompt(ids, params) for ids, params in requests]
         free = [i for i, s in enumerate(self.slots) if s is None]
         if len(free) < len(requests):
-            raise EngineError(f"{len(requests)} request(s) but only {len(free)} of {self.config.max_batch} slots are free")
+            raise CapacityError(f"{len(requests)} request(s) but only {len(free)} of {self.config.max_batch} slots are free")
         slots = free[:len(requests)]
         now = time.perf_counter()
         for b, ids, (_, params) in zip(slots, prompts, requests):
@@ -216,15 +213,19 @@ class Engine:
         ids = np.asarray(prompt_ids)
         vocab = self.model.config.vocab_size
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise EngineError(f"the prompt must be a non-empty list of token ids, got {prompt_ids!r:.80}")
+            raise PromptError(f"the prompt must be a non-empty list of token ids, got {prompt_ids!r:.80}")
         if ids.min() < 0 or ids.max() >= vocab:
-            raise EngineError(f"token id {int(ids[(ids < 0) | (ids >= vocab)][0])} is outside the vocabulary [0, {vocab})")
-        need = len(ids) + params.max_tokens + self.config.spec_rows
-        if need > self.config.max_seq_len:
-            raise EngineError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) + {self.config.spec_rows} "
+            raise PromptError(f"token id {int(ids[(ids < 0) | (ids >= vocab)][0])} is outside the vocabulary [0, {vocab})")
+        if params.max_tokens > self.room(len(ids)):
+            need = len(ids) + params.max_tokens + self.config.rollback_rows
+            raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) + {self.config.rollback_rows} "
                               f"speculative rows = {need} exceeds max_seq_len={self.config.max_seq_len}; shorten the "
                               "prompt, lower max_tokens or raise max_seq_len")
         return ids.astype(np.int32)
+
+    def room(self, prompt_len: int) -> int:
+        """The most tokens a request with a prompt of `prompt_len` tokens may generate here."""
+        return self.config.max_seq_len - self.config.rollback_rows - prompt_len
 
     def release(self, b: int) -> None:
         """Free slot b (its state is reset when the next request is prefilled into it)."""

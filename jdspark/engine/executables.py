@@ -37,8 +37,8 @@ from jdspark.drafter import dspark
 from jdspark.engine import packed
 from jdspark.model import state
 from jdspark.model.model import Model
-from jdspark.spec.sampling import sample, warp_probs
-from jdspark.spec.verify import rejection_sample
+from jdspark.speculative.sampling import sample, warp_probs
+from jdspark.speculative.verify import rejection_sample
 
 _PREFILL, _DRAFT, _VERIFY = 1, 2, 3  # key purposes: independent streams per kind of draw
 # Per-slot inputs of every call, in column order, with the dtype each is bit-cast from (active: 0/1).

@@ -57,8 +57,8 @@ class RingSizes:
 
     At frontier P the state still needs window rows P-(W-1)..P-1 and compressor rows from the start
     of the previous window (CSA, up to 2m-1 rows back) or the current one (HCA, up to m-1 back). A
-    call that writes rows and then rolls back up to `spec_rows` of them overwrites the slots of
-    positions at most R - spec_rows behind its last kept row; R = needed + spec_rows keeps those
+    call that writes rows and then rolls back up to `rollback_rows` of them overwrites the slots of
+    positions at most R - rollback_rows behind its last kept row; R = needed + rollback_rows keeps those
     slots clear of everything still needed.
     """
 
@@ -66,16 +66,16 @@ class RingSizes:
     compressor: dict[int, int]  # ratio -> ring length
 
     @classmethod
-    def of(cls, config: DSV4Config, spec_rows: int) -> "RingSizes":
+    def of(cls, config: DSV4Config, rollback_rows: int) -> "RingSizes":
         ratios = {r for r in config.compress_ratios[:config.num_hidden_layers] if r}
-        return cls(window=config.sliding_window - 1 + spec_rows,
-                   compressor={m: (2 * m if m == CSA_RATIO else m) - 1 + spec_rows for m in ratios})
+        return cls(window=config.sliding_window - 1 + rollback_rows,
+                   compressor={m: (2 * m if m == CSA_RATIO else m) - 1 + rollback_rows for m in ratios})
 
 
 def init_state(config: DSV4Config, engine: EngineConfig, dtype) -> DecodeState:
     """An empty state (all slots at length 0) with the shapes `engine` fixes. Buffers are zero /
     -inf initialised: nothing relies on uninitialised memory."""
-    rings = RingSizes.of(config, engine.spec_rows)
+    rings = RingSizes.of(config, engine.rollback_rows)
     b, t = engine.max_batch, engine.max_seq_len
 
     def compressor(ratio: int, head_dim: int) -> CompressorCache:

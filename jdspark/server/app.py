@@ -203,7 +203,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
         tools = [t["function"] for t in body["tools"]] if req.tools_enabled else None
         text = chat.encode_messages(messages, thinking=req.thinking, reasoning_effort=req.effort, tools=tools)
         ids = tokenizer.encode(text.removeprefix(chat.BOS))  # the tokenizer adds BOS as its id
-        room = engine.config.max_seq_len - engine.config.spec_rows - len(ids)
+        room = engine.config.max_seq_len - engine.config.rollback_rows - len(ids)
         max_tokens = req.requested_max_tokens()
         params = req.sampling(max(room, 1) if max_tokens is None else max_tokens)
         pending, rid = submit(ids, params), f"chatcmpl-{uuid.uuid4().hex}"

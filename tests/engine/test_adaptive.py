@@ -8,7 +8,7 @@ import pytest
 
 from jdspark.engine.engine import SpecOptions
 from jdspark.engine.request import SamplingParams
-from jdspark.spec.selector import AdaptiveWidth
+from jdspark.speculative.selector import AdaptiveWidth
 from tests.conftest import generate_to_end
 
 PROMPT = [5, 9, 2, 14, 7, 7, 1, 12, 0, 4, 8, 11]

@@ -11,8 +11,8 @@ from jdspark.config import EngineConfig
 from jdspark.engine import executables
 from jdspark.engine.engine import Engine
 from jdspark.engine.request import SamplingParams
-from jdspark.spec.sampling import warp_probs
-from jdspark.spec.selector import AdaptiveWidth
+from jdspark.speculative.sampling import warp_probs
+from jdspark.speculative.selector import AdaptiveWidth
 from tests.conftest import SPEC_CONFIG
 from tests.spec.test_verify import biased_rejection_sample
 

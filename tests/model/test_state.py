@@ -162,7 +162,7 @@ def test_rollback_test_detects_a_ring_that_is_too_small(model, prompts):
     """Control: with rings sized for gamma = 0 (window ring of exactly `sliding_window`), rolling
     back 5 rows overwrites keys the kept tokens still need, and the comparison above fails loudly."""
     engine = EngineConfig(max_seq_len=96, gamma=0, max_batch=2)
-    assert state.RingSizes.of(model.config, engine.spec_rows).window == model.config.sliding_window
+    assert state.RingSizes.of(model.config, engine.rollback_rows).window == model.config.sliding_window
     drafts = np.array([np.arange(100, 106)] * 2, np.int32)
     logits, _ = speculate_then_decode(model, engine, [prompts[0, :13]] * 2, drafts, [6, 1], [1, 1], steps=3,
                                       decode_width=6)
@@ -170,7 +170,7 @@ def test_rollback_test_detects_a_ring_that_is_too_small(model, prompts):
 
 
 def test_ring_sizes_are_rollback_safe(model):
-    rings = state.RingSizes.of(model.config, EngineConfig(gamma=5).spec_rows)
+    rings = state.RingSizes.of(model.config, EngineConfig(gamma=5).rollback_rows)
     assert rings.window == 8 - 1 + 6  # needs W - 1 rows behind the frontier plus 6 written ahead
     assert rings.compressor == {4: 2 * 4 - 1 + 6, 16: 16 - 1 + 6}
 

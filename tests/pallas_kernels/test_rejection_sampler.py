@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdspark.spec.sampling import sample, warp_probs
+from jdspark.speculative.sampling import sample, warp_probs
 from pallas_kernels.rejection_sampler import layout, race, ref_race, ref_rejection_sample, rejection_sample
 
 VOCAB = 129_280

@@ -19,7 +19,7 @@ Shapes: target_logits [B, K+1, V] f32, draft_probs [B, K, V] f32 (the exact dist
 drafts were sampled from), draft_tokens [B, K] int, uniforms [B, K] f32 in [0, 1),
 exponentials [B, V] f32 Exp(1) noise, temperature / top_p [B] f32, top_k [B] int (or [B, 1], or
 scalars). K (0..gamma) is
-static, from the shapes. `variant` is static: see `jdspark.spec.sampling` ("general" is always
+static, from the shapes. `variant` is static: see `jdspark.speculative.sampling` ("general" is always
 exact; "sample" and "greedy" are faster when `choose_variant` allows them).
 """
 
@@ -30,7 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jdspark.spec.sampling import check_logits, check_variant, per_row, stats_probs, warp_stats
+from jdspark.speculative.sampling import check_logits, check_variant, per_row, stats_probs, warp_stats
 from pallas_kernels.rejection_sampler import race, ref_race
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from jdspark.spec.sampling import sample, warp_probs
-from jdspark.spec.verify import ref_rejection_sample
+from jdspark.speculative.sampling import sample, warp_probs
+from jdspark.speculative.verify import ref_rejection_sample
 
 N = 20_000  # samples per distribution test (FreeToken's sampler tests use 20k too)
 ALPHA = 1e-3

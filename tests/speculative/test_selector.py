@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from jdspark.spec.selector import AdaptiveWidth, FallbackBreaker, choose_width, monotone_costs
+from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker, choose_width, monotone_costs
 
 
 @pytest.mark.parametrize("confidences,draft_cost,verify_costs,expected", [

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from jdspark.spec.sampling import choose_variant, sample, warp_probs
+from jdspark.speculative.sampling import choose_variant, sample, warp_probs
 
 warp = jax.jit(warp_probs, static_argnames="variant")
 
