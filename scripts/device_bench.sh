@@ -1,47 +1,64 @@
 #!/usr/bin/env bash
-# On the GPU machine: the named parts, each under its own time limit, logs and JSON under $OUT, so a
-# part that runs long still leaves the others' results. Environment: CORPUS (build/corpus_device),
-# TARGET_MINUTES (3.2), DRAFTER_MINUTES (1.8), MODEL (the model `eval` measures; default: the embedded one
-# or, after `train`/`drafter`, the one they wrote).
-#   bash scripts/device_bench.sh train            (target + drafter from scratch -> $OUT/tiny-code)
+# On a GPU machine: the named parts in order, the long ones each under its own time limit, each leaving its
+# log (and the JSON its script writes) under $OUT, so a part that runs long still leaves the others' results.
+# Models and the compile cache are built under $WORK. A part that trains copies the checkpoint it wrote to
+# $OUT/tiny-code; the tokenizer stays out of that copy: it is jdspark/assets/tiny-code/tokenizer.json, which
+# no part changes.
+# Environment: CORPUS (build/corpus), TARGET_MINUTES (3.2), DRAFTER_MINUTES (1.8 in `train`, 4.5 in
+# `drafter`), TARGET_ARGS / DRAFTER_ARGS / EVAL_ARGS (more arguments for those scripts), STEP_VARIANTS
+# (kernel), WHEELS (.whl), MODEL (the model `eval` measures; default: the embedded one or, after a part
+# that trains, the model it wrote).
+#   bash scripts/device_bench.sh train            (target + drafter from scratch)
 #   bash scripts/device_bench.sh corpus-large target   (the shipped target trained further on the larger
-#       corpus: carry build/corpus_large/train.jsonl.xz, build/corpus_device; TARGET_ARGS="--init jdspark/assets/tiny-code")
+#       corpus, build/corpus_large from build_corpus.py --extra-root; TARGET_ARGS="--init jdspark/assets/tiny-code")
 #   bash scripts/device_bench.sh drafter eval     (train the embedded drafter further, then measure it)
-#   bash scripts/device_bench.sh sampler adaptive serve      (serve: carry .whl, see the part)
+#   bash scripts/device_bench.sh sampler adaptive serve
 #   bash scripts/device_bench.sh step             (D, V(k), step wall vs device busy time, kernel counts)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/jdspark-out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD JDSPARK_CACHE=$OUT/cache
-CORPUS=${CORPUS:-build/corpus_device}; MODEL=${MODEL:-}
-python3 -c "import jax, flax; print(jax.__version__, flax.__version__, jax.devices())"  # stdout only: $OUT holds 8 files
+OUT=${OUT:-/tmp/jdspark-out}; WORK=${WORK:-/tmp/jdspark-work}; mkdir -p "$OUT" "$WORK"
+export OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD JDSPARK_CACHE=$WORK/cache
+CORPUS=${CORPUS:-build/corpus}; MODEL=${MODEL:-}
+ASSETS=jdspark/assets/tiny-code
+
+keep_model() {  # the checkpoint just trained in $WORK/tiny-code -> $OUT/tiny-code, and `eval` measures it
+  [ -f "$WORK/tiny-code/config.json" ] || return 1
+  MODEL=$WORK/tiny-code
+  [ -f "$MODEL/tokenizer.json" ] || cp "$ASSETS/tokenizer.json" "$MODEL/"
+  rm -rf "$OUT/tiny-code"; mkdir -p "$OUT/tiny-code"
+  for f in "$MODEL"/*; do [ "$(basename "$f")" = tokenizer.json ] || cp -r "$f" "$OUT/tiny-code/"; done
+}
+
+python3 -c "import jax, flax; print(jax.__version__, flax.__version__, jax.devices())"
 for part in "$@"; do
   echo "=== $part ($(date +%T))"
   case $part in
     train)
-      python3 scripts/train_target.py --corpus "$CORPUS" --minutes "${TARGET_MINUTES:-3.2}" --out /tmp/target 2>&1 \
+      rm -rf "$WORK/target" "$WORK/tiny-code"
+      python3 scripts/train_target.py --corpus "$CORPUS" --minutes "${TARGET_MINUTES:-3.2}" --out "$WORK/target" 2>&1 \
         | grep -v Warning | tee "$OUT/train.log"
-      python3 scripts/train_drafter.py --target /tmp/target --corpus "$CORPUS" --minutes "${DRAFTER_MINUTES:-1.8}" \
-        --out "$OUT/tiny-code" 2>&1 | grep -v Warning | tee -a "$OUT/train.log"
-      cp /tmp/target/train_target.json "$OUT/tiny-code/"; MODEL=$OUT/tiny-code ;;
+      python3 scripts/train_drafter.py --target "$WORK/target" --corpus "$CORPUS" --minutes "${DRAFTER_MINUTES:-1.8}" \
+        --out "$WORK/tiny-code" 2>&1 | grep -v Warning | tee -a "$OUT/train.log"
+      cp "$WORK/target/train_target.json" "$WORK/tiny-code/" && keep_model ;;
     corpus-large)  # the stdlib plus site-packages text (scripts/build_corpus.py --extra-root), tokenized here
-      mkdir -p /tmp/corpus_large && xz -dc build/corpus_large/train.jsonl.xz > /tmp/corpus_large/train.jsonl \
-        && cp "$CORPUS/heldout.jsonl" /tmp/corpus_large/ \
-        && python3 scripts/train_tokenizer.py --corpus /tmp/corpus_large --existing jdspark/assets/tiny-code/tokenizer.json \
-        && CORPUS=/tmp/corpus_large ;;
+      LARGE=build/corpus_large  # train.jsonl, or train.jsonl.xz; its held-out split is the default corpus's
+      { [ -f "$LARGE/train.jsonl" ] || xz -dk "$LARGE/train.jsonl.xz"; } \
+        && { [ -f "$LARGE/heldout.jsonl" ] || cp "$CORPUS/heldout.jsonl" "$LARGE/"; } \
+        && python3 scripts/train_tokenizer.py --corpus "$LARGE" --existing "$ASSETS/tokenizer.json" \
+        && CORPUS=$LARGE ;;
     target)
-      python3 scripts/train_target.py --corpus "$CORPUS" --minutes "${TARGET_MINUTES:-3.2}" ${TARGET_ARGS:-} --out "$OUT/tiny-code" \
-        2>&1 | grep -v Warning | tee "$OUT/target.log"
-      MODEL=$OUT/tiny-code ;;
+      rm -rf "$WORK/tiny-code"
+      python3 scripts/train_target.py --corpus "$CORPUS" --minutes "${TARGET_MINUTES:-3.2}" ${TARGET_ARGS:-} \
+        --out "$WORK/tiny-code" 2>&1 | grep -v Warning | tee "$OUT/target.log"
+      keep_model ;;
     drafter)
-      python3 scripts/train_drafter.py --target jdspark/assets/tiny-code --corpus "$CORPUS" \
-        --minutes "${DRAFTER_MINUTES:-4.5}" ${DRAFTER_ARGS:-} --out "$OUT/tiny-code" 2>&1 | grep -v Warning | tee "$OUT/drafter.log"
-      rm -f "$OUT/tiny-code/tokenizer.json"; MODEL=$OUT/tiny-code ;;  # in the repo already: $OUT holds 8 files
+      rm -rf "$WORK/tiny-code"
+      python3 scripts/train_drafter.py --target "$ASSETS" --corpus "$CORPUS" --minutes "${DRAFTER_MINUTES:-4.5}" \
+        ${DRAFTER_ARGS:-} --out "$WORK/tiny-code" 2>&1 | grep -v Warning | tee "$OUT/drafter.log"
+      keep_model ;;
     eval)
-      [ -n "$MODEL" ] && cp jdspark/assets/tiny-code/tokenizer.json "$MODEL/"
       timeout 330 python3 scripts/eval_acceptance.py ${MODEL:+--model "$MODEL"} --corpus "$CORPUS" ${EVAL_ARGS:-} \
-        --json "$OUT/eval_acceptance.json" 2>&1 | grep -v Warning | tee "$OUT/eval.log"
-      [ -n "$MODEL" ] && rm -f "$MODEL/tokenizer.json" ;;  # in the repo already; keeps $OUT under its file limit
+        --json "$OUT/eval_acceptance.json" 2>&1 | grep -v Warning | tee "$OUT/eval.log" ;;
     sampler-tests)
       timeout 170 python3 -m pytest -q -W ignore -p no:cacheprovider tests/pallas_kernels 2>&1 | tail -5 | tee "$OUT/sampler_gpu_tests.log" ;;
     sampler)
@@ -51,9 +68,13 @@ for part in "$@"; do
         | grep -v -E "Warning|it/s|B/s" | tee "$OUT/bench_load.log" ;;
     adaptive)
       timeout 400 python3 scripts/bench_adaptive.py --tokens 128 --repeats 7 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
-    serve)  # FastAPI / uvicorn are not on the GPU image: wheels carried in .whl (see the device README)
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-      PYTHONPATH=$PWD:/tmp/site timeout 170 python3 scripts/bench_serve.py --requests 16 --max-tokens 64 --max-seconds 25 \
+    serve)  # jdspark's FastAPI / uvicorn dependencies, installed from the wheels in $WHEELS where they are missing
+      SITE=$PWD
+      if ! python3 -c "import fastapi, uvicorn" 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$WORK/site" \
+          "${WHEELS:-.whl}"/*.whl && SITE=$PWD:$WORK/site
+      fi
+      PYTHONPATH=$SITE timeout 170 python3 scripts/bench_serve.py --requests 16 --max-tokens 64 --max-seconds 25 \
         --out "$OUT/bench_serve.json" 2>&1 | grep -v Warning | tee "$OUT/bench_serve.log" ;;
     step)
       timeout 300 python3 scripts/bench_step.py --variants ${STEP_VARIANTS:-kernel} 2>&1 \
@@ -61,6 +82,7 @@ for part in "$@"; do
     engine)
       timeout 420 python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_engine.py tests/engine/test_lossless.py \
         -k "greedy or lossless" 2>&1 | tail -5 | tee "$OUT/engine_gpu_tests.log" ;;
+    *)
+      echo "unknown part: $part" ;;
   esac
 done
-rm -rf "$OUT/cache"

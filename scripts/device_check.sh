@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On the GPU machine (jax 0.11.2, flax 0.12.10; its transformers/torch stand in for the pinned ones):
-# the whole test suite, then the tiny model's forward on the GPU. Results land under $OUT.
+# On a GPU machine: the versions of the main packages, then the whole test suite (the GPU-only tests run
+# there; transformers/torch, where installed, stand in for the pinned ones). Results land under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jdspark-out}; mkdir -p "$OUT"
