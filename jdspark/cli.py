@@ -69,7 +69,7 @@ def _generate(args) -> int:
 
 
 def _profile(args) -> int:
-    from jdspark.engine.profile import profile
+    from jdspark.profile import profile
     prompt, params = _prompt_and_params(args)
     generator = _generator(args)
     report = profile(generator, prompt, params, args.out)

@@ -9,29 +9,34 @@ from pathlib import Path
 from jdspark.assets import default_model_dir
 from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
-from jdspark.engine.engine import Engine, EngineError, SpecOptions
+from jdspark.engine.engine import Engine, SpecOptions
+from jdspark.engine.errors import EngineError
 from jdspark.engine.request import Completion, SamplingParams
 from jdspark.model.model import Model
-from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
+from jdspark.tokenizer.tokenizer import Tokenizer
 
 
 class Generator:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None):
-        self.engine, self.tokenizer = engine, tokenizer
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
 
     @classmethod
     def from_model(cls, model: Model, tokenizer: Tokenizer | None = None, *, speculative: bool = True,
                    gamma: int | None = None, max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 256,
-                   options: SpecOptions = SpecOptions(), use_kernel: bool | None = None,
+                   options: SpecOptions = SpecOptions(), implementation: str = "auto",
                    widths: tuple[int, ...] | None = None) -> "Generator":
         """Compile an engine for `model` (`widths` to verify; default every width 0..gamma when
         speculative)."""
         if gamma is None:
             gamma = model.config.dspark.block_size if model.config.dspark else 5
         config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch)
-        engine = Engine(model, config, speculative=speculative, prefill_chunk=prefill_chunk, options=options,
-                        use_kernel=use_kernel, widths=widths)
-        return cls(engine, tokenizer)
+        engine = Engine(model, config, tokenizer=tokenizer, speculative=speculative, prefill_chunk=prefill_chunk,
+                        options=options, implementation=implementation, widths=widths)
+        return cls(engine)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, speculative: bool = True, gamma: int | None = None,
@@ -65,48 +70,29 @@ class Generator:
             if self.tokenizer is None:
                 raise EngineError("a text prompt needs a tokenizer; this checkpoint has no tokenizer.json: "
                                   "pass a list of token ids instead")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = list(prompt)
-        if params.stop and self.tokenizer is None:
-            raise EngineError(f"stop={list(params.stop)} needs a tokenizer; use stop_token_ids instead")
-        return Run(self, ids, params)
+            prompt = self.tokenizer.encode(prompt)
+        return Run(self.engine, list(prompt), params)
 
 
 class Run:
-    """One request's generation as an iterator of text deltas; `completion` is set at the end."""
+    """One request's generation as an iterator of text deltas; `completion` is set at the end. A
+    run abandoned before its end (an exception, a closed generator) leaves the engine's slot free."""
 
-    def __init__(self, gen: Generator, ids: list[int], params: SamplingParams):
-        self.gen, self.params = gen, params
-        self.detok = Detokenizer(gen.tokenizer, params.stop) if gen.tokenizer else None
+    def __init__(self, engine: Engine, ids: list[int], params: SamplingParams):
+        self.engine = engine
         self.completion: Completion | None = None
-        self.slot = gen.engine.add(ids, params)
-        self.pending = list(gen.engine.slots[self.slot].tokens)  # the prefill's token
+        self.first = engine.add(ids, params)  # the prefill's token
 
     def __iter__(self):
-        engine = self.gen.engine
-        slot = engine.slots[self.slot]
+        delta, rid = self.first, self.first.request_id
         try:
             while True:
-                delta = self._text(self.pending)
-                if delta:
-                    yield delta
-                if slot.finish_reason is not None:
-                    break
-                self.pending = engine.step().get(self.slot, [])
-            tail = self.detok.finish() if self.detok else ""
-            if tail:
-                yield tail
-            text = self.detok.text if self.detok else None
-            self.completion = Completion(token_ids=list(slot.tokens), text=text, finish_reason=slot.finish_reason,
-                                         stats=slot.stats)
+                if delta.text:
+                    yield delta.text
+                if delta.final:
+                    self.completion = delta.completion
+                    return
+                delta = self.engine.step()[rid]
         finally:
-            engine.release(self.slot)
-
-    def _text(self, tokens: list[int]) -> str:
-        if self.detok is None:
-            return ""
-        delta = self.detok.add(tokens)
-        if self.detok.stopped:
-            self.gen.engine.slots[self.slot].finish_reason = "stop"
-        return delta
+            if self.completion is None:
+                self.engine.cancel(rid)

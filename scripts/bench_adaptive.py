@@ -62,19 +62,17 @@ def run(engine, prompt, tokens, width) -> dict:
         engine.width_policy = lambda confidence, k=width: k
     # One seed for every mode: the synthetic acceptance draws are then the same sequence, so modes
     # that choose the same widths accept the same drafts and differ only in what they cost.
-    b = engine.add(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, seed=1234, ignore_eos=True))
+    first = engine.add(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, seed=1234, ignore_eos=True))
     gc.collect()
     gc.disable()  # a collection inside one mode's timed loop would be charged to that mode alone
     try:
         start = time.perf_counter()
-        while engine.active:
-            engine.step()
+        [completion] = engine.complete([first])
         seconds = time.perf_counter() - start
     finally:
         gc.enable()
-    slot = engine.slots[b]
-    engine.release(b)
-    return {"tok_s": (len(slot.tokens) - 1) / seconds, "tau": slot.stats.tau, "widths": slot.stats.widths}
+    stats = completion.stats
+    return {"tok_s": (len(completion.token_ids) - 1) / seconds, "tau": stats.tau, "widths": stats.widths}
 
 
 def main():

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdspark.engine.profile import busy_us, gpu_kernels
+from jdspark.profile import busy_us, gpu_kernels
 from jdspark.speculative.sampling import sample, warp_probs
 from jdspark.speculative.verify import race_inputs, ref_rejection_sample, rejection_sample
 from pallas_kernels.rejection_sampler import race, ref_race

@@ -38,7 +38,7 @@ from jdspark.assets import default_model_dir
 from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine, SpecOptions
-from jdspark.engine.profile import busy_us, gpu_kernels
+from jdspark.profile import busy_us, gpu_kernels
 from jdspark.engine.request import SamplingParams
 from jdspark.model import hyper
 from pallas_kernels import sinkhorn as pallas_sinkhorn
@@ -54,34 +54,37 @@ def kernel_counts(compiled) -> dict:
             "whiles": len(re.findall(r" while\(", text))}
 
 
-def start_request(engine: Engine, speculative: bool) -> None:
+def start_request(engine: Engine, speculative: bool) -> int:
+    """A long T = 1 request, 3 steps in; its request id (cancel it when done)."""
     engine.speculative = speculative
-    engine.add(list(range(4, 68)), SamplingParams(max_tokens=400, temperature=1.0, seed=0, ignore_eos=True))
+    rid = engine.add(list(range(4, 68)), SamplingParams(max_tokens=400, temperature=1.0, seed=0,
+                                                        ignore_eos=True)).request_id
     for _ in range(3):
         engine.step()
+    return rid
 
 
 def step_times(engine: Engine, speculative: bool, steps: int) -> float:
     """Median wall ms of Engine.step() on one T = 1 request, no profiler attached."""
-    start_request(engine, speculative)
+    rid = start_request(engine, speculative)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
-    engine.release(0)
+    engine.cancel(rid)
     return statistics.median(times) * 1e3
 
 
 def host_profile(engine: Engine, steps: int) -> None:
     """The host functions that fill a speculative Engine.step() (cProfile, top 25 by own time)."""
-    start_request(engine, True)
+    rid = start_request(engine, True)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(steps):
         engine.step()
     profiler.disable()
-    engine.release(0)
+    engine.cancel(rid)
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
     print(text.getvalue(), flush=True)
@@ -92,7 +95,7 @@ def device_busy(engine: Engine, speculative: bool, steps: int) -> dict | None:
     jax.profiler trace) and the steps' wall ms in the same traced run; None without a GPU."""
     if jax.default_backend() != "gpu":
         return None
-    start_request(engine, speculative)
+    rid = start_request(engine, speculative)
     timing = {}
 
     def run_steps():
@@ -102,7 +105,7 @@ def device_busy(engine: Engine, speculative: bool, steps: int) -> dict | None:
         timing["wall"] = time.perf_counter() - start
 
     kernels = gpu_kernels(run_steps)
-    engine.release(0)
+    engine.cancel(rid)
     return {"busy_ms": busy_us(kernels) / steps / 1e3, "kernels_per_step": len(kernels) / steps,
             "wall_ms": timing["wall"] / steps * 1e3}
 

@@ -75,10 +75,11 @@ def spec_model():
 
 
 @pytest.fixture(scope="session")
-def spec_engine(spec_model):
-    """Two slots, every width compiled once for the session; users set `speculative` and
-    `width_policy` and release their slots."""
-    return Engine(spec_model, EngineConfig(max_seq_len=256, gamma=5, max_batch=2), prefill_chunk=16)
+def spec_engine(spec_model, char_tokenizer):
+    """Two slots, every width compiled once for the session, the character tokenizer; users set
+    `speculative` and `width_policy` and finish or cancel their requests."""
+    return Engine(spec_model, EngineConfig(max_seq_len=256, gamma=5, max_batch=2), prefill_chunk=16,
+                  tokenizer=char_tokenizer)
 
 
 @pytest.fixture(scope="session")
@@ -109,10 +110,5 @@ def spec_checkpoint(tmp_path_factory, char_tokenizer):
 
 
 def generate_to_end(engine, prompt, params):
-    """Run one request on `engine` until it finishes; returns its (released) slot."""
-    b = engine.add(prompt, params)
-    while engine.active:
-        engine.step()
-    slot = engine.slots[b]
-    engine.release(b)
-    return slot
+    """Run one request on `engine` until it finishes; returns its Completion."""
+    return engine.complete([engine.add(prompt, params)])[0]

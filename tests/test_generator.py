@@ -5,15 +5,17 @@ import json
 import pytest
 
 from jdspark import Generator, SamplingParams
-from jdspark.engine.engine import EngineError
+from jdspark.config import EngineConfig
+from jdspark.engine.engine import Engine
+from jdspark.engine.errors import EngineError
 from tests.conftest import CHARS
 
 
 @pytest.fixture(scope="module")
-def generator(spec_engine, char_tokenizer):
+def generator(spec_engine):
     spec_engine.speculative = True
     spec_engine.width_policy = lambda confidence: 5
-    return Generator(spec_engine, char_tokenizer)
+    return Generator(spec_engine)
 
 
 def test_generate_from_text_and_from_ids(generator, char_tokenizer):
@@ -49,15 +51,16 @@ def test_stop_string_ends_the_text(generator):
     assert streamed == stopped.text
 
 
-def test_token_ids_without_tokenizer_and_clear_errors(spec_engine):
-    bare = Generator(spec_engine)
+def test_token_ids_without_tokenizer_and_clear_errors(spec_model):
+    engine = Engine(spec_model, EngineConfig(max_seq_len=256, gamma=5, max_batch=2), prefill_chunk=16)
+    bare = Generator(engine)  # the session engine's executables: compiled once (the persistent cache)
     out = bare.generate([0, 5, 6], SamplingParams(max_tokens=5, temperature=0.0))
     assert out.text is None and 1 <= len(out.token_ids) <= 5
     with pytest.raises(EngineError, match="a text prompt needs a tokenizer"):
         bare.generate("hello")
     with pytest.raises(EngineError, match="needs a tokenizer; use stop_token_ids"):
         bare.generate([0, 5], SamplingParams(stop="x"))
-    assert all(s is None for s in spec_engine.slots)  # failed requests leave no slot behind
+    assert engine.running == [] and engine.free_slots == 2  # failed requests leave no slot behind
 
 
 def test_from_pretrained_loads_drafter_and_tokenizer(spec_checkpoint):
@@ -72,7 +75,7 @@ def test_from_pretrained_loads_drafter_and_tokenizer(spec_checkpoint):
 
 
 def test_profile_writes_trace_decisions_and_plot(generator, tmp_path):
-    from jdspark.engine.profile import profile
+    from jdspark.profile import profile
     report = profile(generator, "abc", SamplingParams(max_tokens=24, temperature=1.0, seed=1, ignore_eos=True),
                      tmp_path)
     assert (tmp_path / "profile.png").stat().st_size > 10_000
@@ -80,4 +83,4 @@ def test_profile_writes_trace_decisions_and_plot(generator, tmp_path):
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert len(saved["steps"]) == report["stats"]["steps"] > 0
     step = saved["steps"][0]
-    assert step["width"] in range(6) and len(next(iter(step["slots"].values()))["stale_confidence"]) == 5
+    assert step["width"] in range(6) and len(step["rows"][0]["stale_confidence"]) == 5

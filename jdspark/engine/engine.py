@@ -10,10 +10,11 @@ they finish.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -24,31 +25,17 @@ from jdspark.drafter import dspark
 from jdspark.engine import costs
 from jdspark.engine.errors import CapacityError, ContextLengthError, EngineError, PromptError
 from jdspark.engine.executables import Executables, read_output, slot_inputs
-from jdspark.engine.request import CompletionStats, SamplingParams
+from jdspark.engine.request import Completion, Delta, SamplingParams
+from jdspark.engine.sequence import Sequence
+from jdspark.engine.stats import LogCounters, RowRecord, StepRecord
 from jdspark.model import state
 from jdspark.model.model import Model
 from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
+from jdspark.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-WidthPolicy = Callable[[np.ndarray], int]  # stale confidences [gamma] of one slot -> width k
-
-
-@dataclasses.dataclass
-class Slot:
-    """One running request."""
-
-    prompt_len: int
-    params: SamplingParams
-    tokens: list[int] = dataclasses.field(default_factory=list)  # generated so far
-    anchor: int = 0  # the last emitted token: the next block's anchor (not yet in the state)
-    confidence: np.ndarray | None = None  # the previous proposal's confidences (stale on purpose)
-    finish_reason: str | None = None
-    stats: CompletionStats = dataclasses.field(default_factory=CompletionStats)
-    seed: int = 0
-    started: float = 0.0
-    steps: int = 0
-    breaker: FallbackBreaker | None = None
+WidthPolicy = Callable[[np.ndarray], int]  # stale confidences [gamma] of one request -> width k
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +56,45 @@ class SpecOptions:
 
 
 class Engine:
-    def __init__(self, model: Model, config: EngineConfig, *, speculative: bool = True, prefill_chunk: int = 256,
-                 options: SpecOptions = SpecOptions(), width_policy: WidthPolicy | None = None,
-                 widths: tuple[int, ...] | None = None, use_kernel: bool | None = None,
-                 pack_params: bool | None = None):
-        """`widths`: the step widths to compile (default 0..gamma; only 0 without speculation);
-        `width_policy` overrides the width choice (a function of a slot's stale confidences);
-        `use_kernel` (the Pallas rejection sampler) and `pack_params` (small parameters passed in a
-        few buffers, `jdspark.engine.packed`) default to on exactly on the GPU."""
+    """Slots of running requests over one decode state. Faces hand it prompts and read `Delta`s:
+    `add` / `add_many` admit (and prefill), `step` advances every running request, `cancel` drops
+    one. A request's end (EOS, stop ids, stop strings, max_tokens) is decided here, in its
+    `Sequence`, and a finished request's slot is free when its last Delta is returned."""
+
+    def __init__(self, model: Model, config: EngineConfig, *, tokenizer: Tokenizer | None = None,
+                 speculative: bool = True, prefill_chunk: int = 256, options: SpecOptions = SpecOptions(),
+                 width_policy: WidthPolicy | None = None, widths: tuple[int, ...] | None = None,
+                 implementation: str = "auto", pack_params: bool | None = None):
+        """`tokenizer` turns tokens into text deltas and enables stop strings; `widths`: the step
+        widths to compile (default 0..gamma; only 0 without speculation); `width_policy` overrides
+        the width choice (a function of a request's stale confidences); `implementation` ("auto",
+        "pallas", "xla") picks the Pallas kernels or their jnp references (rejection sampler,
+        Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
+        buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU."""
+        widths = self._check_setup(model, config, speculative, widths)
+        self.model, self.config, self.speculative, self.options = model, config, speculative, options
+        self.tokenizer = tokenizer
+        self._new_breaker()  # validates the fallback options before anything is compiled
+        on_gpu = jax.default_backend() == "gpu"
+        pack_params = on_gpu if pack_params is None else pack_params
+        self.exe = Executables(model, config, min(prefill_chunk, config.max_seq_len), implementation,
+                               widths if speculative else (), pack_params)
+        self.state, self.draft_cache = self._fresh_state()
+        self._slots: list[Sequence | None] = [None] * config.max_batch
+        self._slot_of: dict[int, int] = {}  # request id -> slot
+        self._next_id = 0
+        start = time.perf_counter()
+        self.exe.compile(self.state, self.draft_cache)
+        log.info("compiled %d executables in %.1f s", 2 + len(self.exe.step), time.perf_counter() - start)
+        self.selector: AdaptiveWidth | None = None
+        self.width_policy = self._width_policy(width_policy, widths)
+        self.last_step: StepRecord | None = None
+        self._log = LogCounters()
+        self._recorders: list[list[StepRecord]] = []
+
+    @staticmethod
+    def _check_setup(model: Model, config: EngineConfig, speculative: bool, widths) -> tuple[int, ...]:
+        """The widths to compile, after checking the model can speculate at them."""
         if speculative and model.config.dspark is None:
             raise EngineError("speculative=True needs a checkpoint with a DSpark drafter (dspark_* config keys and "
                               "mtp.* drafter tensors); this one has none: use speculative=False")
@@ -84,52 +102,45 @@ class Engine:
         if dspark_cfg is not None and dspark_cfg.block_size != config.gamma:
             raise EngineError(f"gamma={config.gamma} but the drafter was built for dspark_block_size="
                               f"{dspark_cfg.block_size}; use gamma={dspark_cfg.block_size}")
-        self.model, self.config, self.speculative, self.options = model, config, speculative, options
-        self._new_breaker()  # validates the fallback options before anything is compiled
-        on_gpu = jax.default_backend() == "gpu"
-        use_kernel = on_gpu if use_kernel is None else use_kernel
-        pack_params = on_gpu if pack_params is None else pack_params
         if widths is None:
             widths = tuple(range(config.gamma + 1)) if speculative else (0,)
         bad = [k for k in widths if not 0 <= k <= config.gamma or (k and not speculative)]
         if bad or not widths:
             raise EngineError(f"widths={widths}: each must be in 0..gamma={config.gamma} (only 0 without speculation)")
-        self.exe = Executables(model, config, min(prefill_chunk, config.max_seq_len), use_kernel,
-                               widths if speculative else (), pack_params)
-        self.decode, self.draft = self._fresh_state()
-        self.slots: list[Slot | None] = [None] * config.max_batch
-        start = time.perf_counter()
-        self.exe.compile(self.decode, self.draft)
-        log.info("compiled %d executables in %.1f s", 2 + len(self.exe.step), time.perf_counter() - start)
-        self.selector: AdaptiveWidth | None = None
-        if width_policy is None and speculative:
-            if options.width is not None:
-                if options.width not in widths:
-                    raise EngineError(f"width={options.width}: must be one of the compiled widths {sorted(widths)}")
-                width_policy = lambda confidence: options.width  # noqa: E731
-            elif set(widths) == set(range(config.gamma + 1)):
-                verify_costs, draft_cost = self._measure_costs()
-                self.selector = AdaptiveWidth(verify_costs, draft_cost, config.gamma)
-                width_policy = self.selector
-            else:
-                raise EngineError(f"adaptive width needs every width 0..{config.gamma} compiled, got {widths}")
-        self.width_policy = width_policy or (lambda confidence: config.gamma)
-        self.window = _Window()
-        self.decisions: list[dict] | None = None  # set to [] to record every step's choice (profiling)
+        return tuple(widths)
+
+    def _width_policy(self, policy: WidthPolicy | None, widths: tuple[int, ...]) -> WidthPolicy:
+        """The given policy, a fixed width, or the adaptive selector over measured costs."""
+        gamma, width = self.config.gamma, self.options.width
+        if policy is not None or not self.speculative:
+            return policy or (lambda confidence: gamma)
+        if width is not None:
+            if width not in widths:
+                raise EngineError(f"width={width}: must be one of the compiled widths {sorted(widths)}")
+            return lambda confidence: width
+        if set(widths) != set(range(gamma + 1)):
+            raise EngineError(f"adaptive width needs every width 0..{gamma} compiled, got {widths}")
+        verify_costs, draft_cost = self._measure_costs()
+        self.selector = AdaptiveWidth(verify_costs, draft_cost, gamma)
+        return self.selector
 
     def _fresh_state(self):
         """Empty decode state and draft cache (None without a drafter) for every slot."""
-        draft = None
+        draft_cache = None
         if self.model.config.dspark is not None:
-            draft = dspark.init_draft_cache(self.model.config, self.config.max_batch, self.model.dtype)
-        return self.model.init_state(self.config), draft
+            draft_cache = dspark.init_draft_cache(self.model.config, self.config.max_batch, self.model.dtype)
+        return self.model.init_state(self.config), draft_cache
 
-    def reset(self) -> None:
-        """Drop every request and start again from empty device state. An executable that raised
+    def reset(self) -> list[Delta]:
+        """Fail every request and start again from empty device state. An executable that raised
         may already have consumed the donated state, so a server calls this after a failed step to
-        keep serving the next requests."""
-        self.slots = [None] * self.config.max_batch
-        self.decode, self.draft = self._fresh_state()
+        keep serving the next requests. Returns the failed requests' last Deltas."""
+        failed = [seq.finish("error", error="the engine failed while running this request")
+                  for seq in self._slots if seq is not None]
+        self._slots = [None] * self.config.max_batch
+        self._slot_of.clear()
+        self.state, self.draft_cache = self._fresh_state()
+        return failed
 
     def _measure_costs(self) -> tuple[list[float], float]:
         """(V(0..gamma), D) for the selector: a step[k] call drafts and verifies, so it costs
@@ -149,13 +160,14 @@ class Engine:
         calls = {"decode": self.exe.decode, **{f"step{k}": self.exe.step[k] for k in sorted(self.exe.step)}}
 
         def run(label):
-            out, self.decode, self.draft = calls[label](self.exe.params.arrays, self.decode, self.draft, slots)
+            out, self.state, self.draft_cache = calls[label](self.exe.params.arrays, self.state, self.draft_cache,
+                                                             slots)
             jax.block_until_ready(out)
 
         def reset():
-            self.decode = state.reset_slots(self.decode, active)
-            self.draft = dspark.reset_draft_slots(self.draft, active)
-            jax.block_until_ready((self.decode, self.draft))
+            self.state = state.reset_slots(self.state, active)
+            self.draft_cache = dspark.reset_draft_slots(self.draft_cache, active)
+            jax.block_until_ready((self.state, self.draft_cache))
 
         key = costs.cost_key(self.model.config.to_dict(), str(self.model.dtype), dataclasses.asdict(self.config))
         cache_dir = Path(self.options.cost_cache_dir) if self.options.cost_cache_dir else None
@@ -165,25 +177,43 @@ class Engine:
         return measured
 
     # ---- requests -------------------------------------------------------------------------------
-    def add(self, prompt_ids, params: SamplingParams) -> int:
-        """Admit one request into a free slot and prefill it; returns the slot index."""
+    def add(self, prompt_ids, params: SamplingParams) -> Delta:
+        """Admit one request into a free slot and prefill it; returns its first Delta (its
+        `request_id` names the request from then on)."""
         return self.add_many([(prompt_ids, params)])[0]
 
-    def add_many(self, requests: list[tuple[object, SamplingParams]]) -> list[int]:
-        """Admit several requests at once (their prompts are prefilled together); returns their
-        slots. Every request is checked before any is admitted."""
+    def add_many(self, requests: list[tuple[object, SamplingParams]]) -> list[Delta]:
+        """Admit several requests at once (their prompts are prefilled together); returns each
+        one's first Delta. Every request is checked before any is admitted."""
         prompts = [self.check_prompt(ids, params) for ids, params in requests]
-        free = [i for i, s in enumerate(self.slots) if s is None]
+        for _, params in requests:
+            if params.stop and self.tokenizer is None:
+                raise EngineError(f"stop={list(params.stop)} needs a tokenizer; use stop_token_ids instead")
+        free = [i for i, s in enumerate(self._slots) if s is None]
         if len(free) < len(requests):
-            raise CapacityError(f"{len(requests)} request(s) but only {len(free)} of {self.config.max_batch} slots are free")
+            raise CapacityError(f"{len(requests)} request(s) but only {len(free)} of {self.config.max_batch} "
+                                "slots are free")
         slots = free[:len(requests)]
-        now = time.perf_counter()
         for b, ids, (_, params) in zip(slots, prompts, requests):
-            seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(2 ** 32))
-            self.slots[b] = Slot(prompt_len=len(ids), params=params, seed=seed, started=now,
-                                 confidence=np.ones(self.config.gamma, np.float32),  # inherits nothing
-                                 stats=CompletionStats.empty(len(ids), self.config.gamma),
-                                 breaker=self._new_breaker())
+            self._admit(b, len(ids), params)
+        first = self._prefill(slots, prompts)
+        deltas = []
+        for b in slots:
+            seq = self._slots[b]
+            seq.stats.time_to_first_token_s = time.perf_counter() - seq.started
+            deltas.append(self._emit(b, [int(first[b])]))
+        return deltas
+
+    def _admit(self, b: int, prompt_len: int, params: SamplingParams) -> None:
+        seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(2 ** 32))
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self._slots[b] = Sequence(rid, prompt_len, params, seed=seed, gamma=self.config.gamma,
+                                  eos_token_id=self.model.config.eos_token_id, tokenizer=self.tokenizer,
+                                  breaker=self._new_breaker())
+        self._slot_of[rid] = b
+
+    def _prefill(self, slots: list[int], prompts: list[np.ndarray]) -> np.ndarray:
+        """Prefill the prompts into their slots in chunks (other slots idle); each slot's first token."""
         chunk, batch = self.exe.prefill_chunk, self.config.max_batch
         first = np.zeros(batch, np.int32)
         sampling = self._slot_inputs(np.zeros(batch, np.int32), np.zeros(batch, bool))
@@ -195,20 +225,18 @@ class Engine:
                 piece = ids[start:start + chunk]
                 batch_ids[b, :len(piece)] = piece
                 n_valid[b], reset[b] = len(piece), start == 0
-            token, self.decode, self.draft = self.exe.prefill(self.exe.params.arrays, self.decode, self.draft, batch_ids,
-                                                              n_valid, reset, sampling)
-            token = np.asarray(token)
+            token, self.state, self.draft_cache = self.exe.prefill(self.exe.params.arrays, self.state,
+                                                                   self.draft_cache, batch_ids, n_valid, reset,
+                                                                   sampling)
+            token = read_output(token, self.config.gamma).token  # TODO(lead): check .invalid
             for b, ids in zip(slots, prompts):
                 if start < len(ids) <= start + chunk:  # this chunk held the prompt's last token
                     first[b] = token[b]
-        for b in slots:
-            self.slots[b].stats.time_to_first_token_s = time.perf_counter() - self.slots[b].started
-            self._emit(b, [int(first[b])])
-        return slots
+        return first
 
     def check_prompt(self, prompt_ids, params: SamplingParams) -> np.ndarray:
-        """The prompt as int32 ids, or EngineError if it cannot run here (empty, ids outside the
-        vocabulary, or prompt + max_tokens + speculative rows over max_seq_len). Reads only the
+        """The prompt as int32 ids, or a typed EngineError if it cannot run here (empty, ids outside
+        the vocabulary, or prompt + max_tokens + speculative rows over max_seq_len). Reads only the
         configuration, so a server can check a request before queueing it."""
         ids = np.asarray(prompt_ids)
         vocab = self.model.config.vocab_size
@@ -218,33 +246,65 @@ class Engine:
             raise PromptError(f"token id {int(ids[(ids < 0) | (ids >= vocab)][0])} is outside the vocabulary [0, {vocab})")
         if params.max_tokens > self.room(len(ids)):
             need = len(ids) + params.max_tokens + self.config.rollback_rows
-            raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) + {self.config.rollback_rows} "
-                              f"speculative rows = {need} exceeds max_seq_len={self.config.max_seq_len}; shorten the "
-                              "prompt, lower max_tokens or raise max_seq_len")
+            raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) + "
+                                     f"{self.config.rollback_rows} speculative rows = {need} exceeds max_seq_len="
+                                     f"{self.config.max_seq_len}; shorten the prompt, lower max_tokens or raise "
+                                     "max_seq_len")
         return ids.astype(np.int32)
 
     def room(self, prompt_len: int) -> int:
         """The most tokens a request with a prompt of `prompt_len` tokens may generate here."""
         return self.config.max_seq_len - self.config.rollback_rows - prompt_len
 
-    def release(self, b: int) -> None:
-        """Free slot b (its state is reset when the next request is prefilled into it)."""
-        self.slots[b] = None
+    def cancel(self, request_id: int) -> None:
+        """Drop a running request (its client went away); its slot is free for the next one. A
+        request that already finished is ignored."""
+        b = self._slot_of.pop(request_id, None)
+        if b is not None:
+            self._slots[b] = None
+
+    def complete(self, first: list[Delta]) -> list[Completion]:
+        """Step until the requests of these first Deltas (from `add` / `add_many`) finish; their
+        Completions, in order (offline generation: benchmarks, training data, tests)."""
+        done = {d.request_id: d.completion for d in first if d.final}
+        while len(done) < len(first):
+            done.update({rid: d.completion for rid, d in self.step().items() if d.final})
+        return [done[d.request_id] for d in first]
 
     @property
-    def active(self) -> list[int]:
-        return [i for i, s in enumerate(self.slots) if s is not None and s.finish_reason is None]
+    def running(self) -> list[int]:
+        """The request ids holding a slot."""
+        return list(self._slot_of)
+
+    @property
+    def free_slots(self) -> int:
+        return self._slots.count(None)
+
+    def slot_of(self, request_id: int) -> int:
+        """The slot a running request occupies (for inspecting `state` / `draft_cache`)."""
+        return self._slot_of[request_id]
+
+    @contextlib.contextmanager
+    def record_steps(self) -> Iterator[list[StepRecord]]:
+        """Collect every step's record while the block runs (profiling)."""
+        records: list[StepRecord] = []
+        self._recorders.append(records)
+        try:
+            yield records
+        finally:
+            self._recorders.remove(records)
 
     # ---- the step ---------------------------------------------------------------------------------
-    def step(self) -> dict[int, list[int]]:
-        """One draft + verify (one executable call) for every active slot; returns the tokens each
-        slot emitted.
+    def step(self) -> dict[int, Delta]:
+        """One draft + verify (one executable call) for every running request; returns each one's
+        Delta by request id. Finished requests' slots are free afterwards.
 
         The width comes from confidences the host already holds (the previous step's), so the
         choice never waits on the device and never sees the block it applies to. Speculation is
-        skipped (a plain decode step, no drafting) when every active slot's breaker is cooling down.
+        skipped (a plain decode step, no drafting) when every running request's breaker is cooling
+        down.
         """
-        active = self.active
+        active = [b for b, seq in enumerate(self._slots) if seq is not None]
         if not active:
             return {}
         started = time.perf_counter()
@@ -252,42 +312,46 @@ class Engine:
         mask[active] = True
         anchor = np.zeros(self.config.max_batch, np.int32)
         for b in active:
-            anchor[b] = self.slots[b].anchor
-        slots = self._slot_inputs(anchor, mask)
-        stale = {b: self.slots[b].confidence for b in active}  # the previous step's: what the choice reads
-        speculate = self.speculative and any([self._breaker_allows(self.slots[b]) for b in active])
-        if speculate:
-            width = max(self.width_policy(stale[b]) for b in active)
-            if width not in self.exe.step:
-                raise EngineError(f"the width policy chose k={width}, but only widths {sorted(self.exe.step)} "
-                                  "were compiled")
-            call = self.exe.step[width]
-        else:
-            width, call = 0, self.exe.decode
-        out, self.decode, self.draft = call(self.exe.params.arrays, self.decode, self.draft, slots)
-        n_acc, token, drafts, confidence = read_output(out, self.config.gamma)
-        emitted, cost = {}, self.cost_summary()
+            anchor[b] = self._slots[b].anchor
+        stale = {b: self._slots[b].confidence for b in active}  # the previous step's: what the choice reads
+        width, call = self._choose(active, stale)
+        out, self.state, self.draft_cache = call(self.exe.params.arrays, self.state, self.draft_cache,
+                                                 self._slot_inputs(anchor, mask))
+        n_acc, token, drafts, confidence = read_output(out, self.config.gamma)[:4]  # TODO(lead): check .invalid
+        sequences = {b: self._slots[b] for b in active}
+        deltas = {}
         for b in active:
-            slot = self.slots[b]
-            slot.steps += 1
-            slot.stats.draft_cost_s, slot.stats.verify_costs_s = cost["draft_cost_s"], cost["verify_costs_s"]
-            slot.stats.record_step(width, int(n_acc[b]))
-            if width and slot.breaker is not None:
-                slot.breaker.record(int(n_acc[b]), width)
-            if confidence is not None:
-                slot.confidence = confidence[b]
             new = [*drafts[b, :n_acc[b]].tolist(), int(token[b])] if width else [int(token[b])]
-            emitted[b] = self._emit(b, new)
-        seconds = time.perf_counter() - started
-        self.window.record(width, n_acc[active], sum(len(t) for t in emitted.values()), seconds)
-        if self.decisions is not None:
-            self.decisions.append({"width": width, "seconds": seconds, "slots": {
-                b: {"stale_confidence": stale[b].tolist(), "n_accepted": int(n_acc[b]), "emitted": emitted[b]}
-                for b in active}})
-        if self.options.log_every and self.window.steps >= self.options.log_every:
-            log.info("%s", self.window.summary(self.cost_summary()))
-            self.window = _Window()
-        return emitted
+            deltas[sequences[b].request_id] = self._emit(b, new)
+        cost = self.cost_summary()
+        rows = tuple(RowRecord(seq.request_id, stale[b], int(n_acc[b]), deltas[seq.request_id].tokens)
+                     for b, seq in sequences.items())
+        record = StepRecord(width, time.perf_counter() - started, rows, cost["draft_cost_s"],
+                            None if cost["verify_costs_s"] is None else tuple(cost["verify_costs_s"]))
+        for (b, seq), row in zip(sequences.items(), rows):
+            seq.record(record, row, None if confidence is None else confidence[b])
+        self._publish(record)
+        return deltas
+
+    def _choose(self, active: list[int], stale: dict[int, np.ndarray]):
+        """(width, executable) for this step: the widest any running request's policy chose."""
+        if not (self.speculative and any([self._slots[b].speculates() for b in active])):
+            return 0, self.exe.decode
+        width = max(self.width_policy(stale[b]) for b in active)
+        if width not in self.exe.step:
+            raise EngineError(f"the width policy chose k={width}, but only widths {sorted(self.exe.step)} "
+                              "were compiled")
+        return width, self.exe.step[width]
+
+    def _publish(self, record: StepRecord) -> None:
+        """Hand the step's record to the readers outside the requests: the log line, recorders."""
+        self.last_step = record
+        for records in self._recorders:
+            records.append(record)
+        self._log.add(record)
+        if self.options.log_every and self._log.steps >= self.options.log_every:
+            log.info("%s", self._log.summary())
+            self._log = LogCounters()
 
     def cost_summary(self) -> dict:
         """D and V(k) (seconds) the selector uses; None without a selector (fixed width)."""
@@ -295,70 +359,30 @@ class Engine:
             return {"draft_cost_s": None, "verify_costs_s": None}
         return {"draft_cost_s": self.selector.draft_cost, "verify_costs_s": self.selector.verify_costs.tolist()}
 
-    def _breaker_allows(self, slot: Slot) -> bool:
-        return slot.breaker is None or slot.breaker.should_speculate()
-
     def _new_breaker(self) -> FallbackBreaker | None:
         o = self.options
         return FallbackBreaker(o.fallback_threshold, o.fallback_min_drafted, o.fallback_cooldown) \
             if o.fallback_threshold else None
 
-    def _emit(self, b: int, new: list[int]) -> list[int]:
-        """Append tokens to slot b up to the first stop condition; returns what was appended."""
-        slot, params = self.slots[b], self.slots[b].params
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else {self.model.config.eos_token_id})
-        out = []
-        for t in new:
-            out.append(t)
-            if t in stops:
-                slot.finish_reason = "stop"
-                break
-            if len(slot.tokens) + len(out) >= params.max_tokens:
-                slot.finish_reason = "length"
-                break
-        slot.tokens.extend(out)
-        slot.anchor = out[-1]
-        slot.stats.generated_tokens = len(slot.tokens)
-        slot.stats.elapsed_s = time.perf_counter() - slot.started
-        return out
+    def _emit(self, b: int, new: list[int]) -> Delta:
+        """Slot b's sequence takes the tokens; a finished request leaves its slot."""
+        delta = self._slots[b].emit(new)
+        if delta.final:
+            self._slots[b] = None
+            del self._slot_of[delta.request_id]
+        return delta
 
     def _slot_inputs(self, anchor: np.ndarray, active: np.ndarray) -> np.ndarray:
         """Every per-slot input of a call (`executables.slot_inputs`); idle slots get greedy
-        defaults. The counter makes every call's noise fresh (it counts the slot's own steps, so a
-        seeded request is reproducible)."""
+        defaults. The counter makes every call's noise fresh (it counts the request's own steps, so
+        its noise does not depend on other requests)."""
         n = self.config.max_batch
         temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
         seed, counter = np.zeros(n, np.uint32), np.zeros(n, np.int32)
-        for b, slot in enumerate(self.slots):
-            if slot is not None:
-                p = slot.params
+        for b, seq in enumerate(self._slots):
+            if seq is not None:
+                p = seq.params
                 temperature[b], top_k[b], top_p[b] = p.temperature, p.top_k, p.top_p
-                seed[b], counter[b] = slot.seed, slot.steps
+                seed[b], counter[b] = seq.seed, seq.steps
         return slot_inputs(anchor=anchor, active=active, temperature=temperature, top_k=top_k, top_p=top_p,
                            seed=seed, counter=counter)
-
-
-class _Window:
-    """Counters between two engine log lines."""
-
-    def __init__(self):
-        self.steps = self.tokens = self.drafted = self.accepted = 0
-        self.seconds = 0.0
-        self.widths: dict[int, int] = {}
-
-    def record(self, width: int, n_accepted: np.ndarray, tokens: int, seconds: float) -> None:
-        self.steps += 1
-        self.tokens += tokens
-        self.seconds += seconds
-        self.drafted += width * len(n_accepted)
-        self.accepted += int(n_accepted.sum())
-        self.widths[width] = self.widths.get(width, 0) + 1
-
-    def summary(self, cost: dict) -> str:
-        rate = self.accepted / self.drafted if self.drafted else 0.0
-        d, v = cost["draft_cost_s"], cost["verify_costs_s"]
-        costs_text = "" if v is None else (f" D={d * 1e3:.2f}ms" if d else " D=?") + " V=[" + \
-            ", ".join(f"{x * 1e3:.2f}" for x in v) + "]ms"
-        widths = " ".join(f"{k}:{n}" for k, n in sorted(self.widths.items()))
-        return (f"{self.steps} steps: {self.tokens / max(self.seconds, 1e-9):.1f} tok/s, acceptance {rate:.2f}, "
-                f"widths {{{widths}}}{costs_text}")

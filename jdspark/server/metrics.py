@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from jdspark.engine.request import CompletionStats
+from jdspark.engine.stats import StepRecord
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
             20.0, 40.0, 80.0)
@@ -44,14 +44,16 @@ class Metrics:
         for i in range(gamma):
             self.accepted_per_pos.labels(position=str(i))
 
-    def record_speculation(self, now: CompletionStats, before: CompletionStats) -> None:
-        """Add what one request's statistics gained since `before` (a snapshot of them)."""
-        self.num_drafts.inc(sum(now.widths[1:]) - sum(before.widths[1:]))
-        self.num_draft_tokens.inc(sum(now.verified_at) - sum(before.verified_at))
-        self.num_accepted_tokens.inc(sum(now.accepted_at) - sum(before.accepted_at))
-        for i, (a, b) in enumerate(zip(now.accepted_at, before.accepted_at)):
-            if a > b:
-                self.accepted_per_pos.labels(position=str(i)).inc(a - b)
+    def record_step(self, step: StepRecord) -> None:
+        """Count one engine step's verifications (its record is the engine's, `jdspark.engine.stats`)."""
+        if not step.width:
+            return
+        accepted = [row.n_accepted for row in step.rows]
+        self.num_drafts.inc(len(accepted))
+        self.num_draft_tokens.inc(step.width * len(accepted))
+        self.num_accepted_tokens.inc(sum(accepted))
+        for i in range(max(accepted, default=0)):
+            self.accepted_per_pos.labels(position=str(i)).inc(sum(n > i for n in accepted))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,13 +1,11 @@
 """Continuous batching: one thread owns the Engine; requests join and leave between steps.
 
-Each loop iteration: release slots of requests whose client went away, admit queued requests into
-free slots (`add_many`: their prompts are prefilled together, each with its own sampling, seed and
-stop conditions; the engine resets a slot's state and confidences on admission), run one engine
-step for every active slot, and hand each request its new tokens. Text is detokenized here (the
-Detokenizer holds back incomplete UTF-8 and partial stop strings, and a completed stop string must
-end the request before the next step) and delivered to the request's asyncio queue with
-`loop.call_soon_threadsafe`. An exception inside the engine fails the requests it was running,
-resets the engine's device state and the loop goes on.
+Each loop iteration: drop requests whose client went away, admit queued requests into free slots
+(`add_many`: their prompts are prefilled together, each with its own sampling, seed and stop
+conditions), run one engine step for every running request, and hand each request its Delta — the
+engine has already detokenized it and decided whether the request ended — through its asyncio
+queue with `loop.call_soon_threadsafe`. An exception inside the engine fails the requests it was
+running, resets the engine's device state and the loop goes on.
 """
 
 from __future__ import annotations
@@ -20,9 +18,9 @@ import threading
 import time
 
 from jdspark.engine.engine import Engine
-from jdspark.engine.request import CompletionStats, SamplingParams
+from jdspark.engine.errors import EngineError
+from jdspark.engine.request import Delta, SamplingParams
 from jdspark.server.metrics import Metrics
-from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +49,14 @@ class Update:
 class Request:
     """A request between the HTTP handler (reads `queue` in its event loop) and the engine thread."""
 
-    def __init__(self, ids: list[int], params: SamplingParams, tokenizer: Tokenizer):
+    def __init__(self, ids: list[int], params: SamplingParams):
         self.ids, self.params = ids, params
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
-        self.detok = Detokenizer(tokenizer, params.stop)
         self.arrival = time.perf_counter()
         self.cancelled = False  # set by the handler (client gone); the engine thread reads it
-        self.slot: int | None = None
+        self.request_id: int | None = None  # the engine's, once admitted
         self.last_delivery: float | None = None
-        self.seen = CompletionStats()  # statistics already counted in the metrics
 
     def post(self, update: Update) -> None:
         try:
@@ -69,19 +65,16 @@ class Request:
             pass
 
 
-def _snapshot(stats: CompletionStats) -> CompletionStats:
-    return CompletionStats(widths=list(stats.widths), verified_at=list(stats.verified_at),
-                           accepted_at=list(stats.accepted_at))
-
-
 class Scheduler:
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, metrics: Metrics, max_queue: int):
+    def __init__(self, engine: Engine, metrics: Metrics, max_queue: int):
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue}: must be >= 0")
-        self.engine, self.tokenizer, self.metrics, self.max_queue = engine, tokenizer, metrics, max_queue
+        if engine.tokenizer is None:
+            raise ValueError("the server needs an engine with a tokenizer (text deltas and stop strings)")
+        self.engine, self.metrics, self.max_queue = engine, metrics, max_queue
         self._cond = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
-        self._running: dict[int, Request] = {}  # slot -> request; changed by the engine thread under _cond
+        self._running: dict[int, Request] = {}  # request id -> request; changed by the engine thread under _cond
         self._admitting: list[Request] = []  # taken from the queue, being prefilled
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="jdspark-engine", daemon=True)
@@ -99,7 +92,7 @@ class Scheduler:
     def submit(self, ids: list[int], params: SamplingParams) -> Request:
         """Queue a request (already checked with `engine.check_prompt`); QueueFull when running
         slots and queue are both full."""
-        request = Request(ids, params, self.tokenizer)
+        request = Request(ids, params)
         with self._cond:
             capacity = self.engine.config.max_batch + self.max_queue
             if len(self._running) + len(self._admitting) + len(self._waiting) >= capacity:
@@ -111,9 +104,14 @@ class Scheduler:
         return request
 
     def cancel(self, request: Request) -> None:
-        """The client is gone: free its slot (or queue place) before the next step."""
+        """The client is gone: a queued request leaves the queue now; a running one frees its slot
+        before the next step."""
         request.cancelled = True
         with self._cond:
+            if request in self._waiting:
+                self._waiting.remove(request)
+                self.metrics.waiting.set(len(self._waiting))
+                self.metrics.requests.labels(finished_reason="abort").inc()
             self._cond.notify()
 
     @property
@@ -138,13 +136,15 @@ class Scheduler:
                     self._admitting.append(self._waiting.popleft())
                 self.metrics.waiting.set(len(self._waiting))
             try:
-                self._release_cancelled()
+                self._drop_cancelled()
                 self._admit()
-                if self.engine.active:
-                    self._deliver_all(self.engine.step())
-            except Exception as e:  # an engine failure: fail what it was running, keep serving
+                if self._running:
+                    deltas = self.engine.step()
+                    self.metrics.record_step(self.engine.last_step)
+                    self._deliver_all(deltas)
+            except Exception:  # an engine failure: fail what it was running, keep serving
                 log.exception("engine step failed; failing %d running request(s)", len(self._running))
-                self._fail_running(f"engine error: {type(e).__name__}: {e}")
+                self._fail_running("the engine failed while running this request")
         self._fail_running("the server is shutting down")
 
     def _aborted(self, r: Request) -> bool:
@@ -152,55 +152,67 @@ class Scheduler:
             self.metrics.requests.labels(finished_reason="abort").inc()
         return r.cancelled
 
-    def _release_cancelled(self) -> None:
-        for r in [r for r in self._running.values() if r.cancelled]:
-            self._release(r)
-            self._aborted(r)
+    def _drop_cancelled(self) -> None:
+        for r in [r for r in self._running.values() if self._aborted(r)]:
+            self.engine.cancel(r.request_id)
+            with self._cond:
+                del self._running[r.request_id]
+                self.metrics.running.set(len(self._running))
 
     def _admit(self) -> None:
         requests = [r for r in self._admitting if not self._aborted(r)]
-        slots = self.engine.add_many([(r.ids, r.params) for r in requests]) if requests else []
+        admitted = self._add(requests)
         with self._cond:
             self._admitting.clear()
-            for r, b in zip(requests, slots):
-                self._running[b] = r
-                r.slot = b
+            for r, delta in admitted:
+                self._running[delta.request_id] = r
+                r.request_id = delta.request_id
             self.metrics.running.set(len(self._running))
-        self.metrics.prompt_tokens.inc(sum(len(r.ids) for r in requests))
-        self._deliver_all({b: list(self.engine.slots[b].tokens) for b in slots})
+        self.metrics.prompt_tokens.inc(sum(len(r.ids) for r, _ in admitted))
+        for r, delta in admitted:
+            self._deliver(r, delta)
 
-    def _deliver_all(self, emitted: dict[int, list[int]]) -> None:
-        for b, tokens in emitted.items():
-            self._deliver(self._running[b], tokens)
+    def _add(self, requests: list[Request]) -> list[tuple[Request, Delta]]:
+        """Admit the requests together; if one of them cannot run, each alone, so only it fails."""
+        if not requests:
+            return []
+        try:
+            return list(zip(requests, self.engine.add_many([(r.ids, r.params) for r in requests])))
+        except EngineError:
+            admitted = []
+            for r in requests:
+                try:
+                    admitted.append((r, self.engine.add(r.ids, r.params)))
+                except EngineError as e:
+                    self.metrics.requests.labels(finished_reason="error").inc()
+                    r.post(Update(error=str(e)))
+            return admitted
 
-    def _deliver(self, r: Request, tokens: list[int]) -> None:
-        slot, m, now = self.engine.slots[r.slot], self.metrics, time.perf_counter()
+    def _deliver_all(self, deltas: dict[int, Delta]) -> None:
+        for rid, delta in deltas.items():
+            self._deliver(self._running[rid], delta)
+
+    def _deliver(self, r: Request, delta: Delta) -> None:
+        m, now = self.metrics, time.perf_counter()
         if r.last_delivery is None:
             m.ttft.observe(now - r.arrival)
         else:
             m.itl.observe(now - r.last_delivery)
         r.last_delivery = now
-        m.generation_tokens.inc(len(tokens))
-        m.record_speculation(slot.stats, r.seen)
-        r.seen = _snapshot(slot.stats)
-        text = r.detok.add(tokens)
-        if r.detok.stopped:
-            slot.finish_reason = "stop"
-        if slot.finish_reason is None:
-            r.post(Update(text=text, tokens=len(tokens)))
+        m.generation_tokens.inc(len(delta.tokens))
+        if not delta.final:
+            r.post(Update(text=delta.text, tokens=len(delta.tokens)))
             return
-        text += r.detok.finish()
-        self._release(r)
-        m.requests.labels(finished_reason=slot.finish_reason).inc()
-        m.e2e.observe(now - r.arrival)
-        r.post(Update(text=text, tokens=len(tokens), finish_reason=slot.finish_reason, prompt_tokens=len(r.ids),
-                      completion_tokens=len(slot.tokens)))
-
-    def _release(self, r: Request) -> None:
-        self.engine.release(r.slot)
         with self._cond:
-            del self._running[r.slot]
-            self.metrics.running.set(len(self._running))
+            del self._running[delta.request_id]
+            m.running.set(len(self._running))
+        m.requests.labels(finished_reason=delta.finish_reason).inc()
+        m.e2e.observe(now - r.arrival)
+        if delta.error is not None:
+            r.post(Update(error=delta.error))
+            return
+        r.post(Update(text=delta.text, tokens=len(delta.tokens), finish_reason=delta.finish_reason,
+                      prompt_tokens=len(r.ids), completion_tokens=len(delta.completion.token_ids)))
 
     def _fail_running(self, message: str) -> None:
         with self._cond:

@@ -21,15 +21,12 @@ def sample_continuations(engine: Engine, prompts: np.ndarray, new_tokens: int, t
     rows = []
     for start in range(0, len(prompts), engine.config.max_batch):
         chunk = prompts[start:start + engine.config.max_batch]
-        slots = engine.add_many([
+        first = engine.add_many([
             (prompt, SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=seed + start + i,
                                     ignore_eos=True))
             for i, prompt in enumerate(chunk)])
-        while engine.active:
-            engine.step()
-        for b, prompt in zip(slots, chunk):
-            rows.append(np.concatenate([prompt, engine.slots[b].tokens]).astype(np.int32))
-            engine.release(b)
+        for prompt, completion in zip(chunk, engine.complete(first)):
+            rows.append(np.concatenate([prompt, completion.token_ids]).astype(np.int32))
     return np.stack(rows)
 
 

@@ -35,12 +35,12 @@ def test_startup_profile_measures_every_width_and_the_draft(engine):
 
 def test_expensive_wide_widths_make_the_engine_choose_narrow_ones(engine):
     engine.speculative = False
-    reference = generate(engine).tokens
+    reference = generate(engine).token_ids
     engine.speculative = True
     engine.selector = AdaptiveWidth([0.010, 0.011, 5.0, 5.0, 5.0, 5.0], 0.002, gamma=5)
     engine.width_policy = engine.selector
     slot = generate(engine)
-    assert slot.tokens == reference
+    assert slot.token_ids == reference
     widths = slot.stats.widths
     assert sum(widths[2:]) == 0 and widths[0] + widths[1] == slot.stats.steps > 0
     assert slot.stats.draft_cost_s == 0.002
@@ -63,11 +63,11 @@ def test_stale_confidences_reset_for_each_request(engine):
 
 def test_fallback_breaker_switches_to_target_only_and_back(engine):
     engine.speculative = False
-    reference = generate(engine).tokens
+    reference = generate(engine).token_ids
     engine.speculative, engine.width_policy = True, lambda confidence: 5
     engine.options = SpecOptions(fallback_threshold=0.9, fallback_min_drafted=10, fallback_cooldown=4)
     slot = generate(engine)
-    assert slot.tokens == reference
+    assert slot.token_ids == reference
     assert slot.breaker.trips >= 1 and slot.stats.widths[0] >= 4  # cooled down without drafting
     assert slot.stats.widths[5] >= 3  # and speculated again afterwards
 

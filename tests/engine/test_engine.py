@@ -29,7 +29,7 @@ def engine(spec_engine):
 
 
 def run(engine, prompt, params, width=None):
-    """Generate one request to the end with a fixed width (None: target-only); returns its slot."""
+    """Generate one request to the end with a fixed width (None: target-only); its Completion."""
     engine.speculative = width is not None
     engine.width_policy = lambda confidence: width
     return generate_to_end(engine, prompt, params)
@@ -37,13 +37,13 @@ def run(engine, prompt, params, width=None):
 
 @pytest.fixture(scope="module")
 def greedy_reference(engine):
-    return run(engine, PROMPT, GREEDY).tokens
+    return run(engine, PROMPT, GREEDY).token_ids
 
 
 @pytest.mark.parametrize("width", range(6))
 def test_greedy_speculative_equals_target_only(engine, greedy_reference, width):
     slot = run(engine, PROMPT, GREEDY, width)
-    assert slot.tokens == greedy_reference
+    assert slot.token_ids == greedy_reference
     assert slot.stats.widths[width] == slot.stats.steps >= 63 // (width + 1)  # token 1 comes from prefill
 
 
@@ -57,7 +57,7 @@ def test_packed_parameters_decode_what_unpacked_ones_do(model, engine, greedy_re
                    options=SpecOptions(width=5), pack_params=not session_packed)
     assert (len(other.exe.params.arrays) < leaves) != session_packed
     for width in (None, 5):
-        assert run(other, PROMPT, GREEDY, width).tokens == greedy_reference
+        assert run(other, PROMPT, GREEDY, width).token_ids == greedy_reference
 
 
 def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greedy_reference, monkeypatch):
@@ -68,7 +68,7 @@ def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greed
     scripted_step = jax.jit(engine.exe.step_function(5, external_drafts=True), donate_argnums=(1, 2))
 
     def scripted(params, decode, cache, slots):
-        done = len(engine.slots[0].tokens)
+        done = 1 + sum(len(step.rows[0].emitted) for step in records)  # the prefill's token, then steps
         tokens = np.array([greedy_reference[min(done + i, len(greedy_reference) - 1)] for i in range(5)], np.int32)
         bad = rng.integers(0, 7)  # 5 or 6: all correct
         if bad < 5:
@@ -76,8 +76,9 @@ def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greed
         return scripted_step(params, decode, cache, slots, np.stack([tokens, tokens]))
 
     monkeypatch.setitem(engine.exe.step, 5, scripted)
-    slot = run(engine, PROMPT, GREEDY, 5)
-    assert slot.tokens == greedy_reference
+    with engine.record_steps() as records:
+        slot = run(engine, PROMPT, GREEDY, 5)
+    assert slot.token_ids == greedy_reference
     accepted = np.array(slot.stats.accepted_at)
     assert (accepted > 0).all() and slot.stats.tau > 2.0, slot.stats.as_dict()
 
@@ -86,20 +87,20 @@ def test_draft_cache_holds_exactly_the_committed_positions(engine, model):
     """Mid-generation (accepts and rejections behind it), the drafter's context rows equal those
     recomputed from scratch over the committed tokens."""
     engine.speculative, engine.width_policy = True, lambda confidence: 3
-    b = engine.add(PROMPT, SamplingParams(max_tokens=60, temperature=1.0, seed=5, ignore_eos=True))
+    first = engine.add(PROMPT, SamplingParams(max_tokens=60, temperature=1.0, seed=5, ignore_eos=True))
+    rid, b, tokens = first.request_id, engine.slot_of(first.request_id), list(first.tokens)
     for _ in range(12):
-        engine.step()
-    tokens = engine.slots[b].tokens
-    engine.release(b)
+        tokens += engine.step()[rid].tokens
     committed = np.concatenate([PROMPT, tokens[:-1]]).astype(np.int32)  # the last token is the next anchor
-    assert int(engine.draft.length[b]) == len(committed) == int(engine.decode.length[b])
+    assert int(engine.draft_cache.length[b]) == len(committed) == int(engine.state.length[b])
     features = model.forward(committed[None], CONFIG.dspark.target_layer_ids).features
     fresh = dspark.init_draft_cache(CONFIG, 1, model.dtype)
     fresh = dspark.push_context(model.module(), fresh, features, np.array([len(committed)], np.int32))
     window = CONFIG.sliding_window
     slots_held = np.arange(len(committed) - window, len(committed)) % window
-    for got, want in zip(engine.draft.windows, fresh.windows):
+    for got, want in zip(engine.draft_cache.windows, fresh.windows):
         np.testing.assert_allclose(np.asarray(got)[b, slots_held], np.asarray(want)[0, slots_held], atol=1e-5)
+    engine.cancel(rid)
 
 
 def test_no_compilation_after_warm_up_at_any_mix_of_widths(engine, compile_counter):
@@ -108,14 +109,11 @@ def test_no_compilation_after_warm_up_at_any_mix_of_widths(engine, compile_count
     run(engine, PROMPT, SamplingParams(max_tokens=8, temperature=0.8, top_k=5, seed=1), 2)  # warm-up
     before = compile_counter.count
     engine.speculative, engine.width_policy = True, lambda confidence: int(next(widths))
-    b = engine.add(PROMPT, SamplingParams(max_tokens=200, temperature=1.0, seed=2, ignore_eos=True))
-    c = engine.add(PROMPT[:5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-    while engine.active:
-        engine.step()
-    assert len(engine.slots[b].tokens) == 200 and len(engine.slots[c].tokens) == 40
-    assert min(engine.slots[b].stats.widths) > 0  # every width was used
-    engine.release(b)
-    engine.release(c)
+    long, short = engine.complete([
+        engine.add(PROMPT, SamplingParams(max_tokens=200, temperature=1.0, seed=2, ignore_eos=True)),
+        engine.add(PROMPT[:5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))])
+    assert len(long.token_ids) == 200 and len(short.token_ids) == 40
+    assert min(long.stats.widths) > 0  # every width was used
     assert compile_counter.count == before
 
 
@@ -129,4 +127,4 @@ def test_bad_requests_get_clear_errors(engine, model):
                EngineConfig(max_seq_len=32), speculative=True)
     with pytest.raises(ValueError, match="temperature=-1: must be a number >= 0"):
         SamplingParams(temperature=-1)
-    assert engine.active == [] and all(s is None for s in engine.slots)
+    assert engine.running == [] and engine.free_slots == engine.config.max_batch

@@ -35,3 +35,13 @@ def test_partial_stop_string_is_held_then_released_or_cut():
     detok2 = Detokenizer(ByteTokenizer(), stop=("STOP",))
     deltas = [detok2.add(list(b"abST")), detok2.add(list(b"OPzz"))]
     assert deltas == ["ab", ""] and detok2.stopped and detok2.text == "ab" and detok2.finish() == ""
+
+
+def test_a_completed_stop_string_keeps_only_the_tokens_that_complete_it():
+    detok = Detokenizer(ByteTokenizer(), stop=("STOP",))
+    assert detok.add(list(b"abST")) == "ab"
+    assert detok.add(list(b"OPzzz")) == "" and detok.stopped
+    assert bytes(detok.tokens) == b"abSTOP"  # the three tokens after the stop string are not counted
+    whole = Detokenizer(ByteTokenizer(), stop=("b",))
+    whole.add(list(b"abc"))
+    assert bytes(whole.tokens) == b"ab" and whole.text == "a"

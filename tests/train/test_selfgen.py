@@ -24,7 +24,7 @@ def test_rows_are_the_engine_samples_of_each_prompt_alone(target_only, temperatu
     for i, prompt in enumerate(prompts):
         alone = generate_to_end(target_only, prompt, SamplingParams(max_tokens=7, temperature=temperature,
                                                                     seed=11 + i, ignore_eos=True))
-        assert rows[i, 6:].tolist() == alone.tokens
+        assert rows[i, 6:].tolist() == alone.token_ids
 
 
 def test_anchors_stay_out_of_the_prompt_rows_that_have_one():

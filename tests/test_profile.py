@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdspark.engine.profile import busy_us, gpu_kernels
+from jdspark.profile import busy_us, gpu_kernels
 
 
 @pytest.mark.parametrize("kernels, busy", [

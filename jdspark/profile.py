@@ -27,14 +27,10 @@ def profile(generator: Generator, prompt, params: SamplingParams, out_dir: str |
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     engine = generator.engine
-    engine.decisions = []
-    try:
-        with jax.profiler.trace(str(out / "trace")):
-            completion = generator.generate(prompt, params)
-    finally:
-        decisions, engine.decisions = engine.decisions, None
-    report = {"costs": engine.cost_summary(), "stats": completion.stats.as_dict(), "steps": decisions,
-              "text": completion.text, "token_ids": completion.token_ids}
+    with engine.record_steps() as records, jax.profiler.trace(str(out / "trace")):
+        completion = generator.generate(prompt, params)
+    report = {"costs": engine.cost_summary(), "stats": completion.stats.as_dict(),
+              "steps": [r.as_dict() for r in records], "text": completion.text, "token_ids": completion.token_ids}
     (out / "profile.json").write_text(json.dumps(report, indent=1))
     plot(report, out / "profile.png")
     return report
@@ -53,7 +49,7 @@ def plot(report: dict, path: Path) -> None:
         ax_cost.plot(widths, np.array(v) * 1e3, "o-", label="V(k) verify")
         if d is not None:
             ax_cost.axhline(d * 1e3, color="tab:orange", label="D draft")
-            stale = [s["stale_confidence"] for step in report["steps"] for s in step["slots"].values()]
+            stale = [row["stale_confidence"] for step in report["steps"] for row in step["rows"]]
             c = np.mean(stale, axis=0) if stale else np.ones(len(widths) - 1)
             expected = 1 + np.concatenate([[0.0], np.cumsum(np.cumprod(c))])
             ax_tput.plot(widths, expected / (d + np.array(v)) / 1e3, "o-")

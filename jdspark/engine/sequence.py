@@ -1,0 +1,81 @@
+"""One request's lifecycle, owned by the engine: tokens -> text -> stop conditions -> finish reason.
+
+Everything that decides where a request ends is here, in one place: the model's EOS, stop token
+ids, `max_tokens`, and stop strings found in the detokenized text (which also cut the token list
+at the token that completes them, so usage counts what the text shows). The Generator and the
+server only read the `Delta`s the engine hands back; neither writes engine state.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from jdspark.engine.request import Completion, Delta, SamplingParams
+from jdspark.engine.stats import CompletionStats, RowRecord, StepRecord
+from jdspark.speculative.selector import FallbackBreaker
+from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
+
+
+class Sequence:
+    """A running request in one engine slot."""
+
+    def __init__(self, request_id: int, prompt_len: int, params: SamplingParams, *, seed: int, gamma: int,
+                 eos_token_id: int | None, tokenizer: Tokenizer | None, breaker: FallbackBreaker | None):
+        self.request_id, self.params, self.seed, self.breaker = request_id, params, seed, breaker
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos or eos_token_id is None
+                                                      else {eos_token_id})
+        self.detok = Detokenizer(tokenizer, params.stop) if tokenizer is not None else None
+        self.tokens: list[int] = []  # generated so far
+        self.anchor = 0  # the last emitted token: the next block's anchor (not yet in the state)
+        self.confidence = np.ones(gamma, np.float32)  # the previous proposal's (stale on purpose); a new request inherits nothing
+        self.steps = 0  # engine steps run: the counter of the request's own noise
+        self.stats = CompletionStats.empty(prompt_len, gamma)
+        self.started = time.perf_counter()
+        self.finish_reason: str | None = None
+
+    def speculates(self) -> bool:
+        return self.breaker is None or self.breaker.should_speculate()
+
+    def record(self, step: StepRecord, row: RowRecord, confidence: np.ndarray | None) -> None:
+        """What the engine learned of this request in a step (before its tokens are emitted)."""
+        self.steps += 1
+        self.stats.record(step, row)
+        if step.width and self.breaker is not None:
+            self.breaker.record(row.n_accepted, step.width)
+        if confidence is not None:
+            self.confidence = confidence
+
+    def emit(self, new: list[int]) -> Delta:
+        """Append a call's tokens up to the first stop condition; the Delta the request receives."""
+        out, finish = [], None
+        for t in new:
+            out.append(t)
+            if t in self.stop_ids:
+                finish = "stop"
+                break
+            if len(self.tokens) + len(out) >= self.params.max_tokens:
+                finish = "length"
+                break
+        text = ""
+        if self.detok is not None:
+            text = self.detok.add(out)
+            if self.detok.stopped:
+                finish = "stop"
+                out = out[:len(self.detok.tokens) - len(self.tokens)]
+            if finish is not None:
+                text += self.detok.finish()
+        self.tokens.extend(out)
+        self.anchor = out[-1]
+        self.stats.generated_tokens = len(self.tokens)
+        self.stats.elapsed_s = time.perf_counter() - self.started
+        if finish is None:
+            return Delta(self.request_id, tuple(out), text)
+        return self.finish(finish, tuple(out), text)
+
+    def finish(self, reason: str, tokens: tuple[int, ...] = (), text: str = "", error: str | None = None) -> Delta:
+        self.finish_reason = reason
+        completion = Completion(token_ids=list(self.tokens), text=self.detok.text if self.detok else None,
+                                finish_reason=reason, stats=self.stats)
+        return Delta(self.request_id, tokens, text, reason, error, completion)

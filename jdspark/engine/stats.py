@@ -1,0 +1,119 @@
+"""One statistics record per engine step, and the readers of it.
+
+The engine fills a `StepRecord` after every step; a request's `CompletionStats`, the engine's log
+line (`LogCounters`), `jdspark profile` and the server's Prometheus counters all read that one
+record, so the figures they show cannot disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RowRecord:
+    """One request's part of a step."""
+
+    request_id: int
+    stale_confidence: np.ndarray  # [gamma]: what the width choice read (the previous proposal's)
+    n_accepted: int  # drafts accepted (0 when the step verified none)
+    emitted: tuple[int, ...]  # tokens the request received, after its stop conditions
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    width: int  # drafts verified per request (0: a plain decode step, or width 0)
+    seconds: float  # host wall time of the whole step
+    rows: tuple[RowRecord, ...]
+    draft_cost_s: float | None  # D the width selector used (None: fixed width)
+    verify_costs_s: tuple[float, ...] | None  # V(0..gamma) the selector used
+
+    def as_dict(self) -> dict:
+        return {"width": self.width, "seconds": self.seconds,
+                "rows": [{"request_id": r.request_id, "stale_confidence": r.stale_confidence.tolist(),
+                          "n_accepted": r.n_accepted, "emitted": list(r.emitted)} for r in self.rows]}
+
+
+@dataclasses.dataclass
+class CompletionStats:
+    """One request's statistics, accumulated from the step records that include it."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    elapsed_s: float = 0.0  # from the request's admission to its last token
+    time_to_first_token_s: float = 0.0
+    steps: int = 0  # verifications (each emits n_accepted + 1 tokens)
+    emitted_by_steps: int = 0  # tokens those verifications emitted, bonus included, before stop truncation
+    widths: list[int] = dataclasses.field(default_factory=list)  # widths[k]: steps that verified k drafts
+    verified_at: list[int] = dataclasses.field(default_factory=list)  # position i was verified
+    accepted_at: list[int] = dataclasses.field(default_factory=list)  # position i was accepted
+    draft_cost_s: float | None = None  # D the width selector used (None: fixed width)
+    verify_costs_s: list[float] | None = None  # V(0..gamma) the width selector used
+
+    @classmethod
+    def empty(cls, prompt_tokens: int, gamma: int) -> "CompletionStats":
+        return cls(prompt_tokens=prompt_tokens, widths=[0] * (gamma + 1), verified_at=[0] * gamma,
+                   accepted_at=[0] * gamma)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens emitted per verification, bonus included (the paper's accepted length)."""
+        return self.emitted_by_steps / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance(self) -> list[float]:
+        """Per draft position i: of the verifications whose width included position i, the fraction
+        whose accepted prefix reached it (not conditional on positions before i being accepted)."""
+        return [a / v if v else 0.0 for a, v in zip(self.accepted_at, self.verified_at)]
+
+    def record(self, step: StepRecord, row: RowRecord) -> None:
+        self.steps += 1
+        self.emitted_by_steps += row.n_accepted + 1
+        self.widths[step.width] += 1
+        for i in range(step.width):
+            self.verified_at[i] += 1
+            self.accepted_at[i] += i < row.n_accepted
+        self.draft_cost_s = step.draft_cost_s
+        self.verify_costs_s = None if step.verify_costs_s is None else list(step.verify_costs_s)
+
+    def as_dict(self) -> dict:
+        return dict(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
+                    elapsed_s=self.elapsed_s, time_to_first_token_s=self.time_to_first_token_s,
+                    tokens_per_s=self.tokens_per_s, steps=self.steps, tau=self.tau, widths=list(self.widths),
+                    acceptance=self.acceptance, draft_cost_s=self.draft_cost_s, verify_costs_s=self.verify_costs_s)
+
+
+class LogCounters:
+    """The step records between two engine log lines."""
+
+    def __init__(self):
+        self.steps = self.tokens = self.drafted = self.accepted = 0
+        self.seconds = 0.0
+        self.widths: dict[int, int] = {}
+        self.last: StepRecord | None = None
+
+    def add(self, step: StepRecord) -> None:
+        self.steps += 1
+        self.tokens += sum(len(r.emitted) for r in step.rows)
+        self.seconds += step.seconds
+        self.drafted += step.width * len(step.rows)
+        self.accepted += sum(r.n_accepted for r in step.rows)
+        self.widths[step.width] = self.widths.get(step.width, 0) + 1
+        self.last = step
+
+    def summary(self) -> str:
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        widths = " ".join(f"{k}:{n}" for k, n in sorted(self.widths.items()))
+        costs = ""
+        if self.last is not None and self.last.verify_costs_s is not None:
+            d = self.last.draft_cost_s
+            costs = (f" D={d * 1e3:.2f}ms" if d else " D=?") + " V=[" + \
+                ", ".join(f"{x * 1e3:.2f}" for x in self.last.verify_costs_s) + "]ms"
+        return (f"{self.steps} steps: {self.tokens / max(self.seconds, 1e-9):.1f} tok/s, acceptance {rate:.2f}, "
+                f"widths {{{widths}}}{costs}")
