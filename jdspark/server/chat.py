@@ -83,20 +83,26 @@ You MUST strictly follow the above defined tool name and parameter schemas to in
 """
 
 
+Piece = tuple[str, bool]  # (text, trusted): the template's own text, or text a client sent
+
+
 def _json(value) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+def _tools_pieces(functions: list[dict]) -> list[Piece]:
+    head, tail = TOOLS_PROMPT.format(dsml=DSML, think=THINK, end_think=END_THINK, schemas="\0").split("\0")
+    return [(head, True), ("\n".join(_json(f) for f in functions), False), (tail, True)]
+
+
 def render_tools(functions: list[dict]) -> str:
     """The tools section for OpenAI function specs (`tools[i].function`), one JSON line each."""
-    return TOOLS_PROMPT.format(dsml=DSML, think=THINK, end_think=END_THINK,
-                               schemas="\n".join(_json(f) for f in functions))
+    return "".join(text for text, _ in _tools_pieces(functions))
 
 
-def render_tool_calls(calls: list[dict]) -> str:
-    """OpenAI tool calls ({"function": {"name", "arguments": JSON text}}) as a DSML block."""
-    invokes = []
-    for call in calls:
+def _tool_calls_pieces(calls: list[dict]) -> list[Piece]:
+    out: list[Piece] = [(f"{TOOL_CALLS_START}\n", True)]
+    for n, call in enumerate(calls):
         fn = call["function"]
         try:
             args = json.loads(fn["arguments"])
@@ -104,17 +110,25 @@ def render_tool_calls(calls: list[dict]) -> str:
             args = None
         if not isinstance(args, dict):  # the reference wraps what is not a JSON object
             args = {"arguments": fn["arguments"]}
-        params = "\n".join(
-            f'<{DSML}parameter name="{k}" string="{"true" if isinstance(v, str) else "false"}">'
-            f'{v if isinstance(v, str) else _json(v)}</{DSML}parameter>' for k, v in args.items())
-        invokes.append(f'<{DSML}invoke name="{fn["name"]}">\n{params}\n</{DSML}invoke>')
-    return f"{TOOL_CALLS_START}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_END}"
+        out += [("\n" if n else "", True), (f'<{DSML}invoke name="', True), (fn["name"], False), ('">\n', True)]
+        for i, (k, v) in enumerate(args.items()):
+            out += [("\n" if i else "", True), (f'<{DSML}parameter name="', True), (k, False),
+                    (f'" string="{"true" if isinstance(v, str) else "false"}">', True),
+                    (v if isinstance(v, str) else _json(v), False), (f"</{DSML}parameter>", True)]
+        out.append((f"\n</{DSML}invoke>", True))
+    return out + [(f"\n{TOOL_CALLS_END}", True)]
+
+
+def render_tool_calls(calls: list[dict]) -> str:
+    """OpenAI tool calls ({"function": {"name", "arguments": JSON text}}) as a DSML block."""
+    return "".join(text for text, _ in _tool_calls_pieces(calls))
 
 
 def _merge_user_turns(messages: list[dict]) -> list[dict]:
     """Consecutive user and tool messages -> one user turn of text and `<tool_result>` blocks joined
     by blank lines (as the reference's merge_tool_messages); tool results in the order of the
-    preceding assistant turn's calls (matched by tool_call_id)."""
+    preceding assistant turn's calls (matched by tool_call_id). A merged turn's content is a list
+    of pieces."""
     merged: list[dict] = []
     order: dict[str, int] = {}  # tool_call_id -> position in the last assistant turn's calls
     for m in messages:
@@ -132,17 +146,18 @@ def _merge_user_turns(messages: list[dict]) -> list[dict]:
         if m.get("blocks") is not None:
             results = iter(sorted((b for b in m["blocks"] if b[0] == "tool"), key=lambda b: b[1]))  # stable
             blocks = [next(results) if b[0] == "tool" else b for b in m.pop("blocks")]
-            m["content"] = "\n\n".join(f"<tool_result>{text}</tool_result>" if kind == "tool" else text
-                                       for kind, _, text in blocks)
+            pieces: list[Piece] = []
+            for i, (kind, _, text) in enumerate(blocks):
+                pieces += [("\n\n" if i else "", True)]
+                pieces += [("<tool_result>", True), (text, False), ("</tool_result>", True)] if kind == "tool" \
+                    else [(text, False)]
+            m["content"] = pieces
     return merged
 
 
-def encode_messages(messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None,
-                    tools: list[dict] | None = None) -> str:
-    """The prompt text (BOS included) for OpenAI-style messages ending in a user turn (or a tool
-    result), ready for the assistant's answer. `tools`: OpenAI function specs (`tools[i].function`)."""
-    if reasoning_effort not in (None, "high", "max"):
-        raise ValueError(f"reasoning_effort={reasoning_effort!r}: must be 'high', 'max' or None")
+def _prepare(messages: list[dict], thinking: bool, tools: list[dict] | None) -> tuple[list[dict], bool, int]:
+    """Merged turns with the tools attached to the first system message; whether history reasoning
+    is dropped; the index of the last user turn."""
     msgs = _merge_user_turns(messages)
     if tools:
         at = next((i for i, m in enumerate(msgs) if m["role"] in ("system", "developer")), None)
@@ -155,27 +170,51 @@ def encode_messages(messages: list[dict], thinking: bool = False, reasoning_effo
     if thinking and drop:  # developer turns before the last user turn are dropped
         msgs = [m for i, m in enumerate(msgs) if m["role"] != "developer" or i >= last_user]
         last_user = max((i for i, m in enumerate(msgs) if m["role"] in ("user", "developer")), default=-1)
-    out = [BOS, EFFORT_MAX if thinking and reasoning_effort == "max" else ""]
+    return msgs, drop, last_user
+
+
+def _content(m: dict) -> list[Piece]:
+    content = m.get("content") or ""
+    return content if isinstance(content, list) else [(content, False)]
+
+
+def prompt_pieces(messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None,
+                  tools: list[dict] | None = None) -> list[Piece]:
+    """The prompt (BOS first) for OpenAI-style messages ending in a user turn (or a tool result),
+    ready for the assistant's answer, as (text, trusted) pieces: the template's text, which holds
+    the control tokens, is trusted; every text the client sent (contents, reasoning, tool schemas,
+    names and arguments) is not, and is encoded as plain text (`Tokenizer.encode_pieces`).
+    `tools`: OpenAI function specs (`tools[i].function`)."""
+    if reasoning_effort not in (None, "high", "max"):
+        raise ValueError(f"reasoning_effort={reasoning_effort!r}: must be 'high', 'max' or None")
+    msgs, drop, last_user = _prepare(messages, thinking, tools)
+    out: list[Piece] = [(BOS, True), (EFFORT_MAX if thinking and reasoning_effort == "max" else "", True)]
     for i, m in enumerate(msgs):
-        role, content = m["role"], m.get("content") or ""
-        extra = "\n\n" + render_tools(m["tools"]) if m.get("tools") else ""
+        role = m["role"]
+        extra = [("\n\n", True), *_tools_pieces(m["tools"])] if m.get("tools") else []
         if role == "system":
-            out.append(content + extra)
+            out += [*_content(m), *extra]
         elif role in ("user", "developer"):
-            out.append(USER + content + extra)
+            out += [(USER, True), *_content(m), *extra]
         elif role == "assistant":
-            reasoning = ""
             if thinking and (not drop or i > last_user):
-                reasoning = (m.get("reasoning_content") or "") + END_THINK
-            calls = render_tool_calls(m["tool_calls"]) if m.get("tool_calls") else ""
-            out.append(reasoning + content + calls + EOS)
+                out += [(m.get("reasoning_content") or "", False), (END_THINK, True)]
+            out += _content(m)
+            out += _tool_calls_pieces(m["tool_calls"]) if m.get("tool_calls") else []
+            out.append((EOS, True))
         else:
             raise ValueError(f"messages[{i}].role={role!r}: must be system, developer, user, assistant or tool")
         followed_by_answer = i + 1 == len(msgs) or msgs[i + 1]["role"] == "assistant"
         if role in ("user", "developer") and followed_by_answer:
             opens = thinking and (not drop or i >= last_user)
-            out.append(ASSISTANT + (THINK if opens else END_THINK))
-    return "".join(out)
+            out.append((ASSISTANT + (THINK if opens else END_THINK), True))
+    return [p for p in out if p[0]]
+
+
+def encode_messages(messages: list[dict], thinking: bool = False, reasoning_effort: str | None = None,
+                    tools: list[dict] | None = None) -> str:
+    """The prompt text (BOS included) of `prompt_pieces`."""
+    return "".join(text for text, _ in prompt_pieces(messages, thinking, reasoning_effort, tools))
 
 
 _INVOKE = re.compile(rf'<{DSML}invoke name="([^"]*)">(.*?)</{DSML}invoke>', re.DOTALL)

@@ -59,7 +59,7 @@ class Server:
 @pytest.fixture(scope="session")
 def server(spec_model, char_tokenizer):
     engine = Engine(spec_model, EngineConfig(max_seq_len=320, gamma=5, max_batch=SLOTS), prefill_chunk=16,
-                    options=SpecOptions(width=5), widths=(5,))
+                    options=SpecOptions(width=5), widths=(5,), tokenizer=char_tokenizer)
     s = Server(create_app(engine, char_tokenizer, MODEL, api_key=API_KEY, max_queue=QUEUE), engine)
     yield s
     s.stop()
