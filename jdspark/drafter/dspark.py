@@ -8,6 +8,10 @@ block rows; the HC head's pre-norm output h gives the base logits U = head(norm(
 target's head. Tokens are then sampled left to right with the Markov bias W2 . W1[prev], and the
 distribution each token was drawn from is returned as q (what exact verification needs). The
 confidence c_k = sigmoid(w . [h_k; W1[prev_k]]) reads the pre-norm h.
+
+Training (`jdspark.train.drafter`) runs these same functions: `context_rows` and `cache_after` give
+the cache the engine would hold at an anchor, `draft_hidden` the block, and `teacher_forced_logits`
+the logits `propose` warps when the previous tokens are given instead of drawn.
 """
 
 from __future__ import annotations
@@ -47,12 +51,28 @@ def init_draft_cache(config: DSV4Config, batch: int, dtype) -> DraftCache:
 def push_context(model: DSV4, cache: DraftCache, features: jax.Array, n_valid: jax.Array) -> DraftCache:
     """Append the context rows of features [B, S, F] (positions length..length+S-1; the first
     n_valid[b] are committed and written)."""
+    positions = cache.length[:, None] + jnp.arange(features.shape[1])
+    rows = context_rows(model, features, positions)
+    windows = tuple(state.write_rows(ring, r, cache.length, n_valid) for ring, r in zip(cache.windows, rows))
+    return DraftCache(windows=windows, length=cache.length + n_valid)
+
+
+def context_rows(model: DSV4, features: jax.Array, positions: jax.Array) -> tuple[jax.Array, ...]:
+    """Per stage the context K=V rows [B, S, head_dim] of features [B, S, F] at positions [B, S]:
+    main_norm(main_proj . f), then the stage's window projection rotated at each position."""
     first = model.mtp[0]
     main_x = first.main_norm(first.main_proj(features.astype(model.dtype)))
-    positions = cache.length[:, None] + jnp.arange(features.shape[1])
-    windows = tuple(state.write_rows(ring, stage.attn.window_kv(main_x, positions), cache.length, n_valid)
-                    for stage, ring in zip(model.mtp, cache.windows))
-    return DraftCache(windows=windows, length=cache.length + n_valid)
+    return tuple(stage.attn.window_kv(main_x, positions) for stage in model.mtp)
+
+
+def cache_after(config: DSV4Config, rows: tuple[jax.Array, ...], sequence: jax.Array,
+                length: jax.Array) -> DraftCache:
+    """The cache `push_context` leaves in slot n after positions 0..length[n]-1 of sequence[n] were
+    pushed, gathered from the context rows of whole sequences (`context_rows` at 0..S-1): ring slot
+    r holds the last position < length[n] congruent to r mod the window. A slot never written holds
+    position 0's row instead of the engine's zeros; attention masks both."""
+    held = state.ring_positions(length, config.sliding_window)
+    return DraftCache(windows=tuple(r[sequence[:, None], jnp.maximum(held, 0)] for r in rows), length=length)
 
 
 def reset_draft_slots(cache: DraftCache, slots: jax.Array) -> DraftCache:
@@ -75,15 +95,13 @@ def propose(model: DSV4, cache: DraftCache, anchor: jax.Array, temperature: jax.
             top_p: jax.Array, exponentials: jax.Array) -> Proposal:
     """Draft gamma tokens after `anchor` [B] (the token at position cache.length). Sampling
     parameters are per slot [B]; exponentials [B, gamma, V] are the race noise for each draw."""
-    last = model.mtp[-1]
     h = draft_hidden(model, cache, anchor)
-    base = model.head(last.norm(h).astype(jnp.float32))  # [B, gamma, V]
-    w1 = last.markov_head.embed.weight[...].astype(jnp.float32)
+    base = base_logits(model, h)  # [B, gamma, V]
 
     def step(prev, inputs):
         base_k, noise_k = inputs
-        e = w1[prev]  # [B, r]
-        q = warp_probs(base_k + last.markov_head.head(e), temperature, top_k, top_p)
+        e = markov_embed(model, prev)  # [B, r]
+        q = warp_probs(base_k + markov_bias(model, e), temperature, top_k, top_p)
         token = sample(q, noise_k)
         return token, (token, q, e)
 
@@ -91,6 +109,29 @@ def propose(model: DSV4, cache: DraftCache, anchor: jax.Array, temperature: jax.
     _, (tokens, q, prev_embed) = jax.lax.scan(step, anchor.astype(jnp.int32), scan_in, unroll=True)  # no device loop
     tokens, q, prev_embed = (jnp.swapaxes(a, 0, 1) for a in (tokens, q, prev_embed))
     return Proposal(tokens=tokens, q=q, confidence=confidence(model, h, prev_embed))
+
+
+def base_logits(model: DSV4, h: jax.Array) -> jax.Array:
+    """U = head(norm(h)) [..., V] fp32: the draft logits before the Markov bias."""
+    return model.head(model.mtp[-1].norm(h).astype(jnp.float32))
+
+
+def markov_embed(model: DSV4, prev: jax.Array) -> jax.Array:
+    """W1[prev] [..., r] fp32 for the previous tokens prev [...]."""
+    return model.mtp[-1].markov_head.embed.weight[...].astype(jnp.float32)[prev]
+
+
+def markov_bias(model: DSV4, prev_embed: jax.Array) -> jax.Array:
+    """W2 . W1[prev] [..., V] from prev_embed = W1[prev]."""
+    return model.mtp[-1].markov_head.head(prev_embed)
+
+
+def teacher_forced_logits(model: DSV4, h: jax.Array, prev: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(draft logits [..., gamma, V], W1[prev]) with the Markov bias of given previous tokens prev
+    [..., gamma] (prev[k] is the token before draft k): what `propose` warps at draft k when it drew
+    prev[k] itself. Training supervises these."""
+    prev_embed = markov_embed(model, prev)
+    return base_logits(model, h) + markov_bias(model, prev_embed), prev_embed
 
 
 def confidence_logits(model: DSV4, h: jax.Array, prev_embed: jax.Array) -> jax.Array:

@@ -1,9 +1,10 @@
 """Training the DSpark drafter on the frozen target (spec dspark.md §12), through the inference code.
 
-A training block is exactly what the engine drafts: for an anchor at position a, the context is
-the drafter's rows of positions a-W..a-1 (built from the target features, as `push_context` does)
-and the block is [x_a, noise x (gamma-1)] run by `draft_hidden`. Only the Markov head is
-teacher-forced (prev = the corpus tokens x_a..x_{a+gamma-1}). Losses per position k, weighted by
+A training block is exactly what the engine drafts, computed by the engine's functions
+(`jdspark.drafter.dspark`): for an anchor at position a, the context is the drafter's rows of
+positions a-W..a-1 (`context_rows` of the target features, gathered as `cache_after`) and the
+block is [x_a, noise x (gamma-1)] run by `draft_hidden`. Only the Markov head is teacher-forced
+(`teacher_forced_logits`, prev = the corpus tokens x_a..x_{a+gamma-1}). Losses per position k, weighted by
 exp(-(k-1)/decay): 0.1 CE(x_{a+k}) + 0.9 L1(p_draft, p_target) + 1.0 BCE(z_k, 1 - L1/2).
 """
 
@@ -17,7 +18,6 @@ import numpy as np
 from flax import nnx
 
 from jdspark.drafter import dspark
-from jdspark.model import state
 from jdspark.model.dsv4 import DSV4
 from jdspark.model.model import Model
 from jdspark.train import adamw
@@ -105,27 +105,19 @@ def target_outputs(module: DSV4, ids: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def block_outputs(module: DSV4, features: jax.Array, ids: jax.Array, anchors: jax.Array):
     """Draft logits [N, gamma, V] (Markov bias teacher-forced), raw confidence logits [N, gamma]
-    and labels [N, gamma] for the N = B * A blocks at anchors [B, A]."""
+    and labels [N, gamma] for the N = B * A blocks at anchors [B, A], with (sequence [N], offsets
+    [N, gamma]): block n drafts positions offsets[n] + 1 of ids[sequence[n]]."""
     gamma = module.config.dspark.block_size
     b, s = ids.shape
-    first, last = module.mtp[0], module.mtp[-1]
-    main_x = first.main_norm(first.main_proj(features.astype(module.dtype)))
-    positions = jnp.broadcast_to(jnp.arange(s), (b, s))
-    row = jnp.repeat(jnp.arange(b), anchors.shape[1])
-    length = anchors.reshape(-1)
-    windows = []
-    for stage in module.mtp:
-        context = stage.attn.window_kv(main_x, positions)  # [B, S, H]: one row per position
-        held = state.ring_positions(length, module.config.sliding_window)  # the ring the engine would hold
-        windows.append(context[row[:, None], jnp.maximum(held, 0)])
-    cache = dspark.DraftCache(windows=tuple(windows), length=length)
-    h = dspark.draft_hidden(module, cache, ids[row, length])
+    rows = dspark.context_rows(module, features, jnp.broadcast_to(jnp.arange(s), (b, s)))
+    sequence = jnp.repeat(jnp.arange(b), anchors.shape[1])
+    length = anchors.reshape(-1)  # the anchor's position = the context rows the engine holds
+    cache = dspark.cache_after(module.config, rows, sequence, length)
+    h = dspark.draft_hidden(module, cache, ids[sequence, length])
     offsets = length[:, None] + jnp.arange(gamma)
-    prev, labels = ids[row[:, None], offsets], ids[row[:, None], offsets + 1]
-    w1 = last.markov_head.embed.weight[...].astype(jnp.float32)
-    e = w1[prev]
-    logits = module.head(last.norm(h).astype(jnp.float32)) + last.markov_head.head(e)
-    return logits, dspark.confidence_logits(module, h, e), labels, (row, offsets)
+    prev, labels = ids[sequence[:, None], offsets], ids[sequence[:, None], offsets + 1]
+    logits, prev_embed = dspark.teacher_forced_logits(module, h, prev)
+    return logits, dspark.confidence_logits(module, h, prev_embed), labels, (sequence, offsets)
 
 
 def losses(draft_params, frozen, graphdef, target_logp, features, ids, anchors, decay: float):

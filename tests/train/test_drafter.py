@@ -1,5 +1,5 @@
-"""Drafter training runs the inference draft path: a training block's draft logits and confidences
-equal what the engine's draft cache + `propose` machinery computes for the same anchor."""
+"""Drafter training runs the inference draft path: a training block's draft distributions and
+confidences equal what the engine's draft cache + `propose` compute for the same anchor."""
 
 import jax
 import pytest
@@ -16,16 +16,26 @@ CONFIG = SPEC_CONFIG  # window 8, 3 layers + 2 drafter stages, vocabulary 16
 GAMMA = CONFIG.dspark.block_size
 
 
-def inference_block(graphdef, state, ids, features, anchor):
-    """Draft logits and confidence logits the engine's path gives for one anchor: a draft cache
-    pushed with the first `anchor` positions' features, `draft_hidden`, teacher-forced Markov bias."""
+def engine_proposals(graphdef, state, features, anchor_ids, anchors, exponentials, chunk=7):
+    """What the engine drafts at anchors [N]: draft caches pushed `chunk` positions per call (the
+    engine's prefill chunks; 7 against a window of 8, so the ring wraps inside chunks), then
+    `propose` at T = 1 without top-k / top-p."""
     module = nnx.merge(graphdef, state)
-    cache = dspark.init_draft_cache(CONFIG, 1, jnp.float32)
-    cache = dspark.push_context(module, cache, features[None], anchor[None])  # writes rows < anchor
-    h = dspark.draft_hidden(module, cache, ids[anchor][None])
-    last = module.mtp[-1]
-    e = last.markov_head.embed.weight[...][jax.lax.dynamic_slice(ids, (anchor,), (GAMMA,))][None]
-    return module.head(last.norm(h)) + last.markov_head.head(e), dspark.confidence_logits(module, h, e)
+    n = anchors.shape[0]
+    cache = dspark.init_draft_cache(CONFIG, n, jnp.float32)
+    for start in range(0, features.shape[1], chunk):  # every row pushes its positions start.. < anchor
+        rows = features[:, start:start + chunk]
+        cache = dspark.push_context(module, cache, rows, jnp.clip(anchors - start, 0, rows.shape[1]))
+    ones = jnp.ones((n,), jnp.float32)
+    return dspark.propose(module, cache, anchor_ids, ones, jnp.zeros((n,), jnp.int32), ones, exponentials)
+
+
+def target_features(graphdef, state, ids):
+    return drafter.target_outputs(nnx.merge(graphdef, state), ids)[1]
+
+
+def blocks_on(graphdef, state, features, ids, anchors):
+    return drafter.block_outputs(nnx.merge(graphdef, state), features, ids, anchors)
 
 
 def training_blocks(graphdef, state, ids, anchors):
@@ -34,21 +44,29 @@ def training_blocks(graphdef, state, ids, anchors):
     return features, drafter.block_outputs(module, features, ids, anchors)
 
 
-def test_training_blocks_equal_the_inference_draft_path():
+def test_training_blocks_equal_what_propose_draws_from():
+    """At each anchor the engine's path (chunked `push_context`, `propose`) samples a block; the
+    training block on the sequence continued by those drafts gives the distributions it sampled
+    from (q = softmax of the teacher-forced logits) and its confidences."""
     model = Model.random(CONFIG, "float32", seed=5)
     rng = np.random.default_rng(0)
     ids = jnp.asarray(rng.integers(4, CONFIG.vocab_size, (2, 40)), jnp.int32)
-    anchors = jnp.asarray([[3, 17, 30], [1, 9, 33]], jnp.int32)  # before and after the window fills
-    features, (logits, z, labels, _) = jax.jit(training_blocks, static_argnums=0)(model.graphdef, model.params, ids,
-                                                                                  anchors)
-    infer = jax.jit(inference_block, static_argnums=0)
-    for b in range(2):
-        for j, a in enumerate(np.asarray(anchors[b])):
-            expected_logits, expected_z = infer(model.graphdef, model.params, ids[b], features[b], jnp.int32(a))
-            n = b * anchors.shape[1] + j
-            np.testing.assert_allclose(np.asarray(logits[n]), np.asarray(expected_logits[0]), atol=2e-5)
-            np.testing.assert_allclose(np.asarray(z[n]), np.asarray(expected_z[0]), atol=2e-5)
-            np.testing.assert_array_equal(np.asarray(labels[n]), np.asarray(ids[b, a + 1:a + 1 + GAMMA]))
+    anchors = np.array([[3, 17, 30], [1, 9, 33]])  # before and after the window fills
+    features = jax.jit(target_features, static_argnums=0)(model.graphdef, model.params, ids)
+    sequence, flat = np.repeat(np.arange(2), 3), jnp.asarray(anchors.reshape(-1), jnp.int32)
+    exponentials = jax.random.exponential(jax.random.key(1), (6, GAMMA, CONFIG.vocab_size), jnp.float32)
+    proposal = jax.jit(engine_proposals, static_argnums=0)(model.graphdef, model.params, features[sequence],
+                                                           ids[sequence, flat], flat, exponentials)
+    drafted = np.asarray(ids)[sequence]
+    for n, a in enumerate(anchors.reshape(-1)):
+        drafted[n, a + 1:a + 1 + GAMMA] = np.asarray(proposal.tokens[n])  # the sequence the drafts continue
+    logits, z, labels, _ = jax.jit(blocks_on, static_argnums=0)(model.graphdef, model.params, features[sequence],
+                                                               jnp.asarray(drafted), flat[:, None])
+    assert CONFIG.dspark.confidence_temperatures is None  # propose's confidence is sigmoid(z)
+    np.testing.assert_allclose(np.asarray(jax.nn.softmax(logits, axis=-1)), np.asarray(proposal.q), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(jax.nn.sigmoid(z)), np.asarray(proposal.confidence), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(labels), np.asarray(proposal.tokens))
+    assert len(np.unique(np.asarray(proposal.tokens))) > 3  # sampled, not one token repeated
 
 
 def test_a_few_steps_lower_the_loss_and_touch_only_the_drafter():
