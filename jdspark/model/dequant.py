@@ -50,3 +50,36 @@ def fp4_dequant(packed: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """ds_fp4 int8 [..., N, K/2] with e8m0 scales [..., N, K/32] -> [..., N, K] in `dtype`."""
     values = jnp.asarray(E2M1_VALUES)[fp4_unpack_codes(packed).astype(jnp.int32)]
     return (values * jnp.repeat(scale_to_f32(scale), FP4_BLOCK, axis=-1)).astype(dtype)
+
+
+# Largest (rows x K blocks) for which `fp8_block_matmul` takes the block-expanded form; above it the
+# extra products (rows * ceil(K/128) GEMV rows) cost more than decoding the weight once.
+BLOCK_MATMUL_MAX_ROWS = 1024
+
+
+def fp8_block_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x [..., K] @ dequant(weight e4m3 [N, K], scale [ceil(N/128), ceil(K/128)])^T -> float32 [..., N],
+    without writing a decoded copy of the weight when the call has few rows (decode, verify).
+
+    y[r, n] = sum_j s[n // 128, j] * (x[r, block j] . W[n, block j]). The per-block partial sums come
+    from one plain dot of a block-expanded x — x_exp[r, j, k] = x[r, k] where k // 128 == j, else 0
+    — with the e4m3 weight cast to `dtype` as the dot's operand (no scale, no batch dimension, so
+    the compiler can fuse the cast into the dot and stream the 1-byte weight once). The block scales
+    then multiply the float32 partials. For e8m0 scales every step is exact up to float32 summation
+    order; float32 scales are applied in float32 (the reference's GEMM), not rounded into `dtype`.
+    Calls with many rows (prefill) decode the weight and run one dot."""
+    n, k = weight.shape
+    nb, kb = scale.shape
+    lead = x.shape[:-1]
+    rows = 1
+    for size in lead:
+        rows *= size
+    if rows * kb > BLOCK_MATMUL_MAX_ROWS:
+        return jnp.einsum("...i,oi->...o", x.astype(dtype), fp8_block_dequant(weight, scale, dtype),
+                          preferred_element_type=jnp.float32)
+    xr = x.reshape(rows, k).astype(dtype)
+    blocks = (jnp.arange(k) // FP8_BLOCK)[None, :] == jnp.arange(kb)[:, None]  # [Kb, K]
+    x_exp = jnp.where(blocks[None], xr[:, None, :], jnp.zeros((), dtype))  # [R, Kb, K]
+    partial = jnp.einsum("rjk,nk->rjn", x_exp, weight.astype(dtype), preferred_element_type=jnp.float32)
+    s = jnp.repeat(scale_to_f32(scale), FP8_BLOCK, axis=0)[:n].T  # [Kb, N]
+    return jnp.sum(partial * s[None], axis=1).reshape(*lead, n)

@@ -63,8 +63,12 @@ class Linear(nnx.Module):
         x = x.astype(dtype)
         if self.fp8_input:
             x = quant_sim.fp8_sim(x, 128)
-        y = jnp.einsum("...i,oi->...o", x, self.dense_weight(dtype), preferred_element_type=jnp.float32)
-        return y.astype(dtype)
+        return self.project(x, dtype).astype(dtype)
+
+    def project(self, x: jax.Array, dtype) -> jax.Array:
+        """x W^T with float32 accumulation (float32 result); quantized subclasses read their stored
+        weight in place here."""
+        return jnp.einsum("...i,oi->...o", x, self.dense_weight(dtype), preferred_element_type=jnp.float32)
 
 
 class RMSNorm(nnx.Module):

@@ -65,38 +65,63 @@ class ExpertWeights(nnx.Module):
         """[E, out, in] in `dtype`; quantized subclasses dequantize here, inside the jit."""
         return self.weight[...].astype(dtype)
 
+    def take(self, experts: jax.Array, dtype) -> jax.Array:
+        """[M, out, in] in `dtype` of the experts `experts` [M]: only their stored arrays are read
+        (gathered in the checkpoint's storage, then decoded); quantized subclasses decode here."""
+        return jnp.take(self.weight[...], experts, axis=0).astype(dtype)
+
 
 class Experts(nnx.Module):
     """Routed experts stacked on a leading E axis: w1, w3 [E, F, D], w2 [E, D, F]."""
 
-    def __init__(self, config: DSV4Config, *, dtype, rngs: Keys):
+    def __init__(self, config: DSV4Config, *, dtype, rngs: Keys, qat_sim: bool = False):
         e, f, d = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
         self.w1 = ExpertWeights(e, d, f, dtype=dtype, rngs=rngs)
         self.w3 = ExpertWeights(e, d, f, dtype=dtype, rngs=rngs)
         self.w2 = ExpertWeights(e, f, d, dtype=dtype, rngs=rngs)
         self.n_experts = e
         self.limit = config.swiglu_limit
-        self.qat_sim = config.qat_sim
+        self.qat_sim = qat_sim
 
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
-        """Reference path: every expert on every token, weighted by a dense [N, E] routing matrix
-        (exactly zero for unselected experts). Returns fp32 [N, D]."""
-        dense = jnp.sum(jax.nn.one_hot(idx, self.n_experts, dtype=jnp.float32) * weights[..., None], axis=-2)
+        """x [N, D], routing weights [N, K] and expert indices [N, K] -> fp32 [N, D].
+
+        Reads only the selected experts, each distinct one once (`routed_slots`: M = min(N*K, E)
+        slots, static). Every row is computed against the M gathered experts and weighted by a dense
+        [N, M] routing matrix, exactly zero where a row did not select the slot's expert: the same
+        arithmetic as running every expert with a dense [N, E] matrix (the test oracle), restricted
+        to the experts some row selected."""
+        experts, dense = routed_slots(weights, idx, self.n_experts)
         dtype = x.dtype
         if self.qat_sim:
             x = fp8_sim(x, 128)
-        gate = jnp.einsum("nd,efd->nef", x, self.w1.dense(dtype), preferred_element_type=jnp.float32)
-        up = jnp.einsum("nd,efd->nef", x, self.w3.dense(dtype), preferred_element_type=jnp.float32)
+        gate = jnp.einsum("nd,efd->nef", x, self.w1.take(experts, dtype), preferred_element_type=jnp.float32)
+        up = jnp.einsum("nd,efd->nef", x, self.w3.take(experts, dtype), preferred_element_type=jnp.float32)
         h = (swiglu(gate.astype(dtype), up.astype(dtype), self.limit) * dense[..., None]).astype(dtype)
         if self.qat_sim:
             h = fp8_sim(h, 128)
-        out = jnp.einsum("nef,edf->ned", h, self.w2.dense(dtype), preferred_element_type=jnp.float32)
+        out = jnp.einsum("nef,edf->ned", h, self.w2.take(experts, dtype), preferred_element_type=jnp.float32)
         return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
 
 
+def routed_slots(weights: jax.Array, idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
+    """The distinct experts of a call and each row's weight on them, with static shapes.
+
+    weights [N, K] fp32, idx [N, K] -> (experts [M] int32 sorted ascending, dense [N, M] fp32) with
+    M = min(N*K, E). Unused slots repeat the last expert E-1 (a valid index, so gathers stay in
+    bounds, and the order stays sorted); a row's (expert, weight) pair lands on the first slot that
+    holds the expert, so padding slots get weight 0 from every row."""
+    n, k = idx.shape
+    m = min(n * k, n_experts)
+    experts = jnp.unique(idx.reshape(-1).astype(jnp.int32), size=m, fill_value=n_experts - 1)
+    slot = jnp.searchsorted(experts, idx.astype(jnp.int32), side="left")
+    dense = jnp.sum(jax.nn.one_hot(slot, m, dtype=jnp.float32) * weights[..., None].astype(jnp.float32), axis=-2)
+    return experts, dense
+
+
 class SharedExpert(nnx.Module):
-    def __init__(self, config: DSV4Config, *, dtype, rngs: Keys):
-        d, f, qat = config.hidden_size, config.moe_intermediate_size, config.qat_sim
+    def __init__(self, config: DSV4Config, *, dtype, rngs: Keys, qat_sim: bool = False):
+        d, f, qat = config.hidden_size, config.moe_intermediate_size, qat_sim
         self.w1 = Linear(d, f, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.w3 = Linear(d, f, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.w2 = Linear(f, d, dtype=dtype, rngs=rngs, fp8_input=qat)
@@ -107,10 +132,10 @@ class SharedExpert(nnx.Module):
 
 
 class MoE(nnx.Module):
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys, qat_sim: bool = False):
         self.gate = Gate(config, layer_id, dtype=dtype, rngs=rngs)
-        self.experts = Experts(config, dtype=dtype, rngs=rngs)
-        self.shared_experts = SharedExpert(config, dtype=dtype, rngs=rngs)
+        self.experts = Experts(config, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
+        self.shared_experts = SharedExpert(config, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
 
     def __call__(self, x: jax.Array, ids: jax.Array) -> jax.Array:
         """x [B, S, D] (after ffn_norm), ids [B, S] -> [B, S, D] in x.dtype."""

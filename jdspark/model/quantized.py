@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdspark.config import DSV4Config
-from jdspark.model.dequant import FP4_BLOCK, FP8_BLOCK, fp4_dequant, fp8_block_dequant
+from jdspark.model.dequant import FP4_BLOCK, FP8_BLOCK, fp4_dequant, fp8_block_dequant, fp8_block_matmul
 from jdspark.model.dsv4 import DSV4
 from jdspark.model.layers import Keys, Linear
 from jdspark.model.moe import ExpertWeights
@@ -91,6 +91,9 @@ class FP8Linear(Linear):
     def dense_weight(self, dtype) -> jax.Array:
         return fp8_block_dequant(self.weight[...], self.scale[...], dtype)
 
+    def project(self, x: jax.Array, dtype) -> jax.Array:
+        return fp8_block_matmul(x, self.weight[...], self.scale[...], dtype)
+
 
 class FP8ExpertWeights(ExpertWeights):
     """Routed experts as e4m3 `weight` [E, out, in] + block `scale` [E, ceil(out/128), ceil(in/128)]."""
@@ -102,6 +105,10 @@ class FP8ExpertWeights(ExpertWeights):
 
     def dense(self, dtype) -> jax.Array:
         return fp8_block_dequant(self.weight[...], self.scale[...], dtype)
+
+    def take(self, experts: jax.Array, dtype) -> jax.Array:
+        return fp8_block_dequant(jnp.take(self.weight[...], experts, axis=0),
+                                 jnp.take(self.scale[...], experts, axis=0), dtype)
 
 
 class FP4ExpertWeights(ExpertWeights):
@@ -116,15 +123,19 @@ class FP4ExpertWeights(ExpertWeights):
     def dense(self, dtype) -> jax.Array:
         return fp4_dequant(self.weight[...], self.scale[...], dtype)
 
+    def take(self, experts: jax.Array, dtype) -> jax.Array:
+        return fp4_dequant(jnp.take(self.weight[...], experts, axis=0),
+                           jnp.take(self.scale[...], experts, axis=0), dtype)
+
 
 def _block_shape(out_features: int, in_features: int) -> tuple[int, int]:
     return math.ceil(out_features / FP8_BLOCK), math.ceil(in_features / FP8_BLOCK)
 
 
-def build(config: DSV4Config, dtype, storage: Storage, rngs: Keys) -> DSV4:
+def build(config: DSV4Config, dtype, storage: Storage, rngs: Keys, qat_sim: bool = False) -> DSV4:
     """A DSV4 whose quantized weights use `storage` (zero-initialised: a checkpoint fills them).
     Cheap under `nnx.eval_shape`, which is how the loader and the shape tests use it."""
-    model = DSV4(config, dtype=dtype, rngs=rngs)
+    model = DSV4(config, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
     swaps = []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, Linear) and storage.linears and is_fp8_linear((*path, "weight")) \
@@ -144,6 +155,7 @@ def build(config: DSV4Config, dtype, storage: Storage, rngs: Keys) -> DSV4:
     return model
 
 
-def abstract_model(config: DSV4Config, dtype, storage: Storage) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract_model(config: DSV4Config, dtype, storage: Storage,
+                   qat_sim: bool = False) -> tuple[nnx.GraphDef, nnx.State]:
     """Graph and shape-only parameters of `build`, allocating nothing (full-size configs are fine)."""
-    return nnx.split(nnx.eval_shape(lambda: build(config, dtype, storage, Keys(0))))
+    return nnx.split(nnx.eval_shape(lambda: build(config, dtype, storage, Keys(0), qat_sim=qat_sim)))

@@ -68,3 +68,35 @@ def test_bfloat16_decoding_is_exact_for_e8m0_scales():
     scale = rng.integers(110, 140, (2, 2), dtype=np.uint8)
     np.testing.assert_array_equal(np.asarray(fp8_block_dequant(weight, scale, jnp.bfloat16), np.float32),
                                   decode_fp8(weight, scale))
+
+
+@pytest.mark.parametrize("scale_dtype", ["e8m0", "float32"])
+@pytest.mark.parametrize("shape", [(200, 300), (256, 384), (96, 64)])
+@pytest.mark.parametrize("lead", [(1,), (2, 3), (64,), (3, 200)])  # (3, 200): the decoded-weight branch
+def test_fp8_block_matmul_matches_decoded_weight(shape, scale_dtype, lead):
+    from jdspark.model.dequant import fp8_block_matmul
+    rng = np.random.default_rng(sum(shape) + len(lead))
+    raw = rng.integers(0, 256, shape, dtype=np.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0
+    weight = raw.view(ml_dtypes.float8_e4m3fn)
+    blocks = (-(-shape[0] // 128), -(-shape[1] // 128))
+    scale = rng.integers(110, 130, blocks, dtype=np.uint8) if scale_dtype == "e8m0" \
+        else rng.uniform(1e-4, 1e-2, blocks).astype(np.float32)
+    x = rng.standard_normal((*lead, shape[1])).astype(np.float32)
+    out = jax.jit(lambda x, w, s: fp8_block_matmul(x, w, s, jnp.float32))(x, weight, scale)
+    want = x.astype(np.float64) @ decode_fp8(weight, scale).astype(np.float64).T
+    assert out.shape == (*lead, shape[0]) and out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+def test_fp8_block_matmul_bfloat16_equals_the_decoded_dot():
+    """In bfloat16 with e8m0 scales the block form computes the decoded-weight dot's products
+    exactly; only the float32 summation order differs."""
+    from jdspark.model.dequant import fp8_block_matmul
+    rng = np.random.default_rng(9)
+    weight = rng.integers(0, 0x7F, (256, 512), dtype=np.uint8).view(ml_dtypes.float8_e4m3fn)
+    scale = rng.integers(110, 130, (2, 4), dtype=np.uint8)
+    x = jnp.asarray(rng.standard_normal((6, 512)), jnp.bfloat16)
+    got = jax.jit(lambda x, w, s: fp8_block_matmul(x, w, s, jnp.bfloat16))(x, weight, scale)
+    want = jnp.einsum("ri,oi->ro", x, fp8_block_dequant(weight, scale, jnp.bfloat16), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))

@@ -85,3 +85,80 @@ def test_full_size_models_are_compact(make, checkpoint_bytes):
     (2 bytes instead of ~1 per parameter); everything else has the checkpoint's size."""
     total, wo_a = _device_bytes(make())
     assert abs((total - wo_a) / checkpoint_bytes - 1) < 0.01, (total, wo_a)
+
+
+# ---- routed experts: the gather path against the every-expert oracle ------------------------------
+
+def ref_experts(ex, x, weights, idx):
+    """The former production path, kept as the oracle: every expert decoded and run on every row,
+    weighted by a dense [N, E] routing matrix (zero for unselected experts)."""
+    from jdspark.model.moe import swiglu
+    dense = jnp.sum(jax.nn.one_hot(idx, ex.n_experts, dtype=jnp.float32) * weights[..., None], axis=-2)
+    dtype = x.dtype
+    gate = jnp.einsum("nd,efd->nef", x, ex.w1.dense(dtype), preferred_element_type=jnp.float32)
+    up = jnp.einsum("nd,efd->nef", x, ex.w3.dense(dtype), preferred_element_type=jnp.float32)
+    h = (swiglu(gate.astype(dtype), up.astype(dtype), ex.limit) * dense[..., None]).astype(dtype)
+    out = jnp.einsum("nef,edf->ned", h, ex.w2.dense(dtype), preferred_element_type=jnp.float32)
+    return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
+
+
+def random_experts(storage: Storage, dtype, seed: int):
+    """Experts of a small config in `storage`, filled with random stored values (every code)."""
+    from jdspark.model.moe import Experts
+    cfg = tiny_config(hidden_size=256, moe_intermediate_size=160, n_routed_experts=12, num_experts_per_tok=3,
+                      swiglu_limit=4.0)
+    ex = Experts(cfg, dtype=dtype, rngs=Keys(seed, concrete=True))
+    rng = np.random.default_rng(seed)
+    for name in ("w1", "w3", "w2"):
+        bank = getattr(ex, name)
+        e, out_f, in_f = bank.weight.shape
+        if storage.experts == "fp4":
+            bank = FP4ExpertWeights(e, in_f, out_f)
+            bank.weight[...] = rng.integers(-128, 128, bank.weight.shape, dtype=np.int8)
+            bank.scale[...] = rng.integers(120, 126, bank.scale.shape, dtype=np.uint8)
+        elif storage.experts == "fp8":
+            bank = FP8ExpertWeights(e, in_f, out_f, scale_dtype=storage.scale_dtype)
+            raw = rng.integers(0, 256, bank.weight.shape, dtype=np.uint8)
+            raw[(raw & 0x7F) == 0x7F] = 0  # no NaN codes
+            bank.weight[...] = raw.view(ml_dtypes.float8_e4m3fn)
+            bank.scale[...] = (rng.integers(112, 118, bank.scale.shape, dtype=np.uint8) if storage.scale_dtype == "e8m0"
+                               else rng.uniform(2e-5, 1e-4, bank.scale.shape).astype(np.float32))
+        setattr(ex, name, bank)
+    return ex
+
+
+def routing(rng, rows: int, n_experts: int, k: int, pool: int):
+    """Rows drawing k distinct experts out of a pool of `pool`, so experts repeat across rows."""
+    experts = rng.permutation(n_experts)[:pool]
+    idx = np.stack([rng.choice(experts, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    return idx, rng.uniform(0.1, 1.0, (rows, k)).astype(np.float32)
+
+
+@pytest.mark.parametrize("storage", [Storage(), FLASH, Storage(experts="fp8"), BASE], ids=["float", "fp4", "fp8", "fp8_f32"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_routed_experts_read_only_selected_equal_every_expert_oracle(storage, dtype):
+    ex = random_experts(storage, dtype, seed=3)
+    rng = np.random.default_rng(11)
+    call = jax.jit(lambda m, x, w, i: m(x, w, i))
+    oracle = jax.jit(ref_experts)
+    for rows, pool in [(1, 3), (3, 4), (6, 12), (17, 5)]:
+        idx, w = routing(rng, rows, 12, 3, pool)
+        x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
+        got, want = call(ex, x, jnp.asarray(w), jnp.asarray(idx)), oracle(ex, x, jnp.asarray(w), jnp.asarray(idx))
+        scale = float(jnp.abs(want).max())
+        assert scale > 0
+        tol = 1e-5 if dtype == jnp.float32 else 1e-2
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol * scale, rtol=0)
+
+
+def test_routed_slots_hold_each_selected_expert_once():
+    from jdspark.model.moe import routed_slots
+    idx = jnp.asarray([[5, 2], [2, 7], [5, 2]], jnp.int32)
+    w = jnp.asarray([[0.25, 0.5], [1.0, 2.0], [4.0, 8.0]], jnp.float32)
+    experts, dense = routed_slots(w, idx, n_experts=9)
+    assert experts.tolist() == [2, 5, 7, 8, 8, 8]  # M = min(6, 9); padding repeats E-1 with weight 0
+    np.testing.assert_array_equal(np.asarray(dense), [[0.5, 0.25, 0, 0, 0, 0], [1.0, 0, 2.0, 0, 0, 0],
+                                                      [8.0, 4.0, 0, 0, 0, 0]])
+    experts, dense = routed_slots(w, jnp.asarray([[8, 2], [2, 7], [8, 2]], jnp.int32), n_experts=9)
+    assert experts.tolist() == [2, 7, 8, 8, 8, 8]
+    np.testing.assert_array_equal(np.asarray(dense)[:, 2:].sum(0), [0.25 + 4.0, 0, 0, 0])  # first slot of 8 only
