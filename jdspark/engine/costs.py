@@ -16,6 +16,7 @@ import logging
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -35,9 +36,9 @@ def cost_key(model_config: dict, dtype: str, engine_config: dict) -> str:
     return f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
-def measure(run, labels, runs: int, reset=lambda: None) -> list[float]:
+def measure(run, labels, runs: int, reset=lambda: None, clock: Callable[[], float] = time.perf_counter) -> list[float]:
     """Median seconds of `runs` timed calls per label; `run(label)` runs and blocks on one call,
-    `reset()` (untimed) runs before each call."""
+    `reset()` (untimed) runs before each call; `clock` reads the time (a test passes a fake one)."""
     costs = []
     for label in labels:
         reset()
@@ -45,15 +46,15 @@ def measure(run, labels, runs: int, reset=lambda: None) -> list[float]:
         times = []
         for _ in range(runs):
             reset()
-            start = time.perf_counter()
+            start = clock()
             run(label)
-            times.append(time.perf_counter() - start)
+            times.append(clock() - start)
         costs.append(statistics.median(times))
     return costs
 
 
 def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path | None, reprofile: bool,
-                    reset=lambda: None) -> dict[str, float]:
+                    reset=lambda: None, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """{label: seconds} from the cache file of `key` when it holds these labels, else measured and stored."""
     path = (cache_dir or default_cache_dir()) / f"{key}.json"
     if path.exists() and not reprofile:
@@ -62,7 +63,7 @@ def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path
             costs = dict(zip(data["labels"], data["costs_s"]))
             log.info("costs from %s: %s", path, _fmt(costs))
             return costs
-    costs = dict(zip(labels, measure(run, labels, runs, reset)))
+    costs = dict(zip(labels, measure(run, labels, runs, reset, clock)))
     log.info("profiled costs (median of %d runs): %s", runs, _fmt(costs))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"labels": list(labels), "costs_s": list(costs.values()), "runs": runs}, indent=1))

@@ -5,7 +5,8 @@ schedule ends) is then fixed so that training ends at the budget. With an `evalu
 `eval_every` steps, one evaluation runs at the probe as well (the held-out figure near the start),
 and its time (compilation included, so an over-estimate) is charged to every `eval_every` steps:
 evaluations are part of the budget, not added to it. Logs a line every `log_every` steps and
-returns the history (step, seconds, metrics) for the JSON record.
+returns the history (step, seconds, metrics) for the JSON record. Time is read from `clock`
+(`time.perf_counter` unless a test passes a fake one).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import numpy as np
 
 
 def run(step: Callable[[int], dict], budget_s: float, set_total: Callable[[int], None], *, probe: int = 20,
-        log_every: int = 100, evaluate: Callable[[], dict] | None = None, eval_every: int = 0) -> dict:
-    start = time.perf_counter()
+        log_every: int = 100, evaluate: Callable[[], dict] | None = None, eval_every: int = 0,
+        clock: Callable[[], float] = time.perf_counter) -> dict:
+    start = clock()
     history, total, compile_s, timed_from = [], None, None, None
     evaluating = evaluate is not None and eval_every > 0
     i = 0
@@ -27,18 +29,18 @@ def run(step: Callable[[int], dict], budget_s: float, set_total: Callable[[int],
         info = step(i)
         if i == 0:
             jax.block_until_ready(info)
-            compile_s = time.perf_counter() - start
-            timed_from = time.perf_counter()
+            compile_s = clock() - start
+            timed_from = clock()
         elif i == probe:
             jax.block_until_ready(info)
-            per_step = (time.perf_counter() - timed_from) / probe
+            per_step = (clock() - timed_from) / probe
             eval_s, row = 0.0, None
             if evaluating:
-                eval_start = time.perf_counter()
-                row = _row(i + 1, start, info, evaluate)  # after probe + 1 steps
-                eval_s = time.perf_counter() - eval_start
+                eval_start = clock()
+                row = _row(i + 1, clock() - start, info, evaluate)  # after probe + 1 steps
+                eval_s = clock() - eval_start
             cost = per_step + (eval_s / eval_every if evaluating else 0.0)  # per step, evaluations spread
-            total = max(probe + 1, int((budget_s - (time.perf_counter() - start)) / cost) + probe)
+            total = max(probe + 1, int((budget_s - (clock() - start)) / cost) + probe)
             set_total(total)
             print(f"compile {compile_s:.1f} s, {per_step * 1e3:.1f} ms/step"
                   + (f", evaluation {eval_s:.1f} s" if evaluating else "") + f" -> {total} steps", flush=True)
@@ -47,12 +49,12 @@ def run(step: Callable[[int], dict], budget_s: float, set_total: Callable[[int],
         i += 1
         if i % log_every == 0 or i == total:
             due = evaluating and (i % eval_every == 0 or i == total)
-            _log(history, _row(i, start, info, evaluate if due else None))
-    return {"steps": i, "compile_s": compile_s, "seconds": time.perf_counter() - start, "history": history}
+            _log(history, _row(i, clock() - start, info, evaluate if due else None))
+    return {"steps": i, "compile_s": compile_s, "seconds": clock() - start, "history": history}
 
 
-def _row(i: int, start: float, info: dict, evaluate: Callable[[], dict] | None) -> dict:
-    row = {"step": i, "seconds": round(time.perf_counter() - start, 2),
+def _row(i: int, seconds: float, info: dict, evaluate: Callable[[], dict] | None) -> dict:
+    row = {"step": i, "seconds": round(seconds, 2),
            **{k: np.asarray(v).round(4).tolist() for k, v in info.items()}}
     if evaluate is not None:
         row.update({f"heldout_{k}": v for k, v in evaluate().items()})

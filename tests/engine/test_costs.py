@@ -1,28 +1,43 @@
-"""Cost measurement: warm-up, then timed calls, each after an untimed reset; cached per key and labels."""
-
-import time
+"""Cost measurement: warm-up, then timed calls, each after an untimed reset; cached per key and labels.
+Time is a fake clock that the calls advance, so the medians are exact."""
 
 from jdspark.engine import costs
 
 
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_reset_runs_before_every_call_and_is_not_timed(tmp_path):
-    calls = []
+    clock, calls = FakeClock(), []
+    durations = {"step0": iter([100.0, 1.0, 5.0, 2.0]), "step2": iter([100.0, 3.0, 4.0, 9.0])}  # warm-up first
 
     def run(label):
         calls.append(("run", label))
-        time.sleep(0.001 * (int(label[-1]) + 1))
+        clock.now += next(durations[label])
 
     def reset():
         calls.append(("reset",))
-        time.sleep(0.02)  # would dominate the medians if it were timed
+        clock.now += 50.0  # would dominate the medians if it were timed
 
-    measured = costs.load_or_measure("key", run, ["step0", "step2"], 3, tmp_path, reprofile=False, reset=reset)
+    measured = costs.load_or_measure("key", run, ["step0", "step2"], 3, tmp_path, reprofile=False, reset=reset,
+                                     clock=clock)
     assert calls[:4] == [("reset",), ("run", "step0"), ("reset",), ("run", "step0")]
     assert sum(c == ("reset",) for c in calls) == sum(c[0] == "run" for c in calls) == 8  # 2 x (warm-up + 3)
-    assert list(measured) == ["step0", "step2"]
-    assert 0.001 <= measured["step0"] < 0.015 and 0.003 <= measured["step2"] < 0.018
+    assert measured == {"step0": 2.0, "step2": 4.0}  # medians of the timed calls, warm-up and resets left out
     calls.clear()
-    assert costs.load_or_measure("key", run, ["step0", "step2"], 3, tmp_path, reprofile=False, reset=reset) == measured
+    assert costs.load_or_measure("key", run, ["step0", "step2"], 3, tmp_path, reprofile=False, reset=reset,
+                                 clock=clock) == measured
     assert calls == []  # served from the cache
-    assert costs.load_or_measure("key", run, ["step0"], 3, tmp_path, reprofile=False, reset=reset).keys() == {"step0"}
+    durations["step0"] = iter([100.0, 7.0, 7.0, 7.0])
+    assert costs.load_or_measure("key", run, ["step0"], 3, tmp_path, reprofile=False, reset=reset,
+                                 clock=clock) == {"step0": 7.0}
     assert calls  # other labels: measured again
+    durations["step0"] = iter([100.0, 6.0, 6.0, 6.0])
+    assert costs.load_or_measure("key", run, ["step0"], 3, tmp_path, reprofile=True, reset=reset,
+                                 clock=clock) == {"step0": 6.0}  # reprofile: measured although cached
+
