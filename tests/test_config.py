@@ -1,10 +1,17 @@
 """DSV4Config: the three vocabularies parse to the same config; bad values name their key."""
 
+import dataclasses
 import json
 
 import pytest
 
-from jdspark.config import ConfigError, DSV4Config, flash_config, pro_config, tiny_config
+from flax import nnx
+
+from jdspark.assets import default_model_dir
+from jdspark.config import (ConfigError, DSparkConfig, DSV4Config, flash_config, pro_config, tiny_code_config,
+                            tiny_config, tiny_dspark_config)
+from jdspark.model.dsv4 import DSV4
+from jdspark.model.layers import Keys
 
 
 @pytest.mark.parametrize("make", [tiny_config, flash_config, pro_config])
@@ -51,9 +58,12 @@ def test_flash_hf_config_json_excerpt():
 def test_0731_style_extra_stages_and_dspark_keys():
     d = flash_config().to_dict()
     d["compress_ratios"] = [0, 0] + [4, 128] * 20 + [4, 0, 0, 0]
-    d["dspark_block_size"] = 5
+    d.update(dspark_block_size=5, dspark_noise_token_id=3, dspark_target_layer_ids=[40], dspark_markov_rank=64)
     cfg = DSV4Config.from_dict(d)
     assert len(cfg.compress_ratios) == 46 and cfg.extra["dspark_block_size"] == 5
+    assert cfg.dspark == DSparkConfig(block_size=5, noise_token_id=3, target_layer_ids=(40,), markov_rank=64,
+                                      num_stages=1)
+    assert cfg.to_dict() == d  # the drafter's keys are written back verbatim
 
 
 @pytest.mark.parametrize("key,value,match", [
@@ -96,7 +106,42 @@ def test_from_json_errors(tmp_path):
         DSV4Config.from_json(tmp_path / "config.json")
 
 
-def test_qat_sim_needs_compatible_dims():
-    with pytest.raises(ConfigError, match="qat_sim"):
-        tiny_config(head_dim=96, qk_rope_head_dim=64, qat_sim=True)
-    assert tiny_config(qat_sim=True).qat_sim
+def test_qat_sim_is_a_build_option_that_needs_compatible_dims():
+    assert "qat_sim" not in {f.name for f in dataclasses.fields(DSV4Config)}
+    bad = tiny_config(head_dim=96, qk_rope_head_dim=64)  # a valid config: qat_sim is not its business
+    with pytest.raises(ConfigError, match=r"qat_sim=True: .* = 32 and index_head_dim = 128"):
+        DSV4(bad, rngs=Keys(0), qat_sim=True)
+    with pytest.raises(ConfigError, match="qat_sim=True: .*power-of-two index_head_dim"):
+        DSV4(tiny_config(index_head_dim=96), rngs=Keys(0), qat_sim=True)
+    assert nnx.eval_shape(lambda: DSV4(tiny_config(), rngs=Keys(0), qat_sim=True)).qat_sim
+    assert not nnx.eval_shape(lambda: DSV4(bad, rngs=Keys(0))).qat_sim
+
+
+def test_dspark_is_parsed_once_at_construction():
+    cfg = tiny_dspark_config()
+    assert cfg.dspark is cfg.dspark  # a field, not a property that parses `extra` on every read
+    assert cfg.dspark == DSparkConfig(block_size=5, noise_token_id=3, target_layer_ids=(3, 5), markov_rank=32,
+                                      num_stages=2)
+    assert tiny_config().dspark is None
+    wide = cfg.replace(extra={**cfg.extra, "dspark_markov_rank": 256})  # replace parses anew
+    assert wide.dspark.markov_rank == 256 and wide.to_dict()["dspark_markov_rank"] == 256
+    deep = cfg.replace(num_nextn_predict_layers=3, compress_ratios=cfg.compress_ratios + (0,))
+    assert deep.dspark.num_stages == 3  # the drafter's stages are the extra layers
+    assert cfg.replace(extra={}).dspark is None
+    with pytest.raises(ConfigError, match="lacks dspark_markov_rank"):  # at construction, not on first use
+        tiny_dspark_config(extra=dict(dspark_block_size=5, dspark_noise_token_id=3, dspark_target_layer_ids=[3]))
+    with pytest.raises(ConfigError, match=r"dspark_target_layer_ids=\[6\]"):
+        tiny_dspark_config(extra={**cfg.extra, "dspark_target_layer_ids": [6]})
+    with pytest.raises(ConfigError, match="dspark_noise_token_id=512 is outside the vocabulary"):
+        tiny_dspark_config(extra={**cfg.extra, "dspark_noise_token_id": 512})
+    with pytest.raises(ConfigError, match="dspark_confidence_temperatures"):
+        tiny_dspark_config(extra={**cfg.extra, "dspark_confidence_temperatures": [1.0, 2.0]})
+
+
+def test_tiny_code_config_is_the_shipped_config_and_writes_it_back_byte_for_byte():
+    path = default_model_dir() / "config.json"
+    shipped = DSV4Config.from_json(path)
+    assert tiny_code_config() == shipped and tiny_code_config().dspark == shipped.dspark
+    assert tiny_code_config().extra == shipped.extra
+    assert json.dumps(shipped.to_dict(), indent=2) == path.read_text()  # what `save_model` writes
+    assert json.dumps(tiny_code_config().to_dict(), indent=2) == path.read_text()

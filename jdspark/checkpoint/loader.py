@@ -46,7 +46,8 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
                progress: bool = True) -> Model:
     """Load a DeepSeek-V4 checkpoint directory. dtype: "bfloat16" (serving) or "float32" (parity).
     Quantized weights stay compact on the device and are dequantized inside the jitted forward;
-    `dequantize=True` expands them to `dtype` at load instead (debugging)."""
+    `dequantize=True` expands them to `dtype` at load instead (debugging). `qat_sim=True` builds the
+    model with the reference's FP8 / FP4 QAT rounding simulated (spec §5.8; `Model.qat_sim`)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
     path = Path(path)
@@ -55,12 +56,12 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
             raise CheckpointError(f"{path}: a converted checkpoint restores its stored layout; "
                                   f"convert again with --dequantize instead")
         return orbax_io.restore(path, dtype=dtype, qat_sim=qat_sim)
-    config = read_config(path).replace(qat_sim=qat_sim)
+    config = read_config(path)
     ckpt = CheckpointDir(path)
     pieces = {name: locate(name, ckpt.shape(name)) for name in ckpt.names()}
     storage = detect_storage(ckpt, pieces, config)
     config = config_with(config, storage)
-    graphdef, state = abstract_model(config, DTYPES[dtype], Storage() if dequantize else storage)
+    graphdef, state = abstract_model(config, DTYPES[dtype], Storage() if dequantize else storage, qat_sim=qat_sim)
     pure = nnx.to_pure_dict(state)
     leaves = {tuple(k.key for k in kp): v for kp, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
     specs = disk_specs(leaves, storage)

@@ -44,15 +44,16 @@ def save(model: Model, storage: Storage, dst: str | Path) -> Path:
 
 
 def restore(path: Path, dtype: str, qat_sim: bool = False) -> Model:
-    """The `Model` saved by `save`, straight onto the default device."""
+    """The `Model` saved by `save`, straight onto the default device (built with the `qat_sim`
+    option: it is not part of the saved config)."""
     layout = json.loads((path / LAYOUT_FILE).read_text())
     if layout.get("format") != FORMAT:
         raise CheckpointError(f"{path / LAYOUT_FILE}: format {layout.get('format')!r}, expected {FORMAT!r}")
     if layout["dtype"] != dtype:
         raise CheckpointError(f"{path}: converted for dtype={layout['dtype']!r}, but dtype={dtype!r} was asked; "
                               f"load with dtype={layout['dtype']!r} or convert again with --dtype {dtype}")
-    config = DSV4Config.from_json(path / "config.json").replace(qat_sim=qat_sim)
-    graphdef, state = abstract_model(config, dtype, Storage(**layout["storage"]))
+    config = DSV4Config.from_json(path / "config.json")
+    graphdef, state = abstract_model(config, dtype, Storage(**layout["storage"]), qat_sim=qat_sim)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), nnx.to_pure_dict(state))
     import orbax.checkpoint as ocp  # only converted checkpoints need orbax

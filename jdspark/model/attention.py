@@ -40,13 +40,13 @@ def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
 
 
 class Attention(nnx.Module):
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys, qat_sim: bool = False):
         c = config
         self.kind = c.layer_kind(layer_id)
         self.n_heads, self.head_dim, self.rope_dim = c.num_attention_heads, c.head_dim, c.qk_rope_head_dim
         self.window, self.ratio, self.groups = c.sliding_window, c.layer_ratio(layer_id), c.o_groups
-        self.eps, self.qat_sim = c.rms_norm_eps, c.qat_sim
-        qat = c.qat_sim
+        self.eps, self.qat_sim = c.rms_norm_eps, qat_sim
+        qat = qat_sim
         self.wq_a = Linear(c.hidden_size, c.q_lora_rank, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype=dtype)
         self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, dtype=dtype, rngs=rngs, fp8_input=qat)
@@ -57,9 +57,9 @@ class Attention(nnx.Module):
                            dtype=dtype, rngs=rngs)
         self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.attn_sink = nnx.Param(rngs.normal((c.num_attention_heads,), jnp.float32, 1.0))
-        self.compressor = (Compressor(c, self.ratio, c.head_dim, indexer=False, dtype=dtype, rngs=rngs)
+        self.compressor = (Compressor(c, self.ratio, c.head_dim, indexer=False, dtype=dtype, rngs=rngs, qat_sim=qat)
                            if self.kind != "window" else None)
-        self.indexer = Indexer(c, dtype=dtype, rngs=rngs) if self.kind == "csa" else None
+        self.indexer = Indexer(c, dtype=dtype, rngs=rngs, qat_sim=qat) if self.kind == "csa" else None
         self.rope = layer_rope(c, compressed=self.kind != "window")
 
     def query(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:

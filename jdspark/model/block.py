@@ -32,7 +32,7 @@ class HyperHead(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys, qat_sim: bool = False):
         c = config
         self.layer_id = layer_id
         hc = dict(sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, rngs=rngs)
@@ -40,8 +40,8 @@ class Block(nnx.Module):
         self.hc_ffn = HyperConnection(c.hc_mult, c.hidden_size, **hc)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
-        self.attn = Attention(c, layer_id, dtype=dtype, rngs=rngs)
-        self.ffn = MoE(c, layer_id, dtype=dtype, rngs=rngs)
+        self.attn = Attention(c, layer_id, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
+        self.ffn = MoE(c, layer_id, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
 
     def __call__(self, x: jax.Array, positions: jax.Array, ids: jax.Array) -> jax.Array:
         """x [B, S, C, D] streams -> streams (full sequence from position 0)."""
@@ -71,9 +71,9 @@ class Block(nnx.Module):
 class MTPBlock(Block):
     """Multi-token prediction: (streams at t, token t+1) -> logits for token t+2 (window-only layer)."""
 
-    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys):
-        super().__init__(config, layer_id, dtype=dtype, rngs=rngs)
-        d, qat = config.hidden_size, config.qat_sim
+    def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys, qat_sim: bool = False):
+        super().__init__(config, layer_id, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
+        d, qat = config.hidden_size, qat_sim
         self.e_proj = Linear(d, d, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.h_proj = Linear(d, d, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.enorm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)

@@ -20,7 +20,8 @@ from jdspark.model.state import CompressorCache
 
 
 class Compressor(nnx.Module):
-    def __init__(self, config: DSV4Config, ratio: int, head_dim: int, *, indexer: bool, dtype, rngs: Keys):
+    def __init__(self, config: DSV4Config, ratio: int, head_dim: int, *, indexer: bool, dtype, rngs: Keys,
+                 qat_sim: bool = False):
         self.ratio, self.head_dim, self.indexer = ratio, head_dim, indexer
         self.overlap = ratio == CSA_RATIO
         width = (2 if self.overlap else 1) * head_dim
@@ -31,7 +32,7 @@ class Compressor(nnx.Module):
         self.norm = RMSNorm(head_dim, config.rms_norm_eps, dtype=dtype)
         self.rope = layer_rope(config, compressed=True)
         self.rope_dim = config.qk_rope_head_dim
-        self.qat_sim = config.qat_sim
+        self.qat_sim = qat_sim
 
     def rows(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Per-token (a, z) in fp32, [..., S, coff*c]; `ape` is added later by in-window offset."""

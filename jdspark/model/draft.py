@@ -34,12 +34,12 @@ class ConfidenceHead(nnx.Module):
 
 
 class DraftStage(Block):
-    def __init__(self, config: DSV4Config, index: int, *, dtype, rngs: Keys):
-        super().__init__(config, config.num_hidden_layers + index, dtype=dtype, rngs=rngs)
+    def __init__(self, config: DSV4Config, index: int, *, dtype, rngs: Keys, qat_sim: bool = False):
+        super().__init__(config, config.num_hidden_layers + index, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
         dspark, d = config.dspark, config.hidden_size
         if index == 0:
             self.main_proj = Linear(len(dspark.target_layer_ids) * d, d, dtype=dtype, rngs=rngs,
-                                    fp8_input=config.qat_sim)
+                                    fp8_input=qat_sim)
             self.main_norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)
         if index == dspark.num_stages - 1:
             self.norm = RMSNorm(d, config.rms_norm_eps, dtype=dtype)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdspark.config import DSV4Config
+from jdspark.model import quant_sim
 from jdspark.model.block import Block, HyperHead, MTPBlock
 from jdspark.model.draft import DraftStage
 from jdspark.model.layers import Embedding, Keys, Linear, RMSNorm
@@ -20,20 +21,26 @@ from jdspark.model.state import DecodeState
 
 
 class DSV4(nnx.Module):
-    def __init__(self, config: DSV4Config, *, dtype=jnp.bfloat16, rngs: Keys):
+    def __init__(self, config: DSV4Config, *, dtype=jnp.bfloat16, rngs: Keys, qat_sim: bool = False):
+        """`qat_sim` (a build option, not part of the checkpoint config): simulate the reference's
+        FP8 / FP4 QAT rounding (spec §5.8); the config's head dims must suit its blocks."""
         c = config
-        self.config = c
+        if qat_sim:
+            quant_sim.check_dims(c)
+        self.config, self.qat_sim = c, bool(qat_sim)
         self.dtype = jnp.dtype(dtype)
         self.embed = Embedding(c.vocab_size, c.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([Block(c, i, dtype=dtype, rngs=rngs) for i in range(c.num_hidden_layers)])
+        self.layers = nnx.List([Block(c, i, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
+                                for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype=dtype)
         self.head = Linear(c.hidden_size, c.vocab_size, dtype=dtype, rngs=rngs, compute_dtype=jnp.float32)
         self.hc_head = HyperHead(c, rngs=rngs)
         if c.dspark is None:
-            self.mtp = nnx.List([MTPBlock(c, c.num_hidden_layers + i, dtype=dtype, rngs=rngs)
+            self.mtp = nnx.List([MTPBlock(c, c.num_hidden_layers + i, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
                                  for i in range(c.num_nextn_predict_layers)])
         else:
-            self.mtp = nnx.List([DraftStage(c, i, dtype=dtype, rngs=rngs) for i in range(c.dspark.num_stages)])
+            self.mtp = nnx.List([DraftStage(c, i, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
+                                 for i in range(c.dspark.num_stages)])
 
     def streams(self, ids: jax.Array, feature_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array | None]:
         """Final residual streams [B, S, C, D] (before the HC head) for tokens [B, S] from position 0,

@@ -18,14 +18,15 @@ from jdspark.model.rope import apply_rope, layer_rope
 
 
 class Indexer(nnx.Module):
-    def __init__(self, config: DSV4Config, *, dtype, rngs: Keys):
+    def __init__(self, config: DSV4Config, *, dtype, rngs: Keys, qat_sim: bool = False):
         self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
         self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, dtype=dtype, rngs=rngs,
-                           fp8_input=config.qat_sim)
+                           fp8_input=qat_sim)
         self.weights_proj = Linear(config.hidden_size, self.n_heads, dtype=dtype, rngs=rngs)
-        self.compressor = Compressor(config, CSA_RATIO, self.head_dim, indexer=True, dtype=dtype, rngs=rngs)
+        self.compressor = Compressor(config, CSA_RATIO, self.head_dim, indexer=True, dtype=dtype, rngs=rngs,
+                                     qat_sim=qat_sim)
         self.rope = layer_rope(config, compressed=True)
-        self.qat_sim = config.qat_sim
+        self.qat_sim = qat_sim
 
     def scores(self, x: jax.Array, qr: jax.Array, positions: jax.Array, keys: jax.Array) -> jax.Array:
         """Index scores [B, S, T] (fp32) of queries at `positions` against indexer keys [B, T, c]."""

@@ -57,11 +57,12 @@ class Model:
         module = nnx.merge(graphdef, params)
         self.config: DSV4Config = module.config
         self.dtype = module.dtype
+        self.qat_sim: bool = module.qat_sim  # a build option (see `DSV4`), not part of the config
 
     @classmethod
-    def random(cls, config: DSV4Config, dtype="bfloat16", seed: int = 0) -> "Model":
+    def random(cls, config: DSV4Config, dtype="bfloat16", seed: int = 0, qat_sim: bool = False) -> "Model":
         """A randomly initialised model (tests, benchmarks), drawn on the host."""
-        return cls(*nnx.split(DSV4(config, dtype=jnp.dtype(dtype), rngs=Keys(seed, concrete=True))))
+        return cls(*nnx.split(DSV4(config, dtype=jnp.dtype(dtype), rngs=Keys(seed, concrete=True), qat_sim=qat_sim)))
 
     def module(self) -> DSV4:
         return nnx.merge(self.graphdef, self.params)

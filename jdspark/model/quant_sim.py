@@ -1,7 +1,9 @@
 """QAT simulation (spec §5.8): the FP8 / FP4 rounding and Hadamard rotation the reference applies.
 
 The checkpoint was trained with these roundings; reproducing them is optional for serving and off by
-default (`DSV4Config.qat_sim`). Scales are powers of two (ue8m0), as in the reference kernels.
+default: a build option, `load_model(path, qat_sim=True)` / `Model.random(config, qat_sim=True)`
+(checked against the config by `check_dims`). Scales are powers of two (ue8m0), as in the reference
+kernels.
 Note: the pure-PyTorch mirror of the reference `act_quant` skips the cast to e4m3 on its in-place
 path; the TileLang kernel (and this module) round to e4m3 / e2m1 values.
 """
@@ -12,8 +14,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jdspark.config import ConfigError, DSV4Config
+
 FP8_MAX = 448.0
 FP4_MAX = 6.0
+
+
+def check_dims(config: DSV4Config) -> None:
+    """Raise `ConfigError` unless `config`'s head dims suit the simulation's blocks: FP8 blocks of 64
+    on the KV nope part, Hadamard and FP4 blocks of 32 on the indexer's queries and keys."""
+    nope, index = config.nope_head_dim, config.index_head_dim
+    if nope % 64 or index & (index - 1) or index % 32:
+        raise ConfigError("qat_sim=True: needs (head_dim - qk_rope_head_dim) % 64 == 0 and a power-of-two "
+                          "index_head_dim (FP8 blocks of 64, Hadamard, FP4 blocks of 32); "
+                          f"this config has head_dim - qk_rope_head_dim = {config.head_dim} - "
+                          f"{config.qk_rope_head_dim} = {nope} and index_head_dim = {index}")
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:

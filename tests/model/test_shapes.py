@@ -66,7 +66,7 @@ def test_batch_rows_are_independent():
 
 def test_qat_simulation_is_wired_in_and_small():
     base = Model.random(tiny_config(), "float32", seed=3)
-    qat = Model.random(tiny_config(qat_sim=True), "float32", seed=3)
+    qat = Model.random(tiny_config(), "float32", seed=3, qat_sim=True)
     ids = np.arange(40) * 7 % 512
     a, b = base.logits(ids), qat.logits(ids)
     diff = np.abs(a - b)
