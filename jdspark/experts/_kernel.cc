@@ -1,0 +1,651 @@
+// Multi-threaded CPU routed-expert forward over the packed checkpoint formats (jdspark.experts).
+//
+// One call computes, for the host-resident experts a block of rows selected, the model's
+//   h   = round_dt(swiglu(round_dt(x W1^T), round_dt(x W3^T)) * routing_weight)      [pair, F]
+//   out = round_dt(h W2^T)                                                         [pair, D]
+//   y[r] = sum_k out[r, k]   (fp32, in k order)                                    [R, D]
+// reading each distinct expert once for all rows that selected it. Threads (OpenMP) run over
+// (expert, output tile) in phase 1 (w1/w3) and phase 2 (w2), then over rows in phase 3.
+// Decoding is done in registers (AVX2 + F16C + FMA when built for such a CPU, scalar otherwise):
+//   ds_fp4: pshufb of the nibbles into 2 * E2M1 as int8, widened to fp32; one e8m0 scale per 32.
+//   e4m3:   sign-extended byte << 7 (bit 14 cleared) is the fp16 of value / 256, then vcvtph2ps.
+//   bf16:   the upper half of an fp32.
+// Power-of-two scale factors (the 2 of the fp4 table, the 256 of e4m3) fold into the block scale;
+// e8m0 scales multiply a block's partial sum, which equals scaling each weight (exact powers of two).
+// Float32 FP8 scales multiply each block's sum too, except when the model dtype is bf16: then each
+// weight is scaled and rounded to bf16 first, as the model's dequantization does.
+// Built at first use by jdspark/experts/cpu_gemv.py: g++ -O3 -march=native -fopenmp -shared.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <omp.h>
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define JDS_AVX2 1
+#else
+#define JDS_AVX2 0
+#endif
+
+namespace {
+
+enum Fmt { FP4 = 0, FP8_E8M0 = 1, FP8_F32 = 2, BF16 = 3 };
+constexpr int MAXR = 8;  // rows handled per pass over a weight row
+
+float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, 0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+inline float pow2(int e) { return std::ldexp(1.0f, e); }
+
+// 2^(b - 127 + shift) for an e8m0 byte b, by building the float's bits (ldexp where subnormal).
+inline float e8m0_times(uint32_t b, int shift) {
+  const int e = int(b) + shift;
+  if (e < 1 || e > 254) return pow2(int(b) - 127 + shift);
+  uint32_t u = uint32_t(e) << 23;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float e4m3_value(uint8_t b) {
+  int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+  float mag = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return s ? -mag : mag;
+}
+
+inline float bf16_round(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+inline float bf16_value(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float v;
+  std::memcpy(&v, &u, 4);
+  return v;
+}
+
+// Position of element i of a 32-block in the order the fp4 decoder produces: evens then odds.
+inline int fp4_pos(int i) { return (i & 1) * 16 + (i >> 1); }
+
+struct Row {  // one weight row (an output feature) of an expert matrix [N, K]
+  const uint8_t* w;   // codes / bytes of this row
+  const void* s;      // fp4: e8m0 bytes of this row; fp8: the block-scale row [ceil(K/128)]
+};
+
+#if JDS_AVX2
+inline __m256 cvt8(__m128i v8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v8)); }
+
+inline __m256 bf16_round8(__m256 v) {
+  __m256i i = _mm256_castps_si256(v);
+  i = _mm256_add_epi32(_mm256_add_epi32(i, _mm256_set1_epi32(0x7FFF)), _mm256_and_si256(_mm256_srli_epi32(i, 16), _mm256_set1_epi32(1)));
+  return _mm256_castsi256_ps(_mm256_and_si256(i, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  a = _mm_add_ss(a, _mm_movehdup_ps(a));
+  return _mm_cvtss_f32(a);
+}
+
+// NR dot products of one ds_fp4 row [K/2 bytes] with xs[r] (K floats, fp4-permuted per block).
+// Two blocks (32 bytes) per step: nibbles -> 2 * E2M1 as int8 by vpshufb, through a small stack
+// buffer into vpmovsxbd + vcvtdq2ps; the e8m0 scales of the row become floats 8 at a time
+// (byte << 23 is the float 2^(b - 127) for b >= 1); the table's factor 2 comes off at the end.
+template <int NR>
+inline void dot_fp4(const uint8_t* w, const uint8_t* s, int K, const float* const* xs, float* out) {
+  const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
+                                       0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const int nb = K / 32;
+  alignas(32) float sf[256];
+  alignas(32) int8_t buf[64];
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int c0 = 0; c0 < nb; c0 += 256) {  // rows longer than 8192 elements: chunks of 256 blocks
+    const int cn = nb - c0 < 256 ? nb - c0 : 256;
+    int i = 0;
+    for (; i + 8 <= cn; i += 8)
+      _mm256_store_ps(sf + i, _mm256_castsi256_ps(_mm256_slli_epi32(
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(s + c0 + i))), 23)));
+    for (; i < cn; ++i) sf[i] = e8m0_times(s[c0 + i], 0);
+    int b = 0;
+    for (; b + 2 <= cn; b += 2) {
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(w + 16 * (c0 + b)));
+      _mm256_store_si256((__m256i*)buf, _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4)));
+      _mm256_store_si256((__m256i*)(buf + 32), _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)));
+      for (int h = 0; h < 2; ++h) {
+        const __m256 v0 = cvt8(_mm_loadl_epi64((const __m128i*)(buf + 16 * h)));
+        const __m256 v1 = cvt8(_mm_loadl_epi64((const __m128i*)(buf + 16 * h + 8)));
+        const __m256 v2 = cvt8(_mm_loadl_epi64((const __m128i*)(buf + 32 + 16 * h)));
+        const __m256 v3 = cvt8(_mm_loadl_epi64((const __m128i*)(buf + 40 + 16 * h)));
+        const __m256 sc = _mm256_broadcast_ss(sf + b + h);
+        for (int r = 0; r < NR; ++r) {
+          const float* x = xs[r] + 32 * (c0 + b + h);
+          __m256 t = _mm256_mul_ps(v0, _mm256_loadu_ps(x));
+          t = _mm256_fmadd_ps(v1, _mm256_loadu_ps(x + 8), t);
+          t = _mm256_fmadd_ps(v2, _mm256_loadu_ps(x + 16), t);
+          t = _mm256_fmadd_ps(v3, _mm256_loadu_ps(x + 24), t);
+          acc[r] = _mm256_fmadd_ps(t, sc, acc[r]);
+        }
+      }
+    }
+    for (; b < cn; ++b) {  // an odd last block
+      const __m128i lut1 = _mm256_castsi256_si128(lut), m41 = _mm256_castsi256_si128(m4);
+      const __m128i q = _mm_loadu_si128((const __m128i*)(w + 16 * (c0 + b)));
+      const __m128i lo = _mm_shuffle_epi8(lut1, _mm_and_si128(q, m41));
+      const __m128i hi = _mm_shuffle_epi8(lut1, _mm_and_si128(_mm_srli_epi16(q, 4), m41));
+      const __m256 v0 = cvt8(lo), v1 = cvt8(_mm_srli_si128(lo, 8)), v2 = cvt8(hi), v3 = cvt8(_mm_srli_si128(hi, 8));
+      const __m256 sc = _mm256_broadcast_ss(sf + b);
+      for (int r = 0; r < NR; ++r) {
+        const float* x = xs[r] + 32 * (c0 + b);
+        __m256 t = _mm256_mul_ps(v0, _mm256_loadu_ps(x));
+        t = _mm256_fmadd_ps(v1, _mm256_loadu_ps(x + 8), t);
+        t = _mm256_fmadd_ps(v2, _mm256_loadu_ps(x + 16), t);
+        t = _mm256_fmadd_ps(v3, _mm256_loadu_ps(x + 24), t);
+        acc[r] = _mm256_fmadd_ps(t, sc, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = 0.5f * hsum(acc[r]);
+}
+
+// 16 e4m3 bytes -> two vectors of value / 256 (exact), in element order.
+inline void dec_e4m3(const uint8_t* p, __m256& a, __m256& b) {
+  __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
+  w = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBFFF));
+  a = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
+  b = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
+}
+
+// NR dots of one e4m3 row [K] with block scales srow[ceil(K/128)] (e8m0 bytes or float32).
+// ROUND: scale each weight in fp32 and round it to bf16 (float32 scales, bf16 model).
+template <int NR, bool F32S, bool ROUND>
+inline void dot_fp8(const uint8_t* w, const void* srow, int K, const float* const* xs, float* out) {
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  const int nb = (K + 127) / 128;
+  for (int b = 0; b < nb; ++b) {
+    const float sv = F32S ? ((const float*)srow)[b] : e8m0_times(((const uint8_t*)srow)[b], 0);
+    const int k0 = 128 * b, k1 = K < k0 + 128 ? K : k0 + 128;
+    if (ROUND) {  // each weight: value * s in fp32 (as the model's dequant), rounded to bf16
+      const __m256 s256 = _mm256_set1_ps(256.0f), svv = _mm256_set1_ps(sv);
+      int k = k0;
+      for (; k + 16 <= k1; k += 16) {
+        __m256 a, c;
+        dec_e4m3(w + k, a, c);
+        a = bf16_round8(_mm256_mul_ps(_mm256_mul_ps(a, s256), svv));
+        c = bf16_round8(_mm256_mul_ps(_mm256_mul_ps(c, s256), svv));
+        for (int r = 0; r < NR; ++r) {
+          acc[r] = _mm256_fmadd_ps(a, _mm256_loadu_ps(xs[r] + k), acc[r]);
+          acc[r] = _mm256_fmadd_ps(c, _mm256_loadu_ps(xs[r] + k + 8), acc[r]);
+        }
+      }
+      float tail[MAXR] = {0};
+      for (; k < k1; ++k) {
+        const float v = bf16_round(e4m3_value(w[k]) * sv);
+        for (int r = 0; r < NR; ++r) tail[r] += v * xs[r][k];
+      }
+      for (int r = 0; r < NR; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_setr_ps(tail[r], 0, 0, 0, 0, 0, 0, 0));
+    } else {
+      __m256 blk[NR];
+      for (int r = 0; r < NR; ++r) blk[r] = _mm256_setzero_ps();
+      int k = k0;
+      for (; k + 16 <= k1; k += 16) {
+        __m256 a, c;
+        dec_e4m3(w + k, a, c);
+        for (int r = 0; r < NR; ++r) {
+          blk[r] = _mm256_fmadd_ps(a, _mm256_loadu_ps(xs[r] + k), blk[r]);
+          blk[r] = _mm256_fmadd_ps(c, _mm256_loadu_ps(xs[r] + k + 8), blk[r]);
+        }
+      }
+      float tail[MAXR] = {0};
+      for (; k < k1; ++k) {
+        float v = e4m3_value(w[k]) / 256.0f;
+        for (int r = 0; r < NR; ++r) tail[r] += v * xs[r][k];
+      }
+      const __m256 sc = _mm256_set1_ps(sv * 256.0f);
+      for (int r = 0; r < NR; ++r) {
+        blk[r] = _mm256_add_ps(blk[r], _mm256_setr_ps(tail[r], 0, 0, 0, 0, 0, 0, 0));
+        acc[r] = _mm256_fmadd_ps(blk[r], sc, acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
+}
+
+template <int NR>
+inline void dot_bf16(const uint16_t* w, int K, const float* const* xs, float* out) {
+  __m256 acc[NR];
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  int k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + k))), 16));
+    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs[r] + k), acc[r]);
+  }
+  for (int r = 0; r < NR; ++r) {
+    float t = hsum(acc[r]);
+    for (int j = k; j < K; ++j) t += bf16_value(w[j]) * xs[r][j];
+    out[r] = t;
+  }
+}
+
+// ---- multi-row SIMD kernel: M weight rows x NR input vectors per pass ---------------------------
+// Every format decodes a 32-element block of a row into 4 x 8 floats (in the order the format's
+// inputs are laid out) and one block factor; the partial sum of a block times its factor adds to the
+// accumulator. Processing M rows together reuses each 128 B slice of an input from L1 M times
+// (a row-at-a-time GEMV reads 4 B of input per 0.5 B of fp4 weight and stalls on it).
+struct BlockFP4 {  // scale per 32-block: G = 1
+  static constexpr int G = 1;
+  static constexpr float OUT = 0.5f;  // the table holds 2 x E2M1
+  static float factor(const void* s, int g) {
+    // 2^(b - 127) is the float whose bits are b << 23 (b >= 1; checked when a bank is filled)
+    uint32_t u = uint32_t(((const uint8_t*)s)[g]) << 23;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static void dec(const uint8_t* w, int b, float, __m256 v[4]) {
+    const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    const __m128i q = _mm_loadu_si128((const __m128i*)(w + 16 * b));
+    const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(q, m4));
+    const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(q, 4), m4));
+    v[0] = cvt8(lo); v[1] = cvt8(_mm_srli_si128(lo, 8)); v[2] = cvt8(hi); v[3] = cvt8(_mm_srli_si128(hi, 8));
+  }
+};
+template <bool F32S, bool ROUND>
+struct BlockFP8 {  // s: the row's block-scale row [ceil(K/128)]; one scale per 4 blocks of 32
+  static constexpr int G = 4;
+  static constexpr float OUT = 1.0f;
+  static float factor(const void* s, int g) {
+    const float sv = F32S ? ((const float*)s)[g] : e8m0_times(((const uint8_t*)s)[g], 0);
+    return ROUND ? sv : sv * 256.0f;  // the decoder gives value / 256
+  }
+  static void dec(const uint8_t* w, int b, float sv, __m256 v[4]) {
+    dec_e4m3(w + 32 * b, v[0], v[1]);
+    dec_e4m3(w + 32 * b + 16, v[2], v[3]);
+    if (ROUND) {  // value * s in fp32 as the model's dequant, rounded to bf16 (factor 1 below)
+      const __m256 k = _mm256_set1_ps(256.0f), svv = _mm256_set1_ps(sv);
+      for (int i = 0; i < 4; ++i) v[i] = bf16_round8(_mm256_mul_ps(_mm256_mul_ps(v[i], k), svv));
+    }
+  }
+};
+struct BlockBF16 {
+  static constexpr int G = 1 << 20;
+  static constexpr float OUT = 1.0f;
+  static float factor(const void*, int) { return 1.0f; }
+  static void dec(const uint8_t* w, int b, float, __m256 v[4]) {
+    const uint16_t* p = (const uint16_t*)w + 32 * b;
+    for (int i = 0; i < 4; ++i)
+      v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(p + 8 * i))), 16));
+  }
+};
+
+template <class Dec, int M, int NR>
+inline void dot_multi(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out) {
+  constexpr bool ROUNDED = std::is_same<Dec, BlockFP8<true, true>>::value;
+  __m256 acc[M][NR];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int nb = K / 32;
+  for (int b0 = 0; b0 < nb; b0 += Dec::G) {
+    const int b1 = b0 + Dec::G < nb ? b0 + Dec::G : nb;
+    float f[M];
+    __m256 sc[M];
+    for (int m = 0; m < M; ++m) { f[m] = Dec::factor(s[m], b0 / Dec::G); sc[m] = _mm256_set1_ps(ROUNDED ? 1.0f : f[m]); }
+    for (int b = b0; b < b1; ++b) {
+      for (int m = 0; m < M; ++m) {
+        __m256 v[4];
+        Dec::dec(w[m], b, f[m], v);
+        for (int r = 0; r < NR; ++r) {
+          const float* x = xs[r] + 32 * b;
+          __m256 t = _mm256_mul_ps(v[0], _mm256_loadu_ps(x));
+          t = _mm256_fmadd_ps(v[1], _mm256_loadu_ps(x + 8), t);
+          t = _mm256_fmadd_ps(v[2], _mm256_loadu_ps(x + 16), t);
+          t = _mm256_fmadd_ps(v[3], _mm256_loadu_ps(x + 24), t);
+          acc[m][r] = _mm256_fmadd_ps(t, sc[m], acc[m][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < NR; ++r) out[m * NR + r] = Dec::OUT * hsum(acc[m][r]);
+}
+#endif  // JDS_AVX2
+
+
+// Scalar versions (any CPU); same element order conventions (fp4 inputs permuted per block).
+template <int NR>
+inline void dot_fp4_scalar(const uint8_t* w, const uint8_t* s, int K, const float* const* xs, float* out) {
+  float acc[MAXR] = {0};
+  for (int b = 0; b < K / 32; ++b) {
+    float blk[MAXR] = {0};
+    for (int j = 0; j < 16; ++j) {
+      uint8_t q = w[16 * b + j];
+      float v0 = E2M1[q & 15], v1 = E2M1[q >> 4];
+      for (int r = 0; r < NR; ++r) blk[r] += v0 * xs[r][32 * b + fp4_pos(2 * j)] + v1 * xs[r][32 * b + fp4_pos(2 * j + 1)];
+    }
+    float sc = e8m0_times(s[b], 0);
+    for (int r = 0; r < NR; ++r) acc[r] += blk[r] * sc;
+  }
+  for (int r = 0; r < NR; ++r) out[r] = acc[r];
+}
+
+template <int NR, bool F32S, bool ROUND>
+inline void dot_fp8_scalar(const uint8_t* w, const void* srow, int K, const float* const* xs, float* out) {
+  float acc[MAXR] = {0};
+  for (int b = 0; b < (K + 127) / 128; ++b) {
+    const float sv = F32S ? ((const float*)srow)[b] : e8m0_times(((const uint8_t*)srow)[b], 0);
+    float blk[MAXR] = {0};
+    for (int k = 128 * b; k < K && k < 128 * (b + 1); ++k) {
+      float v = ROUND ? bf16_round(e4m3_value(w[k]) * sv) : e4m3_value(w[k]);
+      for (int r = 0; r < NR; ++r) blk[r] += v * xs[r][k];
+    }
+    for (int r = 0; r < NR; ++r) acc[r] += ROUND ? blk[r] : blk[r] * sv;
+  }
+  for (int r = 0; r < NR; ++r) out[r] = acc[r];
+}
+
+template <int NR>
+inline void dot_bf16_scalar(const uint16_t* w, int K, const float* const* xs, float* out) {
+  float acc[MAXR] = {0};
+  for (int k = 0; k < K; ++k) {
+    float v = bf16_value(w[k]);
+    for (int r = 0; r < NR; ++r) acc[r] += v * xs[r][k];
+  }
+  for (int r = 0; r < NR; ++r) out[r] = acc[r];
+}
+
+struct Mat {  // one expert matrix [N, K] inside an expert's run
+  const uint8_t* w;
+  const void* s;
+  int N, K;
+  int fmt;
+  bool round_w;  // FP8_F32 with a bf16 model: round each scaled weight to bf16
+};
+
+template <int NR>
+void dot_rows_t(const Mat& m, int row, const float* const* xs, float* out, bool simd) {
+  const int K = m.K;
+  if (m.fmt == FP4) {
+    const uint8_t* w = m.w + size_t(row) * (K / 2);
+    const uint8_t* s = (const uint8_t*)m.s + size_t(row) * (K / 32);
+#if JDS_AVX2
+    if (simd) return dot_fp4<NR>(w, s, K, xs, out);
+#endif
+    return dot_fp4_scalar<NR>(w, s, K, xs, out);
+  }
+  if (m.fmt == BF16) {
+    const uint16_t* w = (const uint16_t*)m.w + size_t(row) * K;
+#if JDS_AVX2
+    if (simd) return dot_bf16<NR>(w, K, xs, out);
+#endif
+    return dot_bf16_scalar<NR>(w, K, xs, out);
+  }
+  const uint8_t* w = m.w + size_t(row) * K;
+  const int nb = (K + 127) / 128;
+  const bool f32s = m.fmt == FP8_F32;
+  const void* srow = f32s ? (const void*)((const float*)m.s + size_t(row / 128) * nb)
+                          : (const void*)((const uint8_t*)m.s + size_t(row / 128) * nb);
+#if JDS_AVX2
+  if (simd) {
+    if (!f32s) return dot_fp8<NR, false, false>(w, srow, K, xs, out);
+    if (m.round_w) return dot_fp8<NR, true, true>(w, srow, K, xs, out);
+    return dot_fp8<NR, true, false>(w, srow, K, xs, out);
+  }
+#endif
+  if (!f32s) return dot_fp8_scalar<NR, false, false>(w, srow, K, xs, out);
+  if (m.round_w) return dot_fp8_scalar<NR, true, true>(w, srow, K, xs, out);
+  return dot_fp8_scalar<NR, true, false>(w, srow, K, xs, out);
+}
+
+// Dots of weight row `row` with n (any count) input vectors, in passes of MAXR.
+void dot_rows(const Mat& m, int row, const float* const* xs, int n, float* out, bool simd) {
+  for (int i = 0; i < n; i += MAXR) {
+    int c = n - i < MAXR ? n - i : MAXR;
+    switch (c) {
+      case 1: dot_rows_t<1>(m, row, xs + i, out + i, simd); break;
+      case 2: dot_rows_t<2>(m, row, xs + i, out + i, simd); break;
+      case 3: dot_rows_t<3>(m, row, xs + i, out + i, simd); break;
+      case 4: dot_rows_t<4>(m, row, xs + i, out + i, simd); break;
+      case 5: dot_rows_t<5>(m, row, xs + i, out + i, simd); break;
+      case 6: dot_rows_t<6>(m, row, xs + i, out + i, simd); break;
+      case 7: dot_rows_t<7>(m, row, xs + i, out + i, simd); break;
+      default: dot_rows_t<8>(m, row, xs + i, out + i, simd); break;
+    }
+  }
+}
+
+
+// Row pointers of weight row `row` of matrix m (codes, scale row).
+inline void row_ptrs(const Mat& m, int row, const uint8_t*& w, const void*& s) {
+  const int K = m.K;
+  if (m.fmt == FP4) {
+    w = m.w + size_t(row) * (K / 2);
+    s = (const uint8_t*)m.s + size_t(row) * (K / 32);
+  } else if (m.fmt == BF16) {
+    w = m.w + size_t(row) * K * 2;
+    s = nullptr;
+  } else {
+    const int nb = (K + 127) / 128;
+    w = m.w + size_t(row) * K;
+    s = m.fmt == FP8_F32 ? (const void*)((const float*)m.s + size_t(row / 128) * nb)
+                         : (const void*)((const uint8_t*)m.s + size_t(row / 128) * nb);
+  }
+}
+
+#if JDS_AVX2
+template <class Dec, int M>
+void multi_nr(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, int n, float* out) {
+  // out [M][n]
+  float tmp[M * MAXR];
+  for (int i = 0; i < n; i += MAXR) {
+    const int c = n - i < MAXR ? n - i : MAXR;
+    switch (c) {
+      case 1: dot_multi<Dec, M, 1>(w, s, K, xs + i, tmp); break;
+      case 2: dot_multi<Dec, M, 2>(w, s, K, xs + i, tmp); break;
+      case 3: dot_multi<Dec, M, 3>(w, s, K, xs + i, tmp); break;
+      case 4: dot_multi<Dec, M, 4>(w, s, K, xs + i, tmp); break;
+      case 5: dot_multi<Dec, M, 5>(w, s, K, xs + i, tmp); break;
+      case 6: dot_multi<Dec, M, 6>(w, s, K, xs + i, tmp); break;
+      case 7: dot_multi<Dec, M, 7>(w, s, K, xs + i, tmp); break;
+      default: dot_multi<Dec, M, 8>(w, s, K, xs + i, tmp); break;
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < c; ++r) out[m * n + i + r] = tmp[m * c + r];
+  }
+}
+
+template <class Dec>
+void multi_m(int M, const uint8_t* const* w, const void* const* s, int K, const float* const* xs, int n, float* out) {
+  if (M == 4) return multi_nr<Dec, 4>(w, s, K, xs, n, out);
+  if (M == 2) return multi_nr<Dec, 2>(w, s, K, xs, n, out);
+  for (int m = 0; m < M; ++m) multi_nr<Dec, 1>(w + m, s + m, K, xs, n, out + m * n);
+}
+#endif
+
+// Dots of M rows (mats[i], rows[i]; all with the same K and format) with n input vectors:
+// out [M][n]. SIMD when built for AVX2 and K % 32 == 0, else row by row in scalar code.
+void dot_many(const Mat* const* mats, const int* rows, int M, const float* const* xs, int n, float* out, bool simd) {
+  const Mat& m0 = *mats[0];
+#if JDS_AVX2
+  if (simd && m0.K % 32 == 0) {
+    const uint8_t* w[4];
+    const void* s[4];
+    for (int i = 0; i < M; ++i) row_ptrs(*mats[i], rows[i], w[i], s[i]);
+    switch (m0.fmt) {
+      case FP4: return multi_m<BlockFP4>(M, w, s, m0.K, xs, n, out);
+      case BF16: return multi_m<BlockBF16>(M, w, s, m0.K, xs, n, out);
+      case FP8_E8M0: return multi_m<BlockFP8<false, false>>(M, w, s, m0.K, xs, n, out);
+      default:
+        if (m0.round_w) return multi_m<BlockFP8<true, true>>(M, w, s, m0.K, xs, n, out);
+        return multi_m<BlockFP8<true, false>>(M, w, s, m0.K, xs, n, out);
+    }
+  }
+#endif
+  for (int i = 0; i < M; ++i) dot_rows(*mats[i], rows[i], xs, n, out + i * n, false);
+}
+
+// Software prefetch of a weight row ahead of its use (the hardware streamers lose several
+// interleaved streams at page boundaries).
+inline void prefetch_row(const Mat& m, int row) {
+  if (row >= m.N) return;
+  const size_t bytes = m.fmt == FP4 ? size_t(m.K) / 2 : (m.fmt == BF16 ? size_t(m.K) * 2 : size_t(m.K));
+  const char* p = (const char*)m.w + size_t(row) * bytes;
+  for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
+  if (m.fmt == FP4) {
+    const char* q = (const char*)m.s + size_t(row) * (m.K / 32);
+    for (size_t i = 0; i < size_t(m.K) / 32; i += 64) __builtin_prefetch(q + i, 0, 3);
+  }
+}
+
+inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
+
+}  // namespace
+
+extern "C" {
+
+int jds_has_simd() { return JDS_AVX2; }
+
+// Host-side read bandwidth probe: sums `n` bytes (as uint64) with `nthreads` threads, `reps` times.
+uint64_t jds_read_sum(const uint64_t* p, int64_t n_words, int reps, int nthreads) {
+  uint64_t total = 0;
+  for (int rep = 0; rep < reps; ++rep) {
+#pragma omp parallel for num_threads(nthreads) reduction(+ : total) schedule(static)
+    for (int64_t c = 0; c < (n_words + 4095) / 4096; ++c) {
+      const int64_t a = c * 4096, b = a + 4096 < n_words ? a + 4096 : n_words;
+#if JDS_AVX2
+      __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
+      int64_t i = a;
+      for (; i + 16 <= b; i += 16) {
+        s0 = _mm256_add_epi64(s0, _mm256_load_si256((const __m256i*)(p + i)));
+        s1 = _mm256_add_epi64(s1, _mm256_load_si256((const __m256i*)(p + i + 4)));
+        s2 = _mm256_add_epi64(s2, _mm256_load_si256((const __m256i*)(p + i + 8)));
+        s3 = _mm256_add_epi64(s3, _mm256_load_si256((const __m256i*)(p + i + 12)));
+      }
+      alignas(32) uint64_t t[4];
+      _mm256_store_si256((__m256i*)t, _mm256_add_epi64(_mm256_add_epi64(s0, s1), _mm256_add_epi64(s2, s3)));
+      uint64_t s = t[0] + t[1] + t[2] + t[3];
+      for (; i < b; ++i) s += p[i];
+#else
+      uint64_t s = 0;
+      for (int64_t i = a; i < b; ++i) s += p[i];
+#endif
+      total += s;
+    }
+  }
+  return total;
+}
+
+// The routed-expert forward of the host experts of one block of rows.
+//   data: bank base [S, expert_nbytes]; off: byte offsets of w1, w3, w2, s1, s3, s2 in a run
+//   x [R, D]; pairs sorted by expert: pstart [n_uniq + 1], uniq_slot [n_uniq], pair_row [P],
+//   pair_w [P] (routing weight), pair_out [P] (= r * K + k); covered [R * K] (1 where a pair wrote)
+//   scratch: xp [R, D], h [P, F], out [R * K, D]; y [R, D] (written).
+int jds_moe_forward(int fmt, const uint8_t* data, int64_t expert_nbytes, const int64_t* off,
+                    int D, int F, int R, int K, const float* x,
+                    int n_uniq, const int32_t* uniq_slot, const int32_t* pstart,
+                    const int32_t* pair_row, const float* pair_w, const int32_t* pair_out,
+                    const uint8_t* covered, float* xp, float* h, float* out, float* y,
+                    float limit, int round_bf16, int nthreads, int tile_f, int tile_d, int use_simd, int prefetch) {
+  if (fmt < 0 || fmt > 3) return -1;
+  if (fmt == FP4 && (D % 32 || F % 32)) return -2;
+  const bool simd = use_simd && JDS_AVX2;
+  const bool perm = fmt == FP4;  // fp4 reads its inputs in the decoder's order
+  const int nft = (F + tile_f - 1) / tile_f, ndt = (D + tile_d - 1) / tile_d;
+  const bool rnd = round_bf16 != 0;
+  auto dt = [rnd](float v) { return rnd ? bf16_round(v) : v; };
+
+#pragma omp parallel num_threads(nthreads)
+  {
+    // phase 0: inputs in the decoder's order
+#pragma omp for schedule(static)
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < D; ++i) xp[size_t(r) * D + (perm ? (i & ~31) + fp4_pos(i & 31) : i)] = x[size_t(r) * D + i];
+
+    // phase 1: gate / up / SwiGLU / routing weight, tiles of F per expert
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < int64_t(n_uniq) * nft; ++item) {
+      const int u = int(item / nft), ft = int(item % nft);
+      const uint8_t* base = data + int64_t(uniq_slot[u]) * expert_nbytes;
+      Mat w1{base + off[0], base + off[3], F, D, fmt, rnd && fmt == FP8_F32};
+      Mat w3{base + off[1], base + off[4], F, D, fmt, rnd && fmt == FP8_F32};
+      const int p0 = pstart[u], np = pstart[u + 1] - p0;
+      const float* xs[64];
+      for (int c0 = 0; c0 < np; c0 += 64) {
+        const int nc = np - c0 < 64 ? np - c0 : 64;
+        for (int i = 0; i < nc; ++i) xs[i] = xp + size_t(pair_row[p0 + c0 + i]) * D;
+        const int f_end = (ft + 1) * tile_f < F ? (ft + 1) * tile_f : F;
+        for (int f = ft * tile_f; f < f_end; f += 2) {
+          const int two = f + 1 < f_end ? 2 : 1;
+          if (prefetch) { prefetch_row(w1, f + 2 * prefetch); prefetch_row(w3, f + 2 * prefetch);
+                          prefetch_row(w1, f + 2 * prefetch + 1); prefetch_row(w3, f + 2 * prefetch + 1); }
+          const Mat* mats[4] = {&w1, &w3, &w1, &w3};
+          const int rows[4] = {f, f, f + 1, f + 1};
+          float gu[4 * 64];  // [w1 f, w3 f, w1 f+1, w3 f+1][pair]
+          dot_many(mats, rows, 2 * two, xs, nc, gu, simd);
+          for (int j = 0; j < two; ++j) {
+            const int fj = f + j;
+            const int fpos = perm ? (fj & ~31) + fp4_pos(fj & 31) : fj;
+            for (int i = 0; i < nc; ++i) {
+              float gv = dt(gu[(2 * j) * nc + i]), uv = dt(gu[(2 * j + 1) * nc + i]);
+              if (limit > 0) {
+                gv = gv < limit ? gv : limit;
+                uv = uv < -limit ? -limit : (uv > limit ? limit : uv);
+              }
+              const int p = p0 + c0 + i;
+              h[size_t(p) * F + fpos] = dt(silu(gv) * uv * pair_w[p]);
+            }
+          }
+        }
+      }
+    }
+
+    // phase 2: down projection, tiles of D per expert
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < int64_t(n_uniq) * ndt; ++item) {
+      const int u = int(item / ndt), dtile = int(item % ndt);
+      const uint8_t* base = data + int64_t(uniq_slot[u]) * expert_nbytes;
+      Mat w2{base + off[2], base + off[5], D, F, fmt, rnd && fmt == FP8_F32};
+      const int p0 = pstart[u], np = pstart[u + 1] - p0;
+      const float* hs[64];
+      for (int c0 = 0; c0 < np; c0 += 64) {
+        const int nc = np - c0 < 64 ? np - c0 : 64;
+        for (int i = 0; i < nc; ++i) hs[i] = h + size_t(p0 + c0 + i) * F;
+        const int d_end = (dtile + 1) * tile_d < D ? (dtile + 1) * tile_d : D;
+        for (int d = dtile * tile_d; d < d_end; d += 4) {
+          const int nm = d + 4 <= d_end ? 4 : d_end - d;
+          if (prefetch) for (int j = 0; j < 4; ++j) prefetch_row(w2, d + 4 * prefetch + j);
+          const Mat* mats[4] = {&w2, &w2, &w2, &w2};
+          const int rows[4] = {d, d + 1, d + 2, d + 3};
+          float o[4 * 64];
+          dot_many(mats, rows, nm, hs, nc, o, simd);
+          for (int j = 0; j < nm; ++j)
+            for (int i = 0; i < nc; ++i) out[size_t(pair_out[p0 + c0 + i]) * D + d + j] = dt(o[j * nc + i]);
+        }
+      }
+    }
+
+    // phase 3: y[r] = sum_k out[r, k] in k order, over the pairs that were computed
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < int64_t(R) * ((D + 255) / 256); ++item) {
+      const int r = int(item / ((D + 255) / 256)), d0 = int(item % ((D + 255) / 256)) * 256;
+      const int d1 = d0 + 256 < D ? d0 + 256 : D;
+      float* yr = y + size_t(r) * D;
+      for (int d = d0; d < d1; ++d) yr[d] = 0.0f;
+      for (int k = 0; k < K; ++k) {
+        if (!covered[r * K + k]) continue;
+        const float* src = out + size_t(r * K + k) * D;
+        for (int d = d0; d < d1; ++d) yr[d] += src[d];
+      }
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,212 @@
+"""Multi-threaded CPU routed-expert forward over the packed formats of a host `ExpertBank`.
+
+`moe_forward(bank, x, ids, weights, limit=...)` is the host part of one MoE layer: x [R, D] float32
+(the MoE input after ffn_norm, in the model dtype's values), ids [R, K] global expert ids, weights
+[R, K] routing weights -> [R, D] float32, the sum over k of the experts that live in `bank` (pairs
+whose expert is not in the bank contribute nothing: the GPU computes them). The arithmetic follows
+`jdspark.model.moe.Experts`:
+
+    gate, up = x W1^T, x W3^T            fp32 accumulation, rounded to the model dtype
+    h        = swiglu(gate, up, limit) * routing weight   (fp32), rounded to the model dtype
+    out      = h W2^T                     fp32 accumulation, rounded to the model dtype
+    y        = sum_k out (fp32)
+
+`dtype="bfloat16"` rounds at those points as a bf16 model does (and rounds FP8 weights with float32
+scales to bf16, as its dequantization does); "float32" keeps fp32 throughout. Each distinct expert is
+read once for all the rows that selected it; threads run over (expert, output tile). The signature
+suits one `jax.pure_callback` per MoE layer: (x, ids, weights) -> y, the bank bound beforehand.
+
+Two implementations of the same plan: a C++ kernel (`_kernel.cc`, AVX2/F16C/FMA decoding in
+registers, OpenMP threads; built with g++ at first use into a cache folder) and a numba one
+(`prange`). `bench bw` measures both; the C++ kernel is the default (`backend="cpp"`), being the
+faster one measured (see docs in the report of `jdspark bench bw`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import subprocess
+import tempfile
+import threading
+
+import numpy as np
+
+from jdspark.experts.banks import TENSORS, ExpertBank
+
+log = logging.getLogger(__name__)
+
+_FMT_CODE = {("fp4", "e8m0"): 0, ("fp8", "e8m0"): 1, ("fp8", "float32"): 2, ("bf16", "e8m0"): 3}
+_SRC = pathlib.Path(__file__).with_name("_kernel.cc")
+_LOCK = threading.Lock()
+_LIB = None
+TILE_F, TILE_D = 32, 32
+PREFETCH = int(os.environ.get("JDSPARK_CPU_PREFETCH", "2"))  # weight rows prefetched ahead (0: off)
+
+
+def default_threads() -> int:
+    """Threads for the host GEMV: JDSPARK_CPU_THREADS, else the CPUs this process may run on."""
+    env = os.environ.get("JDSPARK_CPU_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return os.cpu_count() or 1
+
+
+# ------------------------------------------------------------------------------------------------
+# the C++ kernel
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("JDSPARK_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jdspark")
+    return pathlib.Path(root) / "experts"
+
+
+def build_kernel(force: bool = False) -> pathlib.Path:
+    """Compile `_kernel.cc` for this CPU (g++ -O3 -march=native -fopenmp) into the cache folder,
+    keyed by the source and the compiler flags; returns the shared library's path."""
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join(flags).encode() + os.uname().machine.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"_kernel-{key}.so"
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX", "g++")
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = pathlib.Path(tmp) / out.name
+        cmd = [cxx, *flags, "-o", str(tmp_so), str(_SRC)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"building the CPU expert kernel failed ({' '.join(cmd)}):\n{res.stderr}\n"
+                               "Install g++ (with OpenMP), or set CXX, or use backend='numba'.")
+        os.replace(tmp_so, out)
+    log.info("built the CPU expert kernel: %s", out)
+    return out
+
+
+def kernel() -> ctypes.CDLL:
+    """The loaded C++ kernel (built on first use)."""
+    global _LIB
+    with _LOCK:
+        if _LIB is None:
+            lib = ctypes.CDLL(str(build_kernel()))
+            P = ctypes.c_void_p
+            i32, i64, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_float
+            lib.jds_moe_forward.restype = ctypes.c_int
+            lib.jds_moe_forward.argtypes = [i32, P, i64, P, i32, i32, i32, i32, P, i32, P, P, P, P, P, P,
+                                            P, P, P, P, f32, i32, i32, i32, i32, i32, i32]
+            lib.jds_read_sum.restype = ctypes.c_uint64
+            lib.jds_read_sum.argtypes = [P, i64, i32, i32]
+            lib.jds_has_simd.restype = ctypes.c_int
+            _LIB = lib
+        return _LIB
+
+
+# ------------------------------------------------------------------------------------------------
+# the plan shared by both backends
+
+
+class Plan:
+    """Which (row, k) pairs each distinct bank expert serves, sorted by expert.
+
+    uniq_slot [U] bank slots; pstart [U+1] pair ranges; pair_row [P], pair_w [P] fp32 routing
+    weights, pair_out [P] = r * K + k; covered [R*K] uint8, 1 where the pair is computed here."""
+
+    def __init__(self, bank: ExpertBank, ids: np.ndarray, weights: np.ndarray):
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or np.shape(weights) != ids.shape:
+            raise ValueError(f"ids {list(ids.shape)} and weights {list(np.shape(weights))}: expected both [R, K]")
+        r, k = ids.shape
+        flat = ids.reshape(-1).astype(np.int64)
+        if flat.size and (flat.min() < 0 or flat.max() >= bank.n_experts):
+            raise ValueError(f"expert ids must lie in [0, {bank.n_experts}), got {flat.min()}..{flat.max()}")
+        slots = bank.slot_of[flat]
+        keep = np.flatnonzero(slots >= 0).astype(np.int32)
+        order = keep[np.argsort(slots[keep], kind="stable")]
+        s_sorted = slots[order]
+        self.uniq_slot, first = np.unique(s_sorted, return_index=True)
+        self.uniq_slot = self.uniq_slot.astype(np.int32)
+        self.pstart = np.append(first, len(order)).astype(np.int32)
+        self.pair_out = order.astype(np.int32)
+        self.pair_row = (order // k).astype(np.int32)
+        self.pair_w = np.ascontiguousarray(np.asarray(weights, np.float32).reshape(-1)[order])
+        self.covered = np.zeros(r * k, np.uint8)
+        self.covered[order] = 1
+        self.rows, self.k = r, k
+
+    @property
+    def n_experts(self) -> int:
+        return len(self.uniq_slot)
+
+    @property
+    def n_pairs(self) -> int:
+        return len(self.pair_out)
+
+
+def _check_x(bank: ExpertBank, x) -> np.ndarray:
+    x = np.ascontiguousarray(np.asarray(x, np.float32))
+    if x.ndim != 2 or x.shape[1] != bank.dim:
+        raise ValueError(f"x {list(x.shape)}: expected [R, {bank.dim}] for {bank.describe()}")
+    return x
+
+
+def moe_forward(bank: ExpertBank, x, ids, weights, *, limit: float = 0.0, dtype: str = "float32",
+                backend: str = "cpp", threads: int | None = None, simd: bool = True) -> np.ndarray:
+    """The host experts' part of one MoE layer: x [R, D], ids / weights [R, K] -> y [R, D] float32.
+    See the module docstring. `backend` "cpp" or "numba"; `simd=False` runs the C++ scalar path."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r}: expected 'float32' or 'bfloat16'")
+    x = _check_x(bank, x)
+    plan = Plan(bank, ids, weights)
+    if x.shape[0] != plan.rows:
+        raise ValueError(f"x has {x.shape[0]} rows, ids {plan.rows}")
+    threads = threads or default_threads()
+    if backend == "cpp":
+        return _forward_cpp(bank, x, plan, limit, dtype == "bfloat16", threads, simd)
+    if backend == "numba":
+        from jdspark.experts import numba_gemv
+        return numba_gemv.forward(bank, x, plan, limit, dtype == "bfloat16", threads)
+    raise ValueError(f"backend={backend!r}: expected 'cpp' or 'numba'")
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def _forward_cpp(bank, x, plan, limit, round_bf16, threads, simd) -> np.ndarray:
+    lib = kernel()
+    r, d, f, k = x.shape[0], bank.dim, bank.inter, plan.k
+    y = np.empty((r, d), np.float32)
+    if plan.n_pairs == 0:
+        y[...] = 0.0
+        return y
+    off = np.array([bank.offsets.get(n, 0) for n in TENSORS], np.int64)
+    xp = np.empty_like(x)
+    h = np.empty((plan.n_pairs, f), np.float32)
+    out = np.empty((r * k, d), np.float32)
+    rc = lib.jds_moe_forward(
+        _FMT_CODE[(bank.fmt, bank.scale_dtype if bank.fmt == "fp8" else "e8m0")], _ptr(bank.data),
+        bank.expert_nbytes, _ptr(off), d, f, r, k, _ptr(x), plan.n_experts, _ptr(plan.uniq_slot),
+        _ptr(plan.pstart), _ptr(plan.pair_row), _ptr(plan.pair_w), _ptr(plan.pair_out), _ptr(plan.covered),
+        _ptr(xp), _ptr(h), _ptr(out), _ptr(y), float(limit), int(round_bf16), int(threads), TILE_F, TILE_D,
+        int(simd), PREFETCH)
+    if rc:
+        raise RuntimeError(f"jds_moe_forward failed with code {rc} for {bank.describe()}")
+    return y
+
+
+def host_callback(bank: ExpertBank, *, limit: float, dtype: str = "float32", backend: str = "cpp",
+                  threads: int | None = None):
+    """A function (x [R, D], ids [R, K], weights [R, K]) -> [R, D] float32 over numpy inputs, for
+    `jax.pure_callback` (one per MoE layer): x may be bf16; the result is float32."""
+    def call(x, ids, weights):
+        return moe_forward(bank, np.asarray(x, np.float32), np.asarray(ids), np.asarray(weights, np.float32),
+                           limit=limit, dtype=dtype, backend=backend, threads=threads)
+    return call
