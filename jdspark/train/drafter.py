@@ -120,12 +120,17 @@ def block_outputs(module: DSV4, features: jax.Array, ids: jax.Array, anchors: ja
     return logits, dspark.confidence_logits(module, h, prev_embed), labels, (sequence, offsets)
 
 
+def l1_to_target(logp_draft: jax.Array, target_logp: jax.Array, sequence: jax.Array, offsets: jax.Array):
+    """L1 [N, gamma] between the draft and target distributions of each block position (= 2 TV;
+    1 - L1/2 is the acceptance at T = 1): target row a+k-1 predicts position a+k."""
+    return jnp.sum(jnp.abs(jnp.exp(logp_draft) - jnp.exp(target_logp[sequence[:, None], offsets])), axis=-1)
+
+
 def losses(draft_params, frozen, graphdef, target_logp, features, ids, anchors, decay: float):
     module = nnx.merge(graphdef, draft_params, frozen)
     logits, z, labels, (row, offsets) = block_outputs(module, features, ids, anchors)
     logp_draft = jax.nn.log_softmax(logits, axis=-1)
-    logp_target = target_logp[row[:, None], offsets]  # target row a+k-1 predicts position a+k
-    l1 = jnp.sum(jnp.abs(jnp.exp(logp_draft) - jnp.exp(logp_target)), axis=-1)  # [N, gamma]
+    l1 = l1_to_target(logp_draft, target_logp, row, offsets)
     ce = -jnp.take_along_axis(logp_draft, labels[..., None], axis=-1)[..., 0]
     accept = jax.lax.stop_gradient(jnp.clip(1 - 0.5 * l1, 0.0, 1.0))
     bce = jnp.maximum(z, 0) - z * accept + jnp.log1p(jnp.exp(-jnp.abs(z)))
@@ -162,5 +167,5 @@ def calibration_data(draft_params, frozen, ids, anchors, *, graphdef):
     module = nnx.merge(graphdef, draft_params, frozen)
     target_logp, features = target_outputs(module, ids)
     logits, z, _, (row, offsets) = block_outputs(module, features, ids, anchors)
-    l1 = jnp.sum(jnp.abs(jax.nn.softmax(logits, axis=-1) - jnp.exp(target_logp[row[:, None], offsets])), axis=-1)
+    l1 = l1_to_target(jax.nn.log_softmax(logits, axis=-1), target_logp, row, offsets)
     return z, jnp.clip(1 - 0.5 * l1, 0.0, 1.0)

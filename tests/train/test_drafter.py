@@ -83,6 +83,9 @@ def test_a_few_steps_lower_the_loss_and_touch_only_the_drafter():
         params, opt, info = drafter.train_step(params, frozen, opt, ids, anchors, graphdef=graphdef, config=config)
     last = drafter.evaluate(params, frozen, ids, anchors, graphdef=graphdef)
     assert float(last["l1"]) < float(first["l1"]) and float(last["ce"]) < float(first["ce"])
+    z, accept = drafter.calibration_data(params, frozen, ids, anchors, graphdef=graphdef)  # what STS fits on
+    assert z.shape == accept.shape == (16, GAMMA)
+    np.testing.assert_allclose(np.asarray(accept).mean(axis=0), np.asarray(last["accept"]), atol=1e-6)
     assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, np.asarray(b)), frozen_before, frozen))
 
 
