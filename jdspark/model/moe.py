@@ -12,6 +12,8 @@ from flax import nnx
 from jdspark.config import DSV4Config
 from jdspark.model.layers import Keys, Linear
 from jdspark.model.quant_sim import fp8_sim
+from pallas_kernels import interpret_mode, resolve_implementation
+from pallas_kernels import moe as moe_kernels
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -70,6 +72,10 @@ class ExpertWeights(nnx.Module):
         (gathered in the checkpoint's storage, then decoded); quantized subclasses decode here."""
         return jnp.take(self.weight[...], experts, axis=0).astype(dtype)
 
+    def stored(self) -> tuple[str, tuple[jax.Array, ...]]:
+        """(format, stored arrays) as the routed-expert kernel reads them (`pallas_kernels.moe`)."""
+        return "bf16", (self.weight[...],)
+
 
 class Experts(nnx.Module):
     """Routed experts stacked on a leading E axis: w1, w3 [E, F, D], w2 [E, D, F]."""
@@ -82,6 +88,9 @@ class Experts(nnx.Module):
         self.n_experts = e
         self.limit = config.swiglu_limit
         self.qat_sim = qat_sim
+        # "pallas": the in-place kernel (pallas_kernels.moe) where its sizes fit; "xla": the gather
+        # below. "xla" until the kernel is measured faster on the H200 (issue 23); then "auto".
+        self.implementation = "xla"
 
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [N, D], routing weights [N, K] and expert indices [N, K] -> fp32 [N, D].
@@ -92,6 +101,13 @@ class Experts(nnx.Module):
         arithmetic as running every expert with a dense [N, E] matrix (the test oracle), restricted
         to the experts some row selected."""
         experts, dense = routed_slots(weights, idx, self.n_experts)
+        fmt, w1 = self.w1.stored()
+        (_, w3), (_, w2) = self.w3.stored(), self.w2.stored()
+        if not self.qat_sim and resolve_implementation(self.implementation) == "pallas" \
+                and moe_kernels.supported(fmt, x.shape[-1], w1[0].shape[1], x.shape[0]):
+            slot = jnp.searchsorted(experts, idx.astype(jnp.int32), side="left")
+            return moe_kernels.moe(x, experts, dense, slot, w1, w3, w2, fmt=fmt, limit=self.limit,
+                                   interpret=interpret_mode())
         dtype = x.dtype
         if self.qat_sim:
             x = fp8_sim(x, 128)

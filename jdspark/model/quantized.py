@@ -110,6 +110,9 @@ class FP8ExpertWeights(ExpertWeights):
         return fp8_block_dequant(jnp.take(self.weight[...], experts, axis=0),
                                  jnp.take(self.scale[...], experts, axis=0), dtype)
 
+    def stored(self) -> tuple[str, tuple[jax.Array, ...]]:
+        return "fp8", (self.weight[...], self.scale[...])
+
 
 class FP4ExpertWeights(ExpertWeights):
     """Routed experts packed as ds_fp4: `weight` int8 [E, out, in/2] + e8m0 `scale` [E, out, in/32]."""
@@ -126,6 +129,9 @@ class FP4ExpertWeights(ExpertWeights):
     def take(self, experts: jax.Array, dtype) -> jax.Array:
         return fp4_dequant(jnp.take(self.weight[...], experts, axis=0),
                            jnp.take(self.scale[...], experts, axis=0), dtype)
+
+    def stored(self) -> tuple[str, tuple[jax.Array, ...]]:
+        return "fp4", (self.weight[...], self.scale[...])
 
 
 def _block_shape(out_features: int, in_features: int) -> tuple[int, int]:

@@ -102,10 +102,10 @@ def ref_experts(ex, x, weights, idx):
     return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
 
 
-def random_experts(storage: Storage, dtype, seed: int):
+def random_experts(storage: Storage, dtype, seed: int, width: int = 160):
     """Experts of a small config in `storage`, filled with random stored values (every code)."""
     from jdspark.model.moe import Experts
-    cfg = tiny_config(hidden_size=256, moe_intermediate_size=160, n_routed_experts=12, num_experts_per_tok=3,
+    cfg = tiny_config(hidden_size=256, moe_intermediate_size=width, n_routed_experts=12, num_experts_per_tok=3,
                       swiglu_limit=4.0)
     ex = Experts(cfg, dtype=dtype, rngs=Keys(seed, concrete=True))
     rng = np.random.default_rng(seed)
@@ -162,3 +162,16 @@ def test_routed_slots_hold_each_selected_expert_once():
     experts, dense = routed_slots(w, jnp.asarray([[8, 2], [2, 7], [8, 2]], jnp.int32), n_experts=9)
     assert experts.tolist() == [2, 7, 8, 8, 8, 8]
     np.testing.assert_array_equal(np.asarray(dense)[:, 2:].sum(0), [0.25 + 4.0, 0, 0, 0])  # first slot of 8 only
+
+
+@pytest.mark.parametrize("storage", [Storage(), FLASH, BASE], ids=["float", "fp4", "fp8_f32"])
+def test_routed_expert_kernel_in_the_model_equals_the_gather_path(storage):
+    """implementation="pallas" (interpret mode here) computes what the XLA gather path does."""
+    ex = random_experts(storage, jnp.bfloat16, seed=5, width=256)
+    rng = np.random.default_rng(12)
+    idx, w = routing(rng, 6, 12, 3, 5)
+    x = jnp.asarray(rng.standard_normal((6, 256)), jnp.bfloat16)
+    want = jax.jit(lambda m, x, w, i: m(x, w, i))(ex, x, jnp.asarray(w), jnp.asarray(idx))
+    ex.implementation = "pallas"
+    got = jax.jit(lambda m, x, w, i: m(x, w, i))(ex, x, jnp.asarray(w), jnp.asarray(idx))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2 * float(jnp.abs(want).max()), rtol=0)

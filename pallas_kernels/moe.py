@@ -1,0 +1,239 @@
+"""Routed experts read in place (spec dsv4.md §5.4): R rows x the distinct experts they selected.
+
+`moe(x, experts, dense, w1, w3, w2, ...)` (Pallas: Triton on the GPU, interpret mode on the CPU)
+equals `ref_moe` (plain jnp: gather the selected experts' stored arrays, decode them, einsums) up to
+float32 summation order. Inputs:
+- x [R, D] in the compute dtype (bfloat16 or float32);
+- experts [M] int32, the distinct experts of the call (`jdspark.model.moe.routed_slots`: sorted,
+  padded with a repeated expert) and dense [R, M] float32, each row's routing weight on each slot
+  (0 where the row did not select it);
+- slot [R, K] int32, the slot of each row's k-th choice (for the combine);
+- each projection as stored (`fmt`): "bf16" (weight [E, out, in] in any float dtype), "fp8" (e4m3
+  [E, out, in] + block scales [E, out/128, in/128], e8m0 bytes or float32) or "fp4" (ds_fp4: int8
+  [E, out, in/2] two E2M1 codes per byte, low nibble first, + e8m0 bytes [E, out, in/32]).
+
+Two kernels, each reading every distinct expert once, whatever the number of rows:
+1. gate/up: grid (M, F / TF). A program decodes a [TF, BK] tile of w1 and of w3 of expert
+   experts[m] per step of a loop over D (in registers: E2M1 codes from nibbles by selects, e8m0
+   scales from their bits), accumulates x @ w^T in float32, and writes
+   h = swiglu(gate, up, limit) * dense[:, m] in the compute dtype, [M, Rp, F].
+2. down: grid (M, D / TD): out_m = h_m @ w2[experts[m]]^T, one [TD, BK] tile of w2 per loop step,
+   written in the compute dtype [M, Rp, D] (the reference rounds each expert's output there too).
+The combine is each row's K slot outputs summed in float32 in router order, so a row's result does
+not depend on the other rows of the call (no reduction over M).
+
+ds_fp4 codes are decoded by nibble: even input elements are low nibbles, odd ones high nibbles, so
+the activations are split into even and odd columns outside the kernel (x[:, 0::2], x[:, 1::2]) and
+the two halves meet in two dots; nothing is interleaved in registers. Rows are padded to a power of
+two >= 16 (Triton's smallest dot). Block shapes are powers of two; every dimension must be a
+multiple of its tile (checked: `supported`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+FP4_BLOCK, FP8_BLOCK = 32, 128  # elements per e8m0 scale of ds_fp4; rows / columns per FP8 block scale
+TILE_OUT = 32  # output features per program (F for gate/up, D for down)
+TILE_IN = {"bf16": 128, "fp8": FP8_BLOCK, "fp4": 256}  # input elements per loop step
+FORMATS = ("bf16", "fp8", "fp4")
+
+
+def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    gate, up = gate.astype(jnp.float32), up.astype(jnp.float32)
+    if limit > 0:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return gate / (1.0 + jnp.exp(-gate)) * up
+
+
+def decode(fmt: str, stored: tuple, dtype) -> jax.Array:
+    """Stored arrays of some experts -> [..., out, in] in `dtype` (spec §7.3-7.4; the same values as
+    `jdspark.model.dequant`, which kernels do not import)."""
+    if fmt == "fp4":
+        packed, scale = stored
+        b = jax.lax.bitcast_convert_type(packed, jnp.uint8).astype(jnp.int32)
+        codes = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
+        s = jnp.repeat(_scale_f32(scale), FP4_BLOCK, axis=-1)
+        return (_e2m1(codes) * s).astype(dtype)
+    if fmt == "fp8":
+        weight, scale = stored
+        n, k = weight.shape[-2:]
+        s = jnp.repeat(jnp.repeat(_scale_f32(scale), FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :n, :k]
+        return (weight.astype(jnp.float32) * s).astype(dtype)
+    return stored[0].astype(dtype)
+
+
+def ref_moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpret: bool = False) -> jax.Array:
+    """Plain jnp: the selected experts' stored arrays gathered and decoded, then
+    sum_k (swiglu(x w1^T, x w3^T) * w_k) w2^T of each row's slots. Returns float32 [R, D]."""
+    del interpret
+    dtype = x.dtype
+    take = lambda stored: decode(fmt, tuple(jnp.take(a, experts, axis=0) for a in stored), dtype)
+    gate = jnp.einsum("nd,efd->nef", x, take(w1), preferred_element_type=jnp.float32)
+    up = jnp.einsum("nd,efd->nef", x, take(w3), preferred_element_type=jnp.float32)
+    h = (swiglu(gate.astype(dtype), up.astype(dtype), limit) * dense[..., None]).astype(dtype)
+    out = jnp.einsum("nef,edf->ned", h, take(w2), preferred_element_type=jnp.float32).astype(dtype)
+    return _combine(jnp.swapaxes(out, 0, 1), slot)
+
+
+def _combine(out: jax.Array, slot: jax.Array) -> jax.Array:
+    """out [M, >=R, D] per-slot outputs, slot [R, K] -> sum over k in order, float32 [R, D]."""
+    r, k = slot.shape
+    rows = jnp.arange(r)
+    total = out[slot[:, 0], rows].astype(jnp.float32)
+    for j in range(1, k):
+        total = total + out[slot[:, j], rows].astype(jnp.float32)
+    return total
+
+
+def supported(fmt: str, d: int, f: int, rows: int) -> bool:
+    """Whether `moe` handles these sizes (else use `ref_moe`)."""
+    step = TILE_IN[fmt]
+    return fmt in FORMATS and rows <= 64 and d % TILE_OUT == 0 and f % TILE_OUT == 0 \
+        and d % step == 0 and f % step == 0
+
+
+def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpret: bool = False) -> jax.Array:
+    """`ref_moe` as two Pallas kernels reading each distinct expert in place once. float32 [R, D]."""
+    r, d = x.shape
+    m = experts.shape[0]
+    f = w1[0].shape[1]
+    if not supported(fmt, d, f, r):
+        raise ValueError(f"moe kernel: unsupported sizes fmt={fmt} D={d} F={f} rows={r}; use ref_moe")
+    dtype = x.dtype
+    rp = max(16, 1 << (r - 1).bit_length())
+    xp = jnp.zeros((rp, d), dtype).at[:r].set(x)
+    dense_t = jnp.zeros((m, rp, 1), jnp.float32).at[:, :r, 0].set(dense.T)
+    params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    experts = experts.astype(jnp.int32)
+
+    h = pl.pallas_call(
+        functools.partial(_gate_up_kernel, fmt=fmt, k=d, limit=limit, dtype=dtype),
+        out_shape=jax.ShapeDtypeStruct((m, rp, f), dtype),
+        grid=(m, f // TILE_OUT),
+        interpret=interpret, compiler_params=params, name="moe_gate_up",
+    )(experts, dense_t, *_activations(fmt, xp), *_weights(fmt, w1), *_weights(fmt, w3))
+    out = pl.pallas_call(
+        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(_weights(fmt, w2))),
+        out_shape=jax.ShapeDtypeStruct((m, rp, d), dtype),
+        grid=(m, d // TILE_OUT),
+        interpret=interpret, compiler_params=params, name="moe_down",
+    )(experts, *_activations(fmt, h), *_weights(fmt, w2))
+    return _combine(out, slot)
+
+
+def _activations(fmt: str, a: jax.Array) -> tuple[jax.Array, ...]:
+    """fp4: (even columns, odd columns) of a [..., K]; otherwise (a,)."""
+    if fmt == "fp4":
+        return a[..., 0::2], a[..., 1::2]
+    return (a,)
+
+
+def _weights(fmt: str, stored: tuple) -> tuple[jax.Array, ...]:
+    """The stored arrays reshaped (free, in XLA) so the kernels load 3-D tiles that need no reshape
+    of the scales: fp4 bytes [E, out, in/32, 16] + scales [E, out, in/32, 1]."""
+    if fmt == "fp4":
+        packed, scale = stored
+        e, n, half = packed.shape
+        return packed.reshape(e, n, half // 16, 16), scale.reshape(e, n, half // 16, 1)
+    if fmt == "fp8":
+        return tuple(stored)
+    return (stored[0],)
+
+
+def _scale_f32(s: jax.Array) -> jax.Array:
+    """e8m0 bytes -> 2^(b - 127) from the float32 bit pattern (exact; byte 0 -> 0); float32 as is."""
+    if s.dtype == jnp.uint8:
+        return jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
+    return s.astype(jnp.float32)
+
+
+def _e2m1(code: jax.Array) -> jax.Array:
+    """E2M1 codes (int32 0..15) -> float32 values; code 8 -> +0.0 as in the official table."""
+    exp = (code >> 1) & 3
+    mant = (code & 1).astype(jnp.float32)
+    mag = jnp.where(exp == 0, 0.5 * mant, jnp.where(exp == 1, 1.0 + 0.5 * mant,
+                                                    jnp.where(exp == 2, 2.0 + mant, 4.0 + 2.0 * mant)))
+    return jnp.where(code >= 8, 0.0 - mag, mag)
+
+
+def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [Rp, K] @ b[N, K]^T in float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _partial(fmt, e, row0, c, act_refs, w_refs, dtype):
+    """x_chunk @ w[e, row0:row0+TILE_OUT, chunk c]^T, float32 [Rp, TILE_OUT], for one loop step."""
+    rows = pl.ds(row0, TILE_OUT)
+    step = TILE_IN[fmt]
+    if fmt == "fp4":
+        packed_ref, scale_ref = w_refs
+        even_ref, odd_ref = act_refs
+        nb = step // FP4_BLOCK
+        b = packed_ref[e, rows, pl.ds(c * nb, nb), :].astype(jnp.int32) & 0xFF  # [TO, nb, 16]
+        s = _scale_f32(scale_ref[e, rows, pl.ds(c * nb, nb), :])  # [TO, nb, 1]
+        lo = (_e2m1(b & 0xF) * s).astype(dtype).reshape(TILE_OUT, step // 2)
+        hi = (_e2m1(b >> 4) * s).astype(dtype).reshape(TILE_OUT, step // 2)
+        cols = pl.ds(c * (step // 2), step // 2)
+        return _dot_t(even_ref[:, cols], lo) + _dot_t(odd_ref[:, cols], hi)
+    cols = pl.ds(c * step, step)
+    if fmt == "fp8":
+        w_ref, scale_ref = w_refs
+        s = _scale_f32(scale_ref[e, row0 // FP8_BLOCK, c])  # one block scale per tile and step
+        w = (w_ref[e, rows, cols].astype(jnp.float32) * s).astype(dtype)
+    else:
+        w = w_refs[0][e, rows, cols].astype(dtype)
+    return _dot_t(act_refs[0][:, cols], w)
+
+
+def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype):
+    n_act = 2 if fmt == "fp4" else 1
+    n_w = (len(refs) - n_act - 1) // 2
+    act_refs, w1_refs, w3_refs, h_ref = refs[:n_act], refs[n_act:n_act + n_w], refs[n_act + n_w:-1], refs[-1]
+    slot, tile = pl.program_id(0), pl.program_id(1)
+    e = experts_ref[slot]
+    row0 = tile * TILE_OUT
+    rp = h_ref.shape[1]
+
+    def step(c, acc):
+        gate, up = acc
+        return (gate + _partial(fmt, e, row0, c, act_refs, w1_refs, dtype),
+                up + _partial(fmt, e, row0, c, act_refs, w3_refs, dtype))
+
+    zero = jnp.zeros((rp, TILE_OUT), jnp.float32)
+    gate, up = jax.lax.fori_loop(0, k // TILE_IN[fmt], step, (zero, zero))
+    h = swiglu(gate.astype(dtype), up.astype(dtype), limit) * dense_ref[slot, :, :]
+    h_ref[slot, :, pl.ds(row0, TILE_OUT)] = h.astype(dtype)
+
+
+def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w):
+    act_refs, w_refs, out_ref = refs[:-n_w - 1], refs[-n_w - 1:-1], refs[-1]
+    slot, tile = pl.program_id(0), pl.program_id(1)
+    e = experts_ref[slot]
+    row0 = tile * TILE_OUT
+    rp = out_ref.shape[1]
+    # the activations of this slot: h [M, Rp, F] (or its even / odd halves), read per loop step
+    slot_acts = [_SlotRef(ref, slot) for ref in act_refs]
+
+    def step(c, acc):
+        return acc + _partial(fmt, e, row0, c, slot_acts, w_refs, dtype)
+
+    acc = jax.lax.fori_loop(0, k // TILE_IN[fmt], step, jnp.zeros((rp, TILE_OUT), jnp.float32))
+    out_ref[slot, :, pl.ds(row0, TILE_OUT)] = acc.astype(dtype)
+
+
+class _SlotRef:
+    """ref[slot] as a 2-D [Rp, K] view for `_partial`'s `act[:, cols]` loads."""
+
+    def __init__(self, ref, slot):
+        self.ref, self.slot = ref, slot
+
+    def __getitem__(self, index):
+        rows, cols = index
+        return self.ref[self.slot, rows, cols]

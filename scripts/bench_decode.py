@@ -1,0 +1,347 @@
+"""Decode and verify at real dimensions: ms per `extend` call against the bytes a call must read.
+
+Builds a DSV4 of any dimensions (presets tiny / flash / pro, `--layers`, `--experts`) in the
+checkpoint's storage (`--storage fp8+fp4`: FP8 linears + ds_fp4 experts; `bf16`: everything in
+bfloat16) with random weights drawn on the device (no checkpoint on disk), sets every slot of a decode
+state to `--context` tokens (the caches hold zeros: attention reads them all the same), and times the
+target's `extend` at S = 1..6 rows for batch B (median of `--runs` calls after warm-up, each call
+rolled back by `commit(0)` so the context stays fixed).
+
+Per row it prints ms per call, the bytes the call must read, the achieved GB/s and that as a share of
+the copy bandwidth measured in the same run ("bandwidth achieved", as gpt-fast prints it), and the
+share of the floor (bytes / copy bandwidth). The bytes are:
+- every non-routed parameter once (attention, compressor, indexer, shared expert, router, mHC, norms,
+  head), the embedding rows of the call's tokens only;
+- the distinct routed experts of the call, per layer: E * (1 - (1 - K/E)^(B*S)), the expected count
+  when each row picks K distinct experts uniformly (what random routing does);
+- the KV the rows attend to: the window ring, per CSA layer the indexer's compressed keys (all
+  visible entries) and the top-k selected entries, per HCA layer every visible entry.
+
+`--variants` compares implementations in one run: `current` (the code as it is), `ref_moe` (the
+former routed-expert path: every expert decoded and run on every row), `dequant_linear` (FP8 linears
+decoding a bfloat16 weight per call), `before` (both of those), `pallas` (the routed experts through
+the in-place kernel `pallas_kernels.moe`). JSON with every row: `--json PATH`.
+
+    PYTHONPATH=$PWD python scripts/bench_decode.py --preset flash --layers 8 --experts 256 \
+        --storage fp8+fp4 --rows 1 6 --context 4096 --json /tmp/bench_decode.json
+    PYTHONPATH=$PWD python scripts/bench_decode.py --preset tiny --rows 1 2 --runs 3   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jdspark.config import CSA_RATIO, EngineConfig, QuantConfig, flash_config, pro_config, tiny_config
+from jdspark.model import quantized
+from jdspark.model import state as state_lib
+from jdspark.model.dequant import E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_dequant
+from jdspark.model.moe import Experts, swiglu
+from jdspark.model.quant_sim import fp8_sim
+from jdspark.model.quantized import FP8Linear, Storage, abstract_model, is_expert
+
+PRESETS = {"tiny": tiny_config, "flash": flash_config, "pro": pro_config}
+STORAGES = {"bf16": Storage(), "fp8+fp4": Storage(linears="fp8", experts="fp4", scale_dtype="e8m0"),
+            "fp8": Storage(linears="fp8", experts="fp8", scale_dtype="e8m0")}
+E4M3_SPREAD = 64.0  # random e4m3 codes ~ N(0, 64^2), as jdspark.checkpoint.synthetic writes them
+_E2M1_RMS = float(np.sqrt(np.mean(E2M1_VALUES ** 2)))
+
+
+def make_config(preset: str, layers: int | None, experts: int | None, storage: str):
+    base = PRESETS[preset]()
+    n_layers = min(layers or base.num_hidden_layers, base.num_hidden_layers)
+    over = dict(num_hidden_layers=n_layers, num_nextn_predict_layers=0,
+                compress_ratios=tuple(base.compress_ratios[:n_layers]),
+                num_hash_layers=min(base.num_hash_layers, n_layers))
+    if experts:
+        over.update(n_routed_experts=experts, num_experts_per_tok=min(base.num_experts_per_tok, experts))
+    if storage == "bf16":
+        over.update(expert_dtype=None, quantization=None)
+    else:
+        over.update(expert_dtype="fp4" if storage == "fp8+fp4" else "fp8", quantization=QuantConfig())
+    return PRESETS[preset](**over)
+
+
+# ---- random parameters in the checkpoint's storage, drawn on the device -------------------------
+
+def _scale_byte(fan_in: int, fp4: bool) -> int:
+    scale = fan_in ** -0.5 / (_E2M1_RMS if fp4 else E4M3_SPREAD)
+    return round(math.log2(scale)) + 127
+
+
+def random_params(config, dtype, storage: Storage, seed: int = 0):
+    """(graphdef, params) of `config` in `storage`, every array drawn on the default device."""
+    graphdef, abstract = abstract_model(config, dtype, storage)
+    pure = nnx.to_pure_dict(abstract)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)
+    key = jax.random.key(seed)
+    out = []
+    for i, (kp, leaf) in enumerate(leaves):
+        path = tuple(k.key for k in kp)
+        out.append(_random_leaf(jax.random.fold_in(key, i), path, tuple(leaf.shape), jnp.dtype(leaf.dtype),
+                                config, storage))
+    nnx.replace_by_pure_dict(abstract, jax.tree_util.tree_unflatten(treedef, out))
+    return graphdef, abstract
+
+
+def _random_leaf(key, path, shape, dtype, config, storage):
+    fp4 = is_expert(path) and storage.experts == "fp4"
+    if path[-1] == "scale":
+        fan_in = shape[-1] * (FP4_BLOCK if fp4 else FP8_BLOCK)
+        if dtype == jnp.uint8:
+            return jnp.full(shape, _scale_byte(fan_in, fp4), jnp.uint8)
+        return jnp.full(shape, 2.0 ** (_scale_byte(fan_in, fp4) - 127), dtype)
+    return _draw(key, shape, dtype.name, config.n_routed_experts)
+
+
+def _draw(key, shape, dtype_name, n_experts):
+    return _draw_jit(key, shape=shape, dtype_name=dtype_name, n_experts=n_experts)
+
+
+@jax.jit
+def _copy(x):
+    return x * 2
+
+
+@partial(jax.jit, static_argnames=("shape", "dtype_name", "n_experts"))
+def _draw_jit(key, *, shape, dtype_name, n_experts):
+    dtype = jnp.dtype(dtype_name)
+    if dtype == jnp.int8:  # two random E2M1 codes per byte
+        return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), jnp.int8)
+    if dtype == jnp.float8_e4m3fn:
+        return jnp.clip(jax.random.normal(key, shape, jnp.float32) * E4M3_SPREAD, -448, 448).astype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):  # tid2eid [vocab, K]: distinct experts per token
+        rows, k = shape
+        return jnp.argsort(jax.random.uniform(key, (rows, n_experts)), axis=-1)[:, :k].astype(dtype)
+    if len(shape) >= 2:
+        return (jax.random.normal(key, shape, jnp.float32) * shape[-1] ** -0.5).astype(dtype)
+    return (1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+# ---- the bytes a call must read ------------------------------------------------------------------
+
+def nbytes(x) -> int:
+    return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+
+
+def param_bytes(params) -> dict[str, float]:
+    """Bytes of the routed experts per layer per expert, and of everything else (embed excluded)."""
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params))[0]
+    experts, other, embed = 0, 0, 0
+    for kp, x in leaves:
+        path = tuple(k.key for k in kp)
+        if is_expert(path):
+            experts += nbytes(x)
+        elif path[0] == "embed":
+            embed += nbytes(x)
+        else:
+            other += nbytes(x)
+    return {"experts": experts, "other": other, "embed": embed}
+
+
+def kv_bytes(config, context: int, batch: int, rows: int, dtype) -> int:
+    """KV a call attends to: window ring, CSA indexer keys + top-k entries, HCA entries (per slot)."""
+    item = jnp.dtype(dtype).itemsize
+    total = 0
+    ctx = context + rows
+    for layer in range(config.num_hidden_layers):
+        ratio = config.layer_ratio(layer)
+        total += min(ctx, config.sliding_window) * config.head_dim * item
+        if ratio == CSA_RATIO:
+            entries = ctx // ratio
+            total += entries * config.index_head_dim * item + min(entries, config.index_topk) * config.head_dim * item
+        elif ratio:
+            total += ctx // ratio * config.head_dim * item
+    return total * batch
+
+
+def call_bytes(config, sizes, context, batch, rows, dtype) -> dict[str, float]:
+    e, k, tokens = config.n_routed_experts, config.num_experts_per_tok, batch * rows
+    distinct = e * (1 - (1 - k / e) ** tokens)
+    per_expert = sizes["experts"] / (config.num_hidden_layers * e)
+    out = {"weights": sizes["other"] + tokens * config.hidden_size * jnp.dtype(dtype).itemsize,
+           "experts": distinct * per_expert * config.num_hidden_layers,
+           "kv": kv_bytes(config, context, batch, rows, dtype), "distinct_experts_per_layer": distinct}
+    out["total"] = out["weights"] + out["experts"] + out["kv"]
+    return out
+
+
+def copy_bandwidth(n_bytes: int, runs: int = 20) -> float:
+    """Bytes/s of an elementwise bf16 read + write through XLA (median)."""
+    x = jnp.ones((n_bytes // 2,), jnp.bfloat16)
+    _copy(x).block_until_ready()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        _copy(x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    del x
+    return 2 * n_bytes / statistics.median(times)
+
+
+# ---- implementations compared ----------------------------------------------------------------------
+
+def _ref_experts(self, x, weights, idx):
+    """The former routed-expert path: every expert decoded and run on every row."""
+    dense = jnp.sum(jax.nn.one_hot(idx, self.n_experts, dtype=jnp.float32) * weights[..., None], axis=-2)
+    dtype = x.dtype
+    if self.qat_sim:
+        x = fp8_sim(x, 128)
+    gate = jnp.einsum("nd,efd->nef", x, self.w1.dense(dtype), preferred_element_type=jnp.float32)
+    up = jnp.einsum("nd,efd->nef", x, self.w3.dense(dtype), preferred_element_type=jnp.float32)
+    h = (swiglu(gate.astype(dtype), up.astype(dtype), self.limit) * dense[..., None]).astype(dtype)
+    if self.qat_sim:
+        h = fp8_sim(h, 128)
+    out = jnp.einsum("nef,edf->ned", h, self.w2.dense(dtype), preferred_element_type=jnp.float32)
+    return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
+
+
+def _dequant_project(self, x, dtype):
+    """The former FP8 linear: decode a weight copy in `dtype`, then one dot."""
+    return jnp.einsum("...i,oi->...o", x, fp8_block_dequant(self.weight[...], self.scale[...], dtype),
+                      preferred_element_type=jnp.float32)
+
+
+PATCHES = {"current": [], "ref_moe": [(Experts, "__call__", _ref_experts)],
+           "dequant_linear": [(FP8Linear, "project", _dequant_project)]}
+PATCHES["before"] = PATCHES["ref_moe"] + PATCHES["dequant_linear"]
+# Variants that set the routed experts' `implementation` in the graph ("pallas": pallas_kernels.moe).
+EXPERTS_IMPLEMENTATION = {"pallas": "pallas"}
+PATCHES["pallas"] = []
+
+
+def with_experts_implementation(graphdef, params, name: str):
+    """graphdef with every `Experts.implementation` set for variant `name` (default "xla")."""
+    module = nnx.merge(graphdef, params)
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, Experts):
+            node.implementation = EXPERTS_IMPLEMENTATION.get(name, "xla")
+    return nnx.split(module)[0]
+
+
+def register_variant(name: str, patches: list) -> None:
+    """Add an implementation to compare (a list of (class, attribute, function) swaps)."""
+    PATCHES[name] = patches
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    saved = [(cls, attr, cls.__dict__[attr]) for cls, attr, _ in PATCHES[name]]
+    try:
+        for cls, attr, fn in PATCHES[name]:
+            setattr(cls, attr, fn)
+        yield
+    finally:
+        for cls, attr, fn in saved:
+            setattr(cls, attr, fn)
+
+
+# ---- timing ----------------------------------------------------------------------------------------
+
+def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2):
+    """(median ms, compile s) of extend at [batch, rows] after `context` tokens, rolled back each time."""
+
+    def extend(params, decode, ids, n_valid):
+        logits, _, new = nnx.merge(graphdef, params).extend(ids, decode, n_valid)
+        return logits, new
+
+    fn = jax.jit(extend, donate_argnums=1)
+    commit = jax.jit(state_lib.commit, donate_argnums=0)
+    decode = state_lib.init_state(config, engine, dtype)
+    decode = jax.tree.map(lambda a: jnp.zeros_like(a), decode)  # no -inf gate rows: finite pooled entries
+    decode = decode.replace(length=jnp.full((batch,), context, jnp.int32))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, rows)), jnp.int32)
+    n_valid = jnp.full((batch,), rows, jnp.int32)
+    start = time.perf_counter()
+    compiled = fn.lower(params, decode, ids, n_valid).compile()
+    compile_s = time.perf_counter() - start
+    zero = jnp.zeros((batch,), jnp.int32)
+    times = []
+    for i in range(warmup + runs):
+        start = time.perf_counter()
+        logits, decode = compiled(params, decode, ids, n_valid)
+        logits.block_until_ready()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        decode = commit(decode, zero)
+    return statistics.median(times) * 1e3, compile_s
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="flash")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=None)
+    ap.add_argument("--storage", choices=sorted(STORAGES), default="fp8+fp4")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1])
+    ap.add_argument("--context", type=int, nargs="+", default=[4096])
+    ap.add_argument("--variants", nargs="+", default=["current"])
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth array size (default 2048 GPU, 64 CPU)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    for name in args.variants:
+        if name not in PATCHES:
+            ap.error(f"--variants {name}: expected one of {sorted(PATCHES)}")
+
+    dtype = jnp.dtype(args.dtype)
+    config = make_config(args.preset, args.layers, args.experts, args.storage)
+    storage = STORAGES[args.storage]
+    gpu = jax.default_backend() != "cpu"
+    copy_mib = args.copy_mib or (2048 if gpu else 64)
+    bandwidth = copy_bandwidth(copy_mib << 20)
+    start = time.perf_counter()
+    graphdef, params = random_params(config, dtype, storage)
+    jax.block_until_ready(params)
+    sizes = param_bytes(params)
+    report = {"device": str(jax.devices()[0]), "jax": jax.__version__, "preset": args.preset,
+              "layers": config.num_hidden_layers, "experts": config.n_routed_experts, "storage": args.storage,
+              "dtype": dtype.name, "copy_bandwidth_GBps": bandwidth / 1e9, "param_bytes": sizes,
+              "init_s": time.perf_counter() - start, "rows": []}
+    print(f"# {report['device']} jax {jax.__version__}: {args.preset} dims, {config.num_hidden_layers} layers, "
+          f"{config.n_routed_experts} experts, {args.storage}; params {sum(sizes.values()) / 1e9:.2f} GB "
+          f"(routed experts {sizes['experts'] / 1e9:.2f}); copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    header = (f"{'variant':>14} {'ctx':>6} {'B':>3} {'S':>2} {'ms':>9} {'MB moved':>9} {'floor ms':>8} "
+              f"{'GB/s':>7} {'bandwidth achieved':>18} {'compile s':>9}")
+    print(header)
+    for name in args.variants:
+        graphdef_v = with_experts_implementation(graphdef, params, name)
+        with variant(name):
+            for context in args.context:
+                engine = EngineConfig(max_seq_len=-(-(context + 128) // 128) * 128, max_batch=max(args.batch))
+                for batch in args.batch:
+                    engine_b = EngineConfig(max_seq_len=engine.max_seq_len, max_batch=batch)
+                    for rows in args.rows:
+                        ms, compile_s = time_extend(graphdef_v, params, config, engine_b, dtype, batch, rows,
+                                                    context, args.runs)
+                        moved = call_bytes(config, sizes, context, batch, rows, dtype)
+                        floor_ms = moved["total"] / bandwidth * 1e3
+                        gbps = moved["total"] / (ms / 1e3) / 1e9
+                        row = {"variant": name, "context": context, "batch": batch, "rows": rows, "ms": ms,
+                               "bytes": moved, "floor_ms": floor_ms, "GBps": gbps,
+                               "bandwidth_achieved": gbps * 1e9 / bandwidth, "compile_s": compile_s}
+                        report["rows"].append(row)
+                        print(f"{name:>14} {context:>6} {batch:>3} {rows:>2} {ms:>9.3f} {moved['total'] / 1e6:>9.1f} "
+                              f"{floor_ms:>8.3f} {gbps:>7.1f} {row['bandwidth_achieved']:>17.1%} {compile_s:>9.1f}",
+                              flush=True)
+                        if args.json:  # after every row: a run cut short keeps what it measured
+                            args.json.write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main() and 0)
