@@ -15,6 +15,7 @@ def target_only(spec_engine):
     spec_engine.speculative = True
 
 
+@pytest.mark.slow  # the session engine: every width compiled, about 200 s on a 2-core CPU
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_rows_are_the_engine_samples_of_each_prompt_alone(target_only, temperature):
     prompts = np.random.default_rng(0).integers(4, 16, (3, 6)).astype(np.int32)  # 3 rows over 2 slots
