@@ -69,6 +69,7 @@ def test_training_blocks_equal_what_propose_draws_from():
     assert len(np.unique(np.asarray(proposal.tokens))) > 3  # sampled, not one token repeated
 
 
+@pytest.mark.slow  # compiles train_step and evaluate: about 15 s on a 2-core CPU
 def test_a_few_steps_lower_the_loss_and_touch_only_the_drafter():
     model = Model.random(CONFIG, "float32", seed=6)
     graphdef, params, frozen = nnx.split(model.module(), drafter.DRAFTER, ...)
@@ -121,6 +122,7 @@ def test_a_widened_markov_head_computes_what_the_narrow_one_did():
         drafter.widen_markov_head(model, 1)
 
 
+@pytest.mark.slow  # two 4-stage drafters and a train_step: about 20 s
 def test_added_stages_compute_what_the_drafter_did():
     model = Model.random(CONFIG, "float32", seed=8)
     deep = drafter.add_stages(model, 2, seed=1)

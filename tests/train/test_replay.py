@@ -2,6 +2,7 @@
 the per-token acceptance probabilities it runs on."""
 
 import jax
+import pytest
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -58,6 +59,7 @@ def test_block_lengths_are_a_distribution():
     np.testing.assert_allclose(lengths[0, 0, 2], a[0] * a[1] * (1 - a[2]), rtol=1e-6)  # 2 accepted, 3 tokens
 
 
+@pytest.mark.slow  # the target and the drafter compiled together: about 18 s
 def test_token_acceptance_is_min_one_draft_over_target_probability():
     model = Model.random(SPEC_CONFIG, "float32", seed=3)
     graphdef, params, frozen = nnx.split(model.module(), drafter.DRAFTER, ...)
