@@ -279,6 +279,47 @@ def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, r
     return statistics.median(times) * 1e3, compile_s
 
 
+def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[dict]:
+    """One routed-expert layer alone (layer 0 of a 1-layer `config`), per implementation:
+    ms per call of Experts(x [R, D], weights, idx) with R rows choosing K experts at random."""
+    graphdef, params = random_params(config, dtype, storage)
+    experts = nnx.merge(graphdef, params).layers[0].ffn.experts
+    per_expert = sum(nbytes(a) for a in jax.tree.leaves(nnx.state(experts))) / config.n_routed_experts
+    out = []
+    for rows in rows_list:
+        rng = np.random.default_rng(rows)
+        idx = jnp.asarray(np.stack([rng.permutation(config.n_routed_experts)[:config.num_experts_per_tok]
+                                    for _ in range(rows)]), jnp.int32)
+        w = jnp.asarray(rng.uniform(0.1, 1, idx.shape), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((rows, config.hidden_size)), dtype)
+        distinct = len(np.unique(np.asarray(idx)))
+        for impl in ("xla", "pallas", "every_expert"):
+            experts.implementation = "xla" if impl == "every_expert" else impl
+            fn = (lambda m, x, w, i: _ref_experts(m, x, w, i)) if impl == "every_expert" else (lambda m, x, w, i: m(x, w, i))
+            try:
+                start = time.perf_counter()
+                compiled = jax.jit(fn).lower(experts, x, w, idx).compile()
+                compile_s = time.perf_counter() - start
+                for _ in range(3):
+                    compiled(experts, x, w, idx).block_until_ready()
+                times = []
+                for _ in range(runs):
+                    start = time.perf_counter()
+                    compiled(experts, x, w, idx).block_until_ready()
+                    times.append(time.perf_counter() - start)
+                ms = statistics.median(times) * 1e3
+                floor = distinct * per_expert / bandwidth * 1e3
+                row = {"impl": impl, "rows": rows, "ms": ms, "distinct": distinct, "floor_ms": floor,
+                       "bandwidth_achieved": floor / ms, "compile_s": compile_s}
+                print(f"  moe layer {impl:>12} R={rows:>2} {ms:8.3f} ms  floor {floor:6.3f} ms  "
+                      f"bandwidth achieved {floor / ms:6.1%}  compile {compile_s:5.1f} s", flush=True)
+            except Exception as err:
+                row = {"impl": impl, "rows": rows, "error": f"{type(err).__name__}: {err}"[:2000]}
+                print(f"  moe layer {impl:>12} R={rows:>2} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            out.append(row)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="flash")
@@ -293,6 +334,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth array size (default 2048 GPU, 64 CPU)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--moe-layer", type=int, nargs="*", default=None,
+                    help="first time one routed-expert layer alone at these row counts (xla, pallas, every expert)")
     args = ap.parse_args(argv)
     for name in args.variants:
         if name not in PATCHES:
@@ -315,6 +358,11 @@ def main(argv=None) -> dict:
     print(f"# {report['device']} jax {jax.__version__}: {args.preset} dims, {config.num_hidden_layers} layers, "
           f"{config.n_routed_experts} experts, {args.storage}; params {sum(sizes.values()) / 1e9:.2f} GB "
           f"(routed experts {sizes['experts'] / 1e9:.2f}); copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    if args.moe_layer:
+        one_layer = make_config(args.preset, 1, args.experts, args.storage)
+        report["moe_layer"] = moe_layer_rows(one_layer, storage, dtype, args.moe_layer, args.runs, bandwidth)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=1))
     header = (f"{'variant':>14} {'ctx':>6} {'B':>3} {'S':>2} {'ms':>9} {'MB moved':>9} {'floor ms':>8} "
               f"{'GB/s':>7} {'bandwidth achieved':>18} {'compile s':>9}")
     print(header)
@@ -326,8 +374,15 @@ def main(argv=None) -> dict:
                 for batch in args.batch:
                     engine_b = EngineConfig(max_seq_len=engine.max_seq_len, max_batch=batch)
                     for rows in args.rows:
-                        ms, compile_s = time_extend(graphdef_v, params, config, engine_b, dtype, batch, rows,
-                                                    context, args.runs)
+                        try:
+                            ms, compile_s = time_extend(graphdef_v, params, config, engine_b, dtype, batch, rows,
+                                                        context, args.runs)
+                        except Exception as err:  # a variant that fails to build: recorded, the rest still run
+                            print(f"{name:>14} {context:>6} {batch:>3} {rows:>2} failed: {type(err).__name__}: "
+                                  f"{str(err)[:300]}", flush=True)
+                            report["rows"].append({"variant": name, "context": context, "batch": batch,
+                                                   "rows": rows, "error": f"{type(err).__name__}: {err}"[:2000]})
+                            continue
                         moved = call_bytes(config, sizes, context, batch, rows, dtype)
                         floor_ms = moved["total"] / bandwidth * 1e3
                         gbps = moved["total"] / (ms / 1e3) / 1e9
