@@ -32,36 +32,32 @@ def tiny_dspark_config(**overrides) -> DSV4Config:
     return tiny_config(**base)
 
 
+# What DeepSeek-V4-Flash and -Pro share (spec §2.1): the vocabulary, head shapes, window, indexer
+# width, routing, RoPE / YaRN, one MTP block and the storage (FP8 linears, ds_fp4 experts).
+_RELEASED = dict(
+    vocab_size=129280, num_nextn_predict_layers=1, head_dim=512, qk_rope_head_dim=64, o_lora_rank=1024,
+    sliding_window=128, index_n_heads=64, index_head_dim=128, n_shared_experts=1, num_experts_per_tok=6,
+    num_hash_layers=3, scoring_func="sqrtsoftplus", swiglu_limit=10.0, compress_rope_theta=160000.0,
+    rope_factor=16.0, original_seq_len=65536, expert_dtype="fp4", quantization=QuantConfig(),
+)
+
+
 def flash_config(**overrides) -> DSV4Config:
     """DeepSeek-V4-Flash (spec §2.1)."""
-    base = dict(
-        vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_nextn_predict_layers=1,
-        num_attention_heads=64, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8,
-        o_lora_rank=1024, sliding_window=128, compress_ratios=(0, 0) + (4, 128) * 20 + (4, 0),
-        index_n_heads=64, index_head_dim=128, index_topk=512, n_routed_experts=256, n_shared_experts=1,
-        num_experts_per_tok=6, moe_intermediate_size=2048, num_hash_layers=3,
-        scoring_func="sqrtsoftplus", routed_scaling_factor=1.5, swiglu_limit=10.0,
-        compress_rope_theta=160000.0, rope_factor=16.0, original_seq_len=65536,
-        expert_dtype="fp4", quantization=QuantConfig(),
-    )
-    base.update(overrides)
-    return DSV4Config(**base)
+    return DSV4Config(**{**_RELEASED, **dict(
+        hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, q_lora_rank=1024, o_groups=8,
+        compress_ratios=(0, 0) + (4, 128) * 20 + (4, 0), index_topk=512, n_routed_experts=256,
+        moe_intermediate_size=2048, routed_scaling_factor=1.5,
+    ), **overrides})
 
 
 def pro_config(**overrides) -> DSV4Config:
     """DeepSeek-V4-Pro (spec §2.1)."""
-    base = dict(
-        vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_nextn_predict_layers=1,
-        num_attention_heads=128, head_dim=512, qk_rope_head_dim=64, q_lora_rank=1536, o_groups=16,
-        o_lora_rank=1024, sliding_window=128, compress_ratios=(128, 128) + (4, 128) * 29 + (4, 0),
-        index_n_heads=64, index_head_dim=128, index_topk=1024, n_routed_experts=384, n_shared_experts=1,
-        num_experts_per_tok=6, moe_intermediate_size=3072, num_hash_layers=3,
-        scoring_func="sqrtsoftplus", routed_scaling_factor=2.5, swiglu_limit=10.0,
-        compress_rope_theta=160000.0, rope_factor=16.0, original_seq_len=65536,
-        expert_dtype="fp4", quantization=QuantConfig(),
-    )
-    base.update(overrides)
-    return DSV4Config(**base)
+    return DSV4Config(**{**_RELEASED, **dict(
+        hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, o_groups=16,
+        compress_ratios=(128, 128) + (4, 128) * 29 + (4, 0), index_topk=1024, n_routed_experts=384,
+        moe_intermediate_size=3072, routed_scaling_factor=2.5,
+    ), **overrides})
 
 
 def tiny_code_config(**overrides) -> DSV4Config:
