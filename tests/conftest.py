@@ -1,5 +1,6 @@
 """Shared test set-up: float32 matmuls at full precision, the `gpu` marker skipped without a GPU,
-a compilation counter, and the tiny speculative model shared by the engine and API tests."""
+a compilation counter, and the tiny speculative model and its engines shared by the engine and API
+tests (session fixtures: one engine per configuration per test process)."""
 
 import os
 import shutil
@@ -80,6 +81,15 @@ def spec_engine(spec_model, char_tokenizer):
     `speculative` and `width_policy` and finish or cancel their requests."""
     return Engine(spec_model, EngineConfig(max_seq_len=256, gamma=5, max_batch=2), prefill_chunk=16,
                   tokenizer=char_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def target_engine(spec_model):
+    """SPEC_CONFIG's target alone: two slots, no tokenizer, speculative=False, so only prefill and
+    decode are compiled (a fraction of `spec_engine`'s start-up). For tests of what does not need
+    the drafter; users finish or cancel their requests."""
+    return Engine(spec_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=2), prefill_chunk=16,
+                  speculative=False)
 
 
 @pytest.fixture(scope="session")

@@ -8,22 +8,16 @@ from jdspark.train import drafter, selfgen
 from tests.conftest import generate_to_end
 
 
-@pytest.fixture
-def target_only(spec_engine):
-    spec_engine.speculative = False  # widths then cannot depend on the other rows of a batch
-    yield spec_engine
-    spec_engine.speculative = True
-
-
-@pytest.mark.slow  # the session engine: every width compiled, about 200 s on a 2-core CPU
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_rows_are_the_engine_samples_of_each_prompt_alone(target_only, temperature):
+def test_rows_are_the_engine_samples_of_each_prompt_alone(target_engine, temperature):
+    """On a target-only engine, as train_drafter runs selfgen (no widths that could depend on the
+    other rows of a batch)."""
     prompts = np.random.default_rng(0).integers(4, 16, (3, 6)).astype(np.int32)  # 3 rows over 2 slots
-    rows = selfgen.sample_continuations(target_only, prompts, 7, temperature, seed=11)
+    rows = selfgen.sample_continuations(target_engine, prompts, 7, temperature, seed=11)
     assert rows.shape == (3, 13) and rows.dtype == np.int32
     np.testing.assert_array_equal(rows[:, :6], prompts)
     for i, prompt in enumerate(prompts):
-        alone = generate_to_end(target_only, prompt, SamplingParams(max_tokens=7, temperature=temperature,
+        alone = generate_to_end(target_engine, prompt, SamplingParams(max_tokens=7, temperature=temperature,
                                                                     seed=11 + i, ignore_eos=True))
         assert rows[i, 6:].tolist() == alone.token_ids
 
