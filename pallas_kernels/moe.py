@@ -31,6 +31,7 @@ multiple of its tile (checked: `supported`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -39,9 +40,25 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 FP4_BLOCK, FP8_BLOCK = 32, 128  # elements per e8m0 scale of ds_fp4; rows / columns per FP8 block scale
-TILE_OUT = 32  # output features per program (F for gate/up, D for down)
-TILE_IN = {"bf16": 128, "fp8": FP8_BLOCK, "fp4": 256}  # input elements per loop step
 FORMATS = ("bf16", "fp8", "fp4")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tiling of both kernels: `out` output features per program (F for gate/up, D for down), `step`
+    input elements per loop step (fp8: 128, one block scale per step), Triton warps and stages."""
+
+    out: int = 32
+    step_bf16: int = 128
+    step_fp4: int = 256
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def step(self, fmt: str) -> int:
+        return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
+
+
+TILES = Tiles()  # the tiling `moe` uses unless given one
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -92,37 +109,42 @@ def _combine(out: jax.Array, slot: jax.Array) -> jax.Array:
     return total
 
 
-def supported(fmt: str, d: int, f: int, rows: int) -> bool:
+def supported(fmt: str, d: int, f: int, rows: int, tiles: Tiles | None = None) -> bool:
     """Whether `moe` handles these sizes (else use `ref_moe`)."""
-    step = TILE_IN[fmt]
-    return fmt in FORMATS and rows <= 64 and d % TILE_OUT == 0 and f % TILE_OUT == 0 \
-        and d % step == 0 and f % step == 0
+    tiles = tiles or TILES
+    if fmt not in FORMATS:
+        return False
+    step = tiles.step(fmt)
+    return rows <= 64 and d % tiles.out == 0 and f % tiles.out == 0 and d % step == 0 and f % step == 0 \
+        and (fmt != "fp8" or FP8_BLOCK % tiles.out == 0)
 
 
-def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpret: bool = False) -> jax.Array:
+def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpret: bool = False,
+        tiles: Tiles | None = None) -> jax.Array:
     """`ref_moe` as two Pallas kernels reading each distinct expert in place once. float32 [R, D]."""
+    tiles = tiles or TILES
     r, d = x.shape
     m = experts.shape[0]
     f = w1[0].shape[1]
-    if not supported(fmt, d, f, r):
+    if not supported(fmt, d, f, r, tiles):
         raise ValueError(f"moe kernel: unsupported sizes fmt={fmt} D={d} F={f} rows={r}; use ref_moe")
     dtype = x.dtype
     rp = max(16, 1 << (r - 1).bit_length())
     xp = jnp.zeros((rp, d), dtype).at[:r].set(x)
     dense_t = jnp.zeros((m, rp, 1), jnp.float32).at[:, :r, 0].set(dense.T)
-    params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     experts = experts.astype(jnp.int32)
 
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, fmt=fmt, k=d, limit=limit, dtype=dtype),
+        functools.partial(_gate_up_kernel, fmt=fmt, k=d, limit=limit, dtype=dtype, tiles=tiles),
         out_shape=jax.ShapeDtypeStruct((m, rp, f), dtype),
-        grid=(m, f // TILE_OUT),
+        grid=(m, f // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
     )(experts, dense_t, *_activations(fmt, xp), *_weights(fmt, w1), *_weights(fmt, w3))
     out = pl.pallas_call(
-        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(_weights(fmt, w2))),
+        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(_weights(fmt, w2)), tiles=tiles),
         out_shape=jax.ShapeDtypeStruct((m, rp, d), dtype),
-        grid=(m, d // TILE_OUT),
+        grid=(m, d // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_down",
     )(experts, *_activations(fmt, h), *_weights(fmt, w2))
     return _combine(out, slot)
@@ -168,21 +190,24 @@ def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _partial(fmt, e, row0, c, act_refs, w_refs, dtype):
-    """x_chunk @ w[e, row0:row0+TILE_OUT, chunk c]^T, float32 [Rp, TILE_OUT], for one loop step."""
-    rows = pl.ds(row0, TILE_OUT)
-    step = TILE_IN[fmt]
+def _partial(fmt, e, row0, c, act_refs, w_refs, dtype, tiles):
+    """x_chunk @ w[e, row0:row0+out, chunk c]^T, float32 [Rp, out], for one loop step. Dynamic
+    starts carry `multiple_of` hints, so Triton can vectorise the loads."""
+    out = tiles.out
+    rows = pl.ds(row0, out)
+    step = tiles.step(fmt)
     if fmt == "fp4":
         packed_ref, scale_ref = w_refs
         even_ref, odd_ref = act_refs
         nb = step // FP4_BLOCK
-        b = packed_ref[e, rows, pl.ds(c * nb, nb), :].astype(jnp.int32) & 0xFF  # [TO, nb, 16]
-        s = _scale_f32(scale_ref[e, rows, pl.ds(c * nb, nb), :])  # [TO, nb, 1]
-        lo = (_e2m1(b & 0xF) * s).astype(dtype).reshape(TILE_OUT, step // 2)
-        hi = (_e2m1(b >> 4) * s).astype(dtype).reshape(TILE_OUT, step // 2)
-        cols = pl.ds(c * (step // 2), step // 2)
+        blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
+        b = packed_ref[e, rows, blocks, :].astype(jnp.int32) & 0xFF  # [out, nb, 16]
+        s = _scale_f32(scale_ref[e, rows, blocks, :])  # [out, nb, 1]
+        lo = (_e2m1(b & 0xF) * s).astype(dtype).reshape(out, step // 2)
+        hi = (_e2m1(b >> 4) * s).astype(dtype).reshape(out, step // 2)
+        cols = pl.ds(pl.multiple_of(c * (step // 2), step // 2), step // 2)
         return _dot_t(even_ref[:, cols], lo) + _dot_t(odd_ref[:, cols], hi)
-    cols = pl.ds(c * step, step)
+    cols = pl.ds(pl.multiple_of(c * step, step), step)
     if fmt == "fp8":
         w_ref, scale_ref = w_refs
         s = _scale_f32(scale_ref[e, row0 // FP8_BLOCK, c])  # one block scale per tile and step
@@ -192,40 +217,40 @@ def _partial(fmt, e, row0, c, act_refs, w_refs, dtype):
     return _dot_t(act_refs[0][:, cols], w)
 
 
-def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype):
+def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles):
     n_act = 2 if fmt == "fp4" else 1
     n_w = (len(refs) - n_act - 1) // 2
     act_refs, w1_refs, w3_refs, h_ref = refs[:n_act], refs[n_act:n_act + n_w], refs[n_act + n_w:-1], refs[-1]
     slot, tile = pl.program_id(0), pl.program_id(1)
     e = experts_ref[slot]
-    row0 = tile * TILE_OUT
+    row0 = pl.multiple_of(tile * tiles.out, tiles.out)
     rp = h_ref.shape[1]
 
     def step(c, acc):
         gate, up = acc
-        return (gate + _partial(fmt, e, row0, c, act_refs, w1_refs, dtype),
-                up + _partial(fmt, e, row0, c, act_refs, w3_refs, dtype))
+        return (gate + _partial(fmt, e, row0, c, act_refs, w1_refs, dtype, tiles),
+                up + _partial(fmt, e, row0, c, act_refs, w3_refs, dtype, tiles))
 
-    zero = jnp.zeros((rp, TILE_OUT), jnp.float32)
-    gate, up = jax.lax.fori_loop(0, k // TILE_IN[fmt], step, (zero, zero))
+    zero = jnp.zeros((rp, tiles.out), jnp.float32)
+    gate, up = jax.lax.fori_loop(0, k // tiles.step(fmt), step, (zero, zero))
     h = swiglu(gate.astype(dtype), up.astype(dtype), limit) * dense_ref[slot, :, :]
-    h_ref[slot, :, pl.ds(row0, TILE_OUT)] = h.astype(dtype)
+    h_ref[slot, :, pl.ds(row0, tiles.out)] = h.astype(dtype)
 
 
-def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w):
+def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles):
     act_refs, w_refs, out_ref = refs[:-n_w - 1], refs[-n_w - 1:-1], refs[-1]
     slot, tile = pl.program_id(0), pl.program_id(1)
     e = experts_ref[slot]
-    row0 = tile * TILE_OUT
+    row0 = pl.multiple_of(tile * tiles.out, tiles.out)
     rp = out_ref.shape[1]
     # the activations of this slot: h [M, Rp, F] (or its even / odd halves), read per loop step
     slot_acts = [_SlotRef(ref, slot) for ref in act_refs]
 
     def step(c, acc):
-        return acc + _partial(fmt, e, row0, c, slot_acts, w_refs, dtype)
+        return acc + _partial(fmt, e, row0, c, slot_acts, w_refs, dtype, tiles)
 
-    acc = jax.lax.fori_loop(0, k // TILE_IN[fmt], step, jnp.zeros((rp, TILE_OUT), jnp.float32))
-    out_ref[slot, :, pl.ds(row0, TILE_OUT)] = acc.astype(dtype)
+    acc = jax.lax.fori_loop(0, k // tiles.step(fmt), step, jnp.zeros((rp, tiles.out), jnp.float32))
+    out_ref[slot, :, pl.ds(row0, tiles.out)] = acc.astype(dtype)
 
 
 class _SlotRef:

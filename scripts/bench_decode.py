@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import statistics
@@ -48,7 +49,8 @@ from jdspark.config import CSA_RATIO, EngineConfig, QuantConfig, flash_config, p
 from jdspark.model import quantized
 from jdspark.model import state as state_lib
 from jdspark.model.dequant import E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_dequant
-from jdspark.model.moe import Experts, swiglu
+from jdspark.model.moe import Experts, routed_slots, swiglu
+from pallas_kernels import moe as moe_kernels
 from jdspark.model.quant_sim import fp8_sim
 from jdspark.model.quantized import FP8Linear, Storage, abstract_model, is_expert
 
@@ -317,7 +319,90 @@ def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[d
                 row = {"impl": impl, "rows": rows, "error": f"{type(err).__name__}: {err}"[:2000]}
                 print(f"  moe layer {impl:>12} R={rows:>2} failed: {type(err).__name__}: {str(err)[:300]}", flush=True)
             out.append(row)
-    return out
+    return out, experts
+
+
+SWEEP = [moe_kernels.Tiles(), moe_kernels.Tiles(out=16, step_fp4=512),
+         moe_kernels.Tiles(out=32, step_fp4=512, num_warps=8), moe_kernels.Tiles(out=64, num_warps=8),
+         moe_kernels.Tiles(out=16, step_fp4=1024, num_warps=8, num_stages=3),
+         moe_kernels.Tiles(out=32, num_stages=4), moe_kernels.Tiles(out=16, num_warps=2, num_stages=3)]
+
+
+def _median_ms(fn, args, runs) -> float:
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def kernel_sweep(experts, rows_list, runs, bandwidth) -> tuple[list[dict], moe_kernels.Tiles]:
+    """pallas_kernels.moe alone (routing precomputed) for each tiling of SWEEP: ms, error against
+    ref_moe, and the tiling fastest over rows_list; plus the XLA glue around it (routed_slots)."""
+    fmt, w1 = experts.w1.stored()
+    (_, w3), (_, w2) = experts.w3.stored(), experts.w2.stored()
+    per_expert = sum(nbytes(a) for a in jax.tree.leaves(nnx.state(experts))) / experts.n_experts
+    out, totals = [], {}
+    for rows in rows_list:
+        rng = np.random.default_rng(100 + rows)
+        k = 6 if experts.n_experts >= 6 else experts.n_experts
+        idx = jnp.asarray(np.stack([rng.permutation(experts.n_experts)[:k] for _ in range(rows)]), jnp.int32)
+        w = jnp.asarray(rng.uniform(0.1, 1, idx.shape), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((rows, w1[0].shape[-1] * (2 if fmt == "fp4" else 1))), jnp.bfloat16)
+        slots = jax.jit(lambda w, i: routed_slots(w, i, experts.n_experts))
+        e_, dense = slots(w, idx)
+        slot = jnp.searchsorted(e_, idx)
+        glue = _median_ms(slots, (w, idx), runs)
+        want = jax.jit(partial(moe_kernels.ref_moe, fmt=fmt, limit=experts.limit))(x, e_, dense, slot, w1, w3, w2)
+        floor = len(np.unique(np.asarray(idx))) * per_expert / bandwidth * 1e3
+        print(f"  routed_slots R={rows}: {glue:.3f} ms", flush=True)
+        for i, tiles in enumerate(SWEEP):
+            try:
+                fn = jax.jit(partial(moe_kernels.moe, fmt=fmt, limit=experts.limit, tiles=tiles,
+                                     interpret=jax.default_backend() == "cpu"))
+                got = fn(x, e_, dense, slot, w1, w3, w2)
+                err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
+                ms = _median_ms(fn, (x, e_, dense, slot, w1, w3, w2), runs)
+                totals[i] = totals.get(i, 0.0) + ms
+                row = {"tiles": dataclasses.asdict(tiles), "rows": rows, "ms": ms, "rel_err": err,
+                       "bandwidth_achieved": floor / ms}
+                print(f"  kernel {i} {tiles} R={rows:>2}: {ms:7.3f} ms, {floor / ms:6.1%} of floor, "
+                      f"max err {err:.1e}", flush=True)
+            except Exception as exc:
+                totals[i] = float("inf")
+                row = {"tiles": dataclasses.asdict(tiles), "rows": rows, "error": f"{type(exc).__name__}: {exc}"[:1500]}
+                print(f"  kernel {i} {tiles} R={rows:>2}: failed {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            out.append(row)
+    best = SWEEP[min(totals, key=totals.get)] if totals else moe_kernels.TILES
+    print(f"  fastest tiling: {best}", flush=True)
+    return out, best
+
+
+def top_kernels(fn, n: int = 14) -> list[dict]:
+    """The GPU kernels of one fn() call (jax.profiler trace), by total time: where the time goes."""
+    from jdspark.profile import busy_us, gpu_kernels
+    kernels = gpu_kernels(fn)
+    by_name: dict[str, list[float]] = {}
+    for _, dur, name in kernels:
+        by_name.setdefault(name, []).append(dur)
+    rows = sorted(({"name": k, "us": sum(v), "count": len(v)} for k, v in by_name.items()), key=lambda r: -r["us"])
+    print(f"  {len(kernels)} kernels, busy {busy_us(kernels) / 1e3:.3f} ms; top by time:")
+    for r in rows[:n]:
+        print(f"    {r['us']:9.1f} us {r['count']:>4} x  {r['name'][:90]}")
+    return rows[:40]
+
+
+def profile_row(graphdef, params, config, decode, batch, rows, context) -> list[dict]:
+    """top_kernels of one extend call at [batch, rows] after `context` tokens."""
+    decode = jax.tree.map(jnp.zeros_like, decode).replace(length=jnp.full((batch,), context, jnp.int32))
+    ids = jnp.ones((batch, rows), jnp.int32)
+    n_valid = jnp.full((batch,), rows, jnp.int32)
+    fn = jax.jit(lambda p, d, i, n: nnx.merge(graphdef, p).extend(i, d, n)[0])
+    fn(params, decode, ids, n_valid).block_until_ready()
+    return top_kernels(lambda: fn(params, decode, ids, n_valid).block_until_ready())
 
 
 def main(argv=None) -> dict:
@@ -334,6 +419,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth array size (default 2048 GPU, 64 CPU)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--sweep", action="store_true", help="with --moe-layer: time the kernel's tilings (GPU)")
+    ap.add_argument("--profile", action="store_true", help="per row: the top GPU kernels of one call (GPU)")
     ap.add_argument("--moe-layer", type=int, nargs="*", default=None,
                     help="first time one routed-expert layer alone at these row counts (xla, pallas, every expert)")
     args = ap.parse_args(argv)
@@ -360,7 +447,12 @@ def main(argv=None) -> dict:
           f"(routed experts {sizes['experts'] / 1e9:.2f}); copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     if args.moe_layer:
         one_layer = make_config(args.preset, 1, args.experts, args.storage)
-        report["moe_layer"] = moe_layer_rows(one_layer, storage, dtype, args.moe_layer, args.runs, bandwidth)
+        report["moe_layer"], experts = moe_layer_rows(one_layer, storage, dtype, args.moe_layer, args.runs, bandwidth)
+        if args.sweep and gpu:
+            report["kernel_sweep"], best = kernel_sweep(experts, args.moe_layer, args.runs, bandwidth)
+            moe_kernels.TILES = best  # the model variants below use the fastest tiling of this run
+            report["tiles"] = dataclasses.asdict(best)
+        del experts
         if args.json:
             args.json.write_text(json.dumps(report, indent=1))
     header = (f"{'variant':>14} {'ctx':>6} {'B':>3} {'S':>2} {'ms':>9} {'MB moved':>9} {'floor ms':>8} "
@@ -393,6 +485,10 @@ def main(argv=None) -> dict:
                         print(f"{name:>14} {context:>6} {batch:>3} {rows:>2} {ms:>9.3f} {moved['total'] / 1e6:>9.1f} "
                               f"{floor_ms:>8.3f} {gbps:>7.1f} {row['bandwidth_achieved']:>17.1%} {compile_s:>9.1f}",
                               flush=True)
+                        if args.profile and gpu:
+                            profile_decode = state_lib.init_state(config, engine_b, dtype)
+                            row["kernels"] = profile_row(graphdef_v, params, config, profile_decode, batch, rows,
+                                                         context)
                         if args.json:  # after every row: a run cut short keeps what it measured
                             args.json.write_text(json.dumps(report, indent=1))
     return report

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jdspark.model.moe import routed_slots
-from pallas_kernels.moe import moe, ref_moe, supported
+from pallas_kernels.moe import Tiles, moe, ref_moe, supported
 
 D, F, E, K = 256, 256, 10, 3  # small: the interpret mode runs every program in Python
 
@@ -41,10 +41,10 @@ def inputs(fmt, rows, seed, dtype, scale_dtype="e8m0"):
 CASES = [("fp4", "e8m0"), ("fp8", "e8m0"), ("fp8", "float32"), ("bf16", None)]
 
 
-def check(fmt, scale_dtype, rows, dtype, interpret):
+def check(fmt, scale_dtype, rows, dtype, interpret, tiles=None):
     args = inputs(fmt, rows, seed=rows, dtype=dtype, scale_dtype=scale_dtype)
-    assert supported(fmt, D, F, rows)
-    run = jax.jit(lambda *a: moe(*a, fmt=fmt, limit=4.0, interpret=interpret))
+    assert supported(fmt, D, F, rows, tiles)
+    run = jax.jit(lambda *a: moe(*a, fmt=fmt, limit=4.0, interpret=interpret, tiles=tiles))
     got = np.asarray(run(*args))
     want = np.asarray(jax.jit(lambda *a: ref_moe(*a, fmt=fmt, limit=4.0))(*args))
     scale = np.abs(want).max()
@@ -95,3 +95,18 @@ def test_reference_decoding_matches_the_numpy_decoder(fmt, scale_dtype):
     want = decode_fp4(*arrays) if fmt == "fp4" else decode_fp8(*arrays)
     got = np.asarray(jax.jit(lambda *a: decode(fmt, a, jnp.float32))(*arrays))
     np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+
+
+OTHER_TILES = Tiles(out=16, step_bf16=256, num_warps=8, num_stages=3)
+
+
+def test_other_tiling_interpret():
+    check("fp4", "e8m0", 5, jnp.bfloat16, interpret=True, tiles=OTHER_TILES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,scale_dtype", CASES, ids=[f"{f}-{s}" for f, s in CASES])
+def test_other_tiling_compiled(fmt, scale_dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    check(fmt, scale_dtype, 6, jnp.bfloat16, interpret=False, tiles=OTHER_TILES)
