@@ -420,7 +420,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth array size (default 2048 GPU, 64 CPU)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="with --moe-layer: time the kernel's tilings (GPU)")
-    ap.add_argument("--profile", action="store_true", help="per row: the top GPU kernels of one call (GPU)")
+    ap.add_argument("--profile", action="store_true",
+                    help="per row of the first variant: the top GPU kernels of one call (GPU)")
     ap.add_argument("--moe-layer", type=int, nargs="*", default=None,
                     help="first time one routed-expert layer alone at these row counts (xla, pallas, every expert)")
     args = ap.parse_args(argv)
@@ -485,7 +486,7 @@ def main(argv=None) -> dict:
                         print(f"{name:>14} {context:>6} {batch:>3} {rows:>2} {ms:>9.3f} {moved['total'] / 1e6:>9.1f} "
                               f"{floor_ms:>8.3f} {gbps:>7.1f} {row['bandwidth_achieved']:>17.1%} {compile_s:>9.1f}",
                               flush=True)
-                        if args.profile and gpu:
+                        if args.profile and gpu and name == args.variants[0]:
                             profile_decode = state_lib.init_state(config, engine_b, dtype)
                             row["kernels"] = profile_row(graphdef_v, params, config, profile_decode, batch, rows,
                                                          context)
