@@ -14,6 +14,9 @@
 // e8m0 scales multiply a block's partial sum, which equals scaling each weight (exact powers of two).
 // Float32 FP8 scales multiply each block's sum too, except when the model dtype is bf16: then each
 // weight is scaled and rounded to bf16 first, as the model's dequantization does.
+// Weight rows go through in groups (w1 and w3 of two features; four rows of w2) so each slice of
+// the inputs is read from L1 once per group: a row-at-a-time GEMV reads 4 B of fp32 input per
+// 0.5 B of fp4 weight. The SIMD path is compute-bound on AVX2 (about 5 GB/s of fp4 per core).
 // Built at first use by jdspark/experts/cpu_gemv.py: g++ -O3 -march=native -fopenmp -shared.
 
 #include <cmath>
@@ -92,146 +95,12 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(a);
 }
 
-// NR dot products of one ds_fp4 row [K/2 bytes] with xs[r] (K floats, fp4-permuted per block).
-// Two blocks (32 bytes) per step: nibbles -> 2 * E2M1 as int8 by vpshufb, through a small stack
-// buffer into vpmovsxbd + vcvtdq2ps; the e8m0 scales of the row become floats 8 at a time
-// (byte << 23 is the float 2^(b - 127) for b >= 1); the table's factor 2 comes off at the end.
-template <int NR>
-inline void dot_fp4(const uint8_t* w, const uint8_t* s, int K, const float* const* xs, float* out) {
-  const __m256i lut = _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12,
-                                       0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const int nb = K / 32;
-  alignas(32) float sf[256];
-  alignas(32) int8_t buf[64];
-  __m256 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int c0 = 0; c0 < nb; c0 += 256) {  // rows longer than 8192 elements: chunks of 256 blocks
-    const int cn = nb - c0 < 256 ? nb - c0 : 256;
-    int i = 0;
-    for (; i + 8 <= cn; i += 8)
-      _mm256_store_ps(sf + i, _mm256_castsi256_ps(_mm256_slli_epi32(
-          _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(s + c0 + i))), 23)));
-    for (; i < cn; ++i) sf[i] = e8m0_times(s[c0 + i], 0);
-    int b = 0;
-    for (; b + 2 <= cn; b += 2) {
-      const __m256i q = _mm256_loadu_si256((const __m256i*)(w + 16 * (c0 + b)));
-      _mm256_store_si256((__m256i*)buf, _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4)));
-      _mm256_store_si256((__m256i*)(buf + 32), _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4)));
-      for (int h = 0; h < 2; ++h) {
-        const __m256 v0 = cvt8(_mm_loadl_epi64((const __m128i*)(buf + 16 * h)));
-        const __m256 v1 = cvt8(_mm_loadl_epi64((const __m128i*)(buf + 16 * h + 8)));
-        const __m256 v2 = cvt8(_mm_loadl_epi64((const __m128i*)(buf + 32 + 16 * h)));
-        const __m256 v3 = cvt8(_mm_loadl_epi64((const __m128i*)(buf + 40 + 16 * h)));
-        const __m256 sc = _mm256_broadcast_ss(sf + b + h);
-        for (int r = 0; r < NR; ++r) {
-          const float* x = xs[r] + 32 * (c0 + b + h);
-          __m256 t = _mm256_mul_ps(v0, _mm256_loadu_ps(x));
-          t = _mm256_fmadd_ps(v1, _mm256_loadu_ps(x + 8), t);
-          t = _mm256_fmadd_ps(v2, _mm256_loadu_ps(x + 16), t);
-          t = _mm256_fmadd_ps(v3, _mm256_loadu_ps(x + 24), t);
-          acc[r] = _mm256_fmadd_ps(t, sc, acc[r]);
-        }
-      }
-    }
-    for (; b < cn; ++b) {  // an odd last block
-      const __m128i lut1 = _mm256_castsi256_si128(lut), m41 = _mm256_castsi256_si128(m4);
-      const __m128i q = _mm_loadu_si128((const __m128i*)(w + 16 * (c0 + b)));
-      const __m128i lo = _mm_shuffle_epi8(lut1, _mm_and_si128(q, m41));
-      const __m128i hi = _mm_shuffle_epi8(lut1, _mm_and_si128(_mm_srli_epi16(q, 4), m41));
-      const __m256 v0 = cvt8(lo), v1 = cvt8(_mm_srli_si128(lo, 8)), v2 = cvt8(hi), v3 = cvt8(_mm_srli_si128(hi, 8));
-      const __m256 sc = _mm256_broadcast_ss(sf + b);
-      for (int r = 0; r < NR; ++r) {
-        const float* x = xs[r] + 32 * (c0 + b);
-        __m256 t = _mm256_mul_ps(v0, _mm256_loadu_ps(x));
-        t = _mm256_fmadd_ps(v1, _mm256_loadu_ps(x + 8), t);
-        t = _mm256_fmadd_ps(v2, _mm256_loadu_ps(x + 16), t);
-        t = _mm256_fmadd_ps(v3, _mm256_loadu_ps(x + 24), t);
-        acc[r] = _mm256_fmadd_ps(t, sc, acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r) out[r] = 0.5f * hsum(acc[r]);
-}
-
 // 16 e4m3 bytes -> two vectors of value / 256 (exact), in element order.
 inline void dec_e4m3(const uint8_t* p, __m256& a, __m256& b) {
   __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)p));
   w = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16((short)0xBFFF));
   a = _mm256_cvtph_ps(_mm256_castsi256_si128(w));
   b = _mm256_cvtph_ps(_mm256_extracti128_si256(w, 1));
-}
-
-// NR dots of one e4m3 row [K] with block scales srow[ceil(K/128)] (e8m0 bytes or float32).
-// ROUND: scale each weight in fp32 and round it to bf16 (float32 scales, bf16 model).
-template <int NR, bool F32S, bool ROUND>
-inline void dot_fp8(const uint8_t* w, const void* srow, int K, const float* const* xs, float* out) {
-  __m256 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  const int nb = (K + 127) / 128;
-  for (int b = 0; b < nb; ++b) {
-    const float sv = F32S ? ((const float*)srow)[b] : e8m0_times(((const uint8_t*)srow)[b], 0);
-    const int k0 = 128 * b, k1 = K < k0 + 128 ? K : k0 + 128;
-    if (ROUND) {  // each weight: value * s in fp32 (as the model's dequant), rounded to bf16
-      const __m256 s256 = _mm256_set1_ps(256.0f), svv = _mm256_set1_ps(sv);
-      int k = k0;
-      for (; k + 16 <= k1; k += 16) {
-        __m256 a, c;
-        dec_e4m3(w + k, a, c);
-        a = bf16_round8(_mm256_mul_ps(_mm256_mul_ps(a, s256), svv));
-        c = bf16_round8(_mm256_mul_ps(_mm256_mul_ps(c, s256), svv));
-        for (int r = 0; r < NR; ++r) {
-          acc[r] = _mm256_fmadd_ps(a, _mm256_loadu_ps(xs[r] + k), acc[r]);
-          acc[r] = _mm256_fmadd_ps(c, _mm256_loadu_ps(xs[r] + k + 8), acc[r]);
-        }
-      }
-      float tail[MAXR] = {0};
-      for (; k < k1; ++k) {
-        const float v = bf16_round(e4m3_value(w[k]) * sv);
-        for (int r = 0; r < NR; ++r) tail[r] += v * xs[r][k];
-      }
-      for (int r = 0; r < NR; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_setr_ps(tail[r], 0, 0, 0, 0, 0, 0, 0));
-    } else {
-      __m256 blk[NR];
-      for (int r = 0; r < NR; ++r) blk[r] = _mm256_setzero_ps();
-      int k = k0;
-      for (; k + 16 <= k1; k += 16) {
-        __m256 a, c;
-        dec_e4m3(w + k, a, c);
-        for (int r = 0; r < NR; ++r) {
-          blk[r] = _mm256_fmadd_ps(a, _mm256_loadu_ps(xs[r] + k), blk[r]);
-          blk[r] = _mm256_fmadd_ps(c, _mm256_loadu_ps(xs[r] + k + 8), blk[r]);
-        }
-      }
-      float tail[MAXR] = {0};
-      for (; k < k1; ++k) {
-        float v = e4m3_value(w[k]) / 256.0f;
-        for (int r = 0; r < NR; ++r) tail[r] += v * xs[r][k];
-      }
-      const __m256 sc = _mm256_set1_ps(sv * 256.0f);
-      for (int r = 0; r < NR; ++r) {
-        blk[r] = _mm256_add_ps(blk[r], _mm256_setr_ps(tail[r], 0, 0, 0, 0, 0, 0, 0));
-        acc[r] = _mm256_fmadd_ps(blk[r], sc, acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < NR; ++r) out[r] = hsum(acc[r]);
-}
-
-template <int NR>
-inline void dot_bf16(const uint16_t* w, int K, const float* const* xs, float* out) {
-  __m256 acc[NR];
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
-  int k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(w + k))), 16));
-    for (int r = 0; r < NR; ++r) acc[r] = _mm256_fmadd_ps(v, _mm256_loadu_ps(xs[r] + k), acc[r]);
-  }
-  for (int r = 0; r < NR; ++r) {
-    float t = hsum(acc[r]);
-    for (int j = k; j < K; ++j) t += bf16_value(w[j]) * xs[r][j];
-    out[r] = t;
-  }
 }
 
 // ---- multi-row SIMD kernel: M weight rows x NR input vectors per pass ---------------------------
@@ -249,6 +118,8 @@ struct BlockFP4 {  // scale per 32-block: G = 1
     std::memcpy(&f, &u, 4);
     return f;
   }
+  // nibbles -> 2 x E2M1 as int8 by pshufb, widened to int32 and converted (a vpermps table with the
+  // sign xored in measured slower on AMD Zen)
   static void dec(const uint8_t* w, int b, float, __m256 v[4]) {
     const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
     const __m128i m4 = _mm_set1_epi8(0x0F);
@@ -370,21 +241,15 @@ struct Mat {  // one expert matrix [N, K] inside an expert's run
 };
 
 template <int NR>
-void dot_rows_t(const Mat& m, int row, const float* const* xs, float* out, bool simd) {
+void dot_rows_t(const Mat& m, int row, const float* const* xs, float* out) {
   const int K = m.K;
   if (m.fmt == FP4) {
     const uint8_t* w = m.w + size_t(row) * (K / 2);
     const uint8_t* s = (const uint8_t*)m.s + size_t(row) * (K / 32);
-#if JDS_AVX2
-    if (simd) return dot_fp4<NR>(w, s, K, xs, out);
-#endif
     return dot_fp4_scalar<NR>(w, s, K, xs, out);
   }
   if (m.fmt == BF16) {
     const uint16_t* w = (const uint16_t*)m.w + size_t(row) * K;
-#if JDS_AVX2
-    if (simd) return dot_bf16<NR>(w, K, xs, out);
-#endif
     return dot_bf16_scalar<NR>(w, K, xs, out);
   }
   const uint8_t* w = m.w + size_t(row) * K;
@@ -392,31 +257,24 @@ void dot_rows_t(const Mat& m, int row, const float* const* xs, float* out, bool 
   const bool f32s = m.fmt == FP8_F32;
   const void* srow = f32s ? (const void*)((const float*)m.s + size_t(row / 128) * nb)
                           : (const void*)((const uint8_t*)m.s + size_t(row / 128) * nb);
-#if JDS_AVX2
-  if (simd) {
-    if (!f32s) return dot_fp8<NR, false, false>(w, srow, K, xs, out);
-    if (m.round_w) return dot_fp8<NR, true, true>(w, srow, K, xs, out);
-    return dot_fp8<NR, true, false>(w, srow, K, xs, out);
-  }
-#endif
   if (!f32s) return dot_fp8_scalar<NR, false, false>(w, srow, K, xs, out);
   if (m.round_w) return dot_fp8_scalar<NR, true, true>(w, srow, K, xs, out);
   return dot_fp8_scalar<NR, true, false>(w, srow, K, xs, out);
 }
 
 // Dots of weight row `row` with n (any count) input vectors, in passes of MAXR.
-void dot_rows(const Mat& m, int row, const float* const* xs, int n, float* out, bool simd) {
+void dot_rows(const Mat& m, int row, const float* const* xs, int n, float* out) {
   for (int i = 0; i < n; i += MAXR) {
     int c = n - i < MAXR ? n - i : MAXR;
     switch (c) {
-      case 1: dot_rows_t<1>(m, row, xs + i, out + i, simd); break;
-      case 2: dot_rows_t<2>(m, row, xs + i, out + i, simd); break;
-      case 3: dot_rows_t<3>(m, row, xs + i, out + i, simd); break;
-      case 4: dot_rows_t<4>(m, row, xs + i, out + i, simd); break;
-      case 5: dot_rows_t<5>(m, row, xs + i, out + i, simd); break;
-      case 6: dot_rows_t<6>(m, row, xs + i, out + i, simd); break;
-      case 7: dot_rows_t<7>(m, row, xs + i, out + i, simd); break;
-      default: dot_rows_t<8>(m, row, xs + i, out + i, simd); break;
+      case 1: dot_rows_t<1>(m, row, xs + i, out + i); break;
+      case 2: dot_rows_t<2>(m, row, xs + i, out + i); break;
+      case 3: dot_rows_t<3>(m, row, xs + i, out + i); break;
+      case 4: dot_rows_t<4>(m, row, xs + i, out + i); break;
+      case 5: dot_rows_t<5>(m, row, xs + i, out + i); break;
+      case 6: dot_rows_t<6>(m, row, xs + i, out + i); break;
+      case 7: dot_rows_t<7>(m, row, xs + i, out + i); break;
+      default: dot_rows_t<8>(m, row, xs + i, out + i); break;
     }
   }
 }
@@ -473,6 +331,7 @@ void multi_m(int M, const uint8_t* const* w, const void* const* s, int K, const 
 // out [M][n]. SIMD when built for AVX2 and K % 32 == 0, else row by row in scalar code.
 void dot_many(const Mat* const* mats, const int* rows, int M, const float* const* xs, int n, float* out, bool simd) {
   const Mat& m0 = *mats[0];
+  (void)m0;
 #if JDS_AVX2
   if (simd && m0.K % 32 == 0) {
     const uint8_t* w[4];
@@ -488,7 +347,7 @@ void dot_many(const Mat* const* mats, const int* rows, int M, const float* const
     }
   }
 #endif
-  for (int i = 0; i < M; ++i) dot_rows(*mats[i], rows[i], xs, n, out + i * n, false);
+  for (int i = 0; i < M; ++i) dot_rows(*mats[i], rows[i], xs, n, out + i * n);
 }
 
 // Software prefetch of a weight row ahead of its use (the hardware streamers lose several
@@ -561,12 +420,12 @@ int jds_moe_forward(int fmt, const uint8_t* data, int64_t expert_nbytes, const i
   const bool rnd = round_bf16 != 0;
   auto dt = [rnd](float v) { return rnd ? bf16_round(v) : v; };
 
+  // phase 0 (serial, R x D floats): inputs in the decoder's order
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < D; ++i) xp[size_t(r) * D + (perm ? (i & ~31) + fp4_pos(i & 31) : i)] = x[size_t(r) * D + i];
+
 #pragma omp parallel num_threads(nthreads)
   {
-    // phase 0: inputs in the decoder's order
-#pragma omp for schedule(static)
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < D; ++i) xp[size_t(r) * D + (perm ? (i & ~31) + fp4_pos(i & 31) : i)] = x[size_t(r) * D + i];
 
     // phase 1: gate / up / SwiGLU / routing weight, tiles of F per expert
 #pragma omp for schedule(dynamic, 1)

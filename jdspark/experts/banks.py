@@ -223,8 +223,8 @@ def random_bank(fmt: str, dim: int, inter: int, n_experts: int, *, scale_dtype: 
         v = bank.view(name)
         if fmt == "fp8":
             v[(v & 0x7F) == 0x7F] = 0x7E          # e4m3fn NaN codes -> 448 magnitude
-        elif fmt == "bf16":
-            v[...] = (rng.standard_normal(v.shape, np.float32) * dim ** -0.5).view(np.uint32) >> 16
+        elif fmt == "bf16":  # random sign and mantissa, exponents 2^-8 .. 2^-5
+            v[...] = (v & 0x807F) | ((v & 0x0180) + 0x3B80)
     for name in ("s1", "s3", "s2"):
         if name in bank.offsets:
             v = bank.view(name)

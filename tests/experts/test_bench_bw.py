@@ -1,0 +1,22 @@
+import json
+
+from jdspark.experts import bench_bw
+
+
+def test_bench_bw_small(tmp_path, capsys):
+    out = tmp_path / "bw.json"
+    rc = bench_bw.main(["--dim", "256", "--inter", "128", "--rows", "1,2", "--repeats", "1", "--bank-experts", "8",
+                        "--read-mb", "8", "--formats", "fp4,fp8-f32", "--numba-rows", "", "--no-gpu",
+                        "--threads", "1", "--json", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["host_read_GBps"] > 0 and res["pcie_h2d"] is None and res["gpu_gemv"] is None
+    assert {(g["format"], g["rows"]) for g in res["cpu_gemv"]} == {("fp4", 1), ("fp4", 2), ("fp8-f32", 1), ("fp8-f32", 2)}
+    assert all(g["GBps"] > 0 for g in res["cpu_gemv"])
+    assert set(res["rows1_share_of_read"]) == {"fp4", "fp8-f32"}
+    assert "host read:" in capsys.readouterr().out
+
+
+def test_bench_bw_bad_format(capsys):
+    assert bench_bw.main(["--formats", "int3", "--no-gpu"]) == 2
+    assert "unknown format" in capsys.readouterr().err
