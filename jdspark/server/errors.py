@@ -38,15 +38,21 @@ def clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
+def _fields(loc: tuple) -> list[str]:
+    return [str(p) for p in loc if not (isinstance(p, str) and (p in _UNION_TAGS or "[" in p or "-" in p))]
+
+
 def field_path(loc: tuple) -> str | None:
     """A pydantic error location as a dotted field path (`messages.1.role`), union tags left out."""
-    parts = [str(p) for p in loc if not (isinstance(p, str) and (p in _UNION_TAGS or "[" in p or "-" in p))]
-    return ".".join(parts) or None
+    return ".".join(_fields(loc)) or None
 
 
 def from_validation_error(e: ValidationError) -> APIError:
-    """The first pydantic error as a 400 naming the field (e.g. `messages.1.role`)."""
-    err = e.errors()[0]
+    """A pydantic error as a 400 naming the field (e.g. `messages.1.role`): the first of the
+    deepest, so that a value no member of a union accepts names the element at fault (`prompt.0`)."""
+    errors = e.errors()
+    depth = [len(_fields(err["loc"])) for err in errors]
+    err = errors[depth.index(max(depth))]
     param = field_path(err["loc"])
     kind = "unknown field" if err["type"] == "extra_forbidden" else "invalid value"
     got = "" if err["type"] in ("extra_forbidden", "missing") else f" (got {clip(repr(err.get('input')), 60)})"

@@ -49,7 +49,7 @@ class _Common(BaseModel):
     """Fields shared by both endpoints."""
 
     model_config = STRICT
-    model: Name | None = None
+    model: str | None = None  # an unknown name is a 404 (clipped in the message)
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)

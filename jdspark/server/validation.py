@@ -2,14 +2,15 @@
 
 `read_body` runs in the event loop and refuses a body over the limit (413) from its Content-Length
 or while it streams in, before anything is parsed. `decode_json` is CPU work and runs in a worker
-thread: it refuses what is not JSON (or is JSON with NaN / Infinity), nesting deeper than the
-limit, and text that cannot be UTF-8 (a lone or reversed UTF-16 surrogate written as `\\ud800`);
-each a 400 that names the problem and, for text, the field.
+thread: it refuses what is not JSON, nesting deeper than the limit, numbers that are not finite
+(`NaN`, `Infinity`, `1e999`) and text that cannot be UTF-8 (a lone or reversed UTF-16 surrogate
+written as `\\ud800`); each a 400 that names the problem and, for a value, its field.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from starlette.requests import Request
@@ -39,14 +40,11 @@ def too_large(size: int, limit: int) -> APIError:
                     code="request_too_large")
 
 
-def _refuse_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def decode_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """The JSON value of `raw` (UTF-8), checked for depth and for text that is not valid Unicode."""
+    """The JSON value of `raw` (UTF-8), checked for depth, for numbers that are not finite and for
+    text that is not valid Unicode."""
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        body = json.loads(raw)
     except RecursionError:
         raise nesting_error(max_depth) from None
     except ValueError as e:  # also UnicodeDecodeError: the body is not UTF-8
@@ -69,14 +67,19 @@ def _valid_text(s: str) -> bool:
 
 
 def check_tree(value: Any, max_depth: int) -> None:
-    """Walk the decoded JSON (no recursion): a 400 for nesting deeper than `max_depth`, or for a key
-    or string that is not valid Unicode (param: its path, e.g. `messages.0.content`)."""
+    """Walk the decoded JSON (no recursion): a 400 for nesting deeper than `max_depth`, for a number
+    that is not finite, or for a key or string that is not valid Unicode (param: its path, e.g.
+    `messages.0.content`)."""
     stack: list[tuple[Any, tuple, int]] = [(value, (), 0)]
     while stack:
         node, path, depth = stack.pop()
         if isinstance(node, str):
             if not _valid_text(node):
                 raise surrogate_error(path)
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                param = _param(path)
+                raise APIError(400, f"'{param}': {node} is not a finite number", param=param, code="finite_number")
         elif isinstance(node, (dict, list)):
             if depth >= max_depth:
                 raise nesting_error(max_depth)
@@ -87,7 +90,11 @@ def check_tree(value: Any, max_depth: int) -> None:
                 stack.append((child, (*path, key), depth + 1))
 
 
+def _param(path: tuple) -> str | None:
+    return ".".join(str(p) for p in path if _valid_text(str(p))) or None
+
+
 def surrogate_error(path: tuple) -> APIError:
-    param = ".".join(str(p) for p in path if _valid_text(str(p))) or None
+    param = _param(path)
     return APIError(400, f"'{param}' holds a lone or reversed UTF-16 surrogate (e.g. \\ud800): text must be valid "
                     "Unicode", param=param, code="invalid_unicode")
