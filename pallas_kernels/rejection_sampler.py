@@ -1,6 +1,6 @@
 """Rejection sampler: the vocabulary-wide exponential race of exact verification, as a Pallas kernel.
 
-Once the accepted prefix is known (n_accepted, computed in XLA by `jdspark.speculative.verify`), one token
+Once the accepted prefix is known (n_accepted, computed in XLA by the caller's verifier), one token
 is drawn per request from normalise(max(p_row - q_row, 0)): the residual at the first rejected row,
 or, when all K drafts were accepted, the bonus row with q_row = 0. When that residual is all zero
 the draw falls back to p_row (spec dspark.md §5.3). With E ~ Exp(1) per token the draw is the race
@@ -22,8 +22,8 @@ split over S programs per request (by default one tile each) so that a batch of 
 over the GPU: one program per request would leave all but B of the H200's 132 SMs idle. A [B, S]
 combine in XLA picks each winner.
 
-`rejection_sample` / `ref_rejection_sample` at the end are the full verification (warp, accept,
-race) with the signature of `jdspark.speculative.verify`, which owns the XLA part.
+The full verification (warp, accept, then this race) is `jdspark.speculative.verify`; this module
+imports nothing from `jdspark`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels import interpret_mode
 
 TILE = 2048  # vocabulary entries per tile by default: 8 KB of each input row
 MIN_TILE = 512
@@ -78,12 +80,11 @@ def race(
     interpret: bool | None = None,
 ) -> jax.Array:
     """`ref_race` as a Pallas kernel. tile / splits / num_warps / num_stages tune it (None: defaults,
-    see `layout`); interpret=None runs interpret mode exactly when the default backend is the CPU."""
+    see `layout`); interpret=None runs interpret mode exactly on the CPU (`interpret_mode`)."""
     batch, vocab = p_row.shape
     k = draft_probs.shape[1]
     tile, tiles_per_program, splits = layout(batch, vocab, tile, splits)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+    interpret = interpret_mode(interpret)
     kernel = functools.partial(
         _race_kernel, k=k, vocab=vocab, tile=tile, tiles_per_program=tiles_per_program
     )
@@ -161,17 +162,3 @@ def _combine(best, index):
     """Per request, the max over programs and the smallest index among the programs that reach it."""
     top = jnp.max(best, axis=1)
     return top, jnp.min(jnp.where(best == top[:, None], index, _NO_INDEX), axis=1)
-
-
-def ref_rejection_sample(*args, **kwargs):
-    """`jdspark.speculative.verify.ref_rejection_sample` (the reference: XLA warp and accept, `ref_race`)."""
-    from jdspark.speculative import verify  # the spec layer owns the warp; imported late to avoid a cycle
-
-    return verify.ref_rejection_sample(*args, **kwargs)
-
-
-def rejection_sample(*args, **kwargs):
-    """`jdspark.speculative.verify.rejection_sample` with use_kernel=True (XLA warp and accept, `race`)."""
-    from jdspark.speculative import verify  # the spec layer owns the warp; imported late to avoid a cycle
-
-    return verify.rejection_sample(*args, use_kernel=True, **kwargs)

@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from pallas_kernels import interpret_mode
+
 TILE = 128  # tokens per program
 
 
@@ -45,7 +47,7 @@ def ref_sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def sinkhorn(logits: jax.Array, iters: int, eps: float, interpret: bool | None = None) -> jax.Array:
     """`ref_sinkhorn` as a Pallas kernel: logits [..., C, C] float32 -> doubly stochastic [..., C, C].
-    interpret=None runs interpret mode exactly when the default backend is the CPU."""
+    interpret=None runs interpret mode exactly on the CPU (`interpret_mode`)."""
     *lead, c, c2 = logits.shape
     if c != c2:
         raise ValueError(f"comb logits of shape {logits.shape}: the last two axes must be equal (C x C)")
@@ -55,8 +57,7 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float, interpret: bool | None =
     if n == 0:
         return logits
     tile = min(TILE, 1 << (n.bit_length() - 1))
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
+    interpret = interpret_mode(interpret)
     out = pl.pallas_call(
         functools.partial(_kernel, n=n, c=c, iters=iters, eps=eps, tile=tile),
         out_shape=jax.ShapeDtypeStruct((n, c, c), jnp.float32),

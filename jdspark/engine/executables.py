@@ -12,13 +12,21 @@
 One executable per engine step, one small array in and one out: each call costs host time on its
 own (argument handling, launch), and each device-to-host read waits for the device. Per-slot
 inputs go in as `slot_inputs` (int32 [B, 7], floats bit-cast), results come back as one int32
-array: per slot n_accepted, the emitted token, then for step[k] the gamma drafted tokens and the
-gamma confidences (float32 bits); `read_output` splits it on the host.
+array: per slot n_accepted, the emitted token, the invalid flag (1: the slot's logits, temperature
+or draft probabilities were not finite; its token is -1 and it must end with an error), then for
+step[k] the gamma drafted tokens and the gamma confidences (float32 bits); `read_output` splits it
+on the host. The prefill returns the same three columns (n_accepted 0).
+
+Kernels: `implementation` ("auto", "pallas", "xla"; `pallas_kernels.resolve_implementation`)
+chooses the Pallas kernels or their jnp references for the whole program: the rejection sampler's
+race and, through the model graph (`hyper.with_implementation`), the mHC Sinkhorn.
 
 Every function takes the parameters as an argument (never baked in as constants; on the GPU packed
 into a few buffers, `jdspark.engine.packed`, since each argument buffer costs host time per call),
 donates the decode state and the draft cache, and draws its randomness on the device from per-slot
-(seed, counter) keys, so a request's samples depend only on its own seed and step.
+(seed, counter) keys, so a request's samples depend only on its own seed and step (and on the
+width its batch verifies: widths are batch-wide today). All noise comes from
+`sampling.exponential_noise` / `sampling.uniform_noise`.
 """
 
 from __future__ import annotations
@@ -35,10 +43,11 @@ from flax import nnx, struct
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import packed
-from jdspark.model import state
+from jdspark.model import hyper, state
 from jdspark.model.model import Model
-from jdspark.speculative.sampling import sample, warp_probs
-from jdspark.speculative.verify import rejection_sample
+from jdspark.speculative.sampling import exponential_noise, uniform_noise
+from jdspark.speculative.verify import Verdict, rejection_sample
+from pallas_kernels import resolve_implementation
 
 _PREFILL, _DRAFT, _VERIFY = 1, 2, 3  # key purposes: independent streams per kind of draw
 # Per-slot inputs of every call, in column order, with the dtype each is bit-cast from (active: 0/1).
@@ -58,12 +67,14 @@ class SlotSampling:
 
 
 class StepOutput(NamedTuple):
-    """One call's results on the host; drafts and confidence are None for `decode` (no drafting)."""
+    """One call's results on the host; drafts and confidence are None for `prefill` and `decode`
+    (no drafting)."""
 
     n_accepted: np.ndarray  # [B] int32
-    token: np.ndarray  # [B] int32: the emitted (bonus or residual) token
+    token: np.ndarray  # [B] int32: the emitted (bonus or residual) token; -1 where invalid
     drafts: np.ndarray | None  # [B, gamma] int32: the proposal (its first n_accepted were accepted)
     confidence: np.ndarray | None  # [B, gamma] float32: the proposal's confidences
+    invalid: np.ndarray  # [B] bool: non-finite logits, temperature or draft probabilities (verify.Verdict)
 
 
 def slot_inputs(**fields) -> np.ndarray:
@@ -71,7 +82,7 @@ def slot_inputs(**fields) -> np.ndarray:
     return np.stack([np.asarray(fields[name], dtype).view(np.int32) for name, dtype in SLOT_FIELDS.items()], axis=1)
 
 
-def _unpack_slots(slots: jax.Array) -> tuple[jax.Array, jax.Array, SlotSampling]:
+def unpack_slots(slots: jax.Array) -> tuple[jax.Array, jax.Array, SlotSampling]:
     """slot_inputs on the device -> (anchor [B], active [B] bool, SlotSampling)."""
     column = {name: jax.lax.bitcast_convert_type(slots[:, i], dtype)
               for i, (name, dtype) in enumerate(SLOT_FIELDS.items())}
@@ -80,11 +91,20 @@ def _unpack_slots(slots: jax.Array) -> tuple[jax.Array, jax.Array, SlotSampling]
 
 
 def read_output(out, gamma: int) -> StepOutput:
-    """A decode or step[k] result (one device-to-host copy) split into its fields."""
+    """A prefill, decode or step[k] result (one device-to-host copy) split into its fields."""
     out = np.asarray(out)
-    if out.shape[1] == 2:
-        return StepOutput(out[:, 0], out[:, 1], None, None)
-    return StepOutput(out[:, 0], out[:, 1], out[:, 2:2 + gamma], out[:, 2 + gamma:].view(np.float32))
+    invalid = out[:, 2] != 0
+    if out.shape[1] == 3:
+        return StepOutput(out[:, 0], out[:, 1], None, None, invalid)
+    return StepOutput(out[:, 0], out[:, 1], out[:, 3:3 + gamma], out[:, 3 + gamma:].view(np.float32), invalid)
+
+
+def pack_output(verdict: Verdict, drafts: jax.Array | None = None, confidence: jax.Array | None = None) -> jax.Array:
+    """The device side of `read_output`: int32 [B, 3] (+ 2 gamma with a proposal)."""
+    columns = [verdict.n_accepted[:, None], verdict.token[:, None], verdict.invalid.astype(jnp.int32)[:, None]]
+    if drafts is not None:
+        columns += [drafts.astype(jnp.int32), jax.lax.bitcast_convert_type(confidence.astype(jnp.float32), jnp.int32)]
+    return jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
 
 
 def enable_compile_cache(path: str | None = None) -> None:
@@ -105,21 +125,24 @@ def _keys(sampling: SlotSampling, purpose: int) -> jax.Array:
 
 
 def _exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    return jax.vmap(lambda k: jax.random.exponential(k, shape, jnp.float32))(keys)
+    return jax.vmap(lambda k: exponential_noise(k, shape))(keys)
 
 
 class Executables:
     """AOT-compiled prefill, decode and step[k] for one model, engine config and prefill chunk."""
 
-    def __init__(self, model: Model, engine: EngineConfig, prefill_chunk: int, use_kernel: bool,
+    def __init__(self, model: Model, engine: EngineConfig, prefill_chunk: int, implementation: str,
                  widths: tuple[int, ...], pack_params: bool):
-        """`widths`: the step[k] to compile (empty: a target-only engine, prefill and decode only)."""
-        self.graphdef, self.config, self.dtype = model.graphdef, model.config, model.dtype
+        """`widths`: the step[k] to compile (empty: a target-only engine, prefill and decode only);
+        `implementation`: "auto", "pallas" or "xla" for every kernel (ValueError otherwise)."""
+        resolve_implementation(implementation)  # validates it before anything is compiled
+        self.implementation = implementation
+        self.graphdef = hyper.with_implementation(model.graphdef, model.params, implementation)
+        self.config, self.dtype = model.config, model.dtype
         # Pass `params.arrays` as every call's first argument.
         self.params = packed.PackedParams(model.params, packed.SMALL_BYTES if pack_params else None)
         self.dspark = model.config.dspark
         self.gamma = engine.gamma
-        self.use_kernel = use_kernel
         self.feature_layers = self.dspark.target_layer_ids if self.dspark else ()
         self.prefill_chunk = prefill_chunk
         self.widths = widths
@@ -152,60 +175,62 @@ class Executables:
             self.step[k] = jax.jit(self.step_function(k), donate_argnums=(1, 2)).lower(
                 params, decode, draft_cache, slots).compile()
 
-    def _model(self, arrays):
+    def module(self, arrays):
+        """The model module over one call's parameter arrays (`params.arrays`), inside a trace."""
         return nnx.merge(self.graphdef, self.params.unpack(arrays))
 
     def _prefill(self, params, decode, draft_cache, ids, n_valid, reset, slots):
-        model = self._model(params)
-        _, _, sampling = _unpack_slots(slots)
+        model = self.module(params)
+        _, _, sampling = unpack_slots(slots)
         decode = state.reset_slots(decode, reset)
         logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
         if draft_cache is not None:
             draft_cache = dspark.push_context(model, dspark.reset_draft_slots(draft_cache, reset), features, n_valid)
-        last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
-        p = warp_probs(last, sampling.temperature, sampling.top_k, sampling.top_p)
-        token = sample(p, _exponentials(_keys(sampling, _PREFILL), (self.config.vocab_size,)))
-        return token, decode, draft_cache
+        last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)
+        b, v = last.shape[0], self.config.vocab_size
+        noise = _exponentials(_keys(sampling, _PREFILL), (v,))
+        verdict = rejection_sample(last, jnp.zeros((b, 0, v), jnp.float32), jnp.zeros((b, 0), jnp.int32),
+                                   jnp.zeros((b, 0), jnp.float32), noise, sampling.temperature, sampling.top_k,
+                                   sampling.top_p, implementation=self.implementation)  # width 0: a draw from p
+        return pack_output(verdict), decode, draft_cache
 
     def _decode(self, params, decode, draft_cache, slots):
-        anchor, active, sampling = _unpack_slots(slots)
+        anchor, active, sampling = unpack_slots(slots)
         b = anchor.shape[0]
         no_drafts = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, self.config.vocab_size), jnp.float32)
-        n_acc, token, decode, draft_cache = self._verify(self._model(params), decode, draft_cache, anchor, active,
-                                                         sampling, *no_drafts)
-        return jnp.stack([n_acc, token], axis=1), decode, draft_cache
+        verdict, decode, draft_cache = self.verify(self.module(params), decode, draft_cache, anchor, active,
+                                                   sampling, *no_drafts)
+        return pack_output(verdict), decode, draft_cache
 
-    def step_function(self, k: int, external_drafts: bool = False):
-        """The (uncompiled) step[k]. With external_drafts it takes the drafted tokens [B, gamma] as a
-        fifth argument and verifies those instead of the proposal's (their q stays the proposal's):
-        for tests that script which drafts get accepted."""
-        def step(params, decode, draft_cache, slots, tokens=None):
-            model = self._model(params)
-            anchor, active, sampling = _unpack_slots(slots)
-            shape = (self.gamma, self.config.vocab_size)
-            proposal = dspark.propose(model, draft_cache, anchor, sampling.temperature, sampling.top_k,
-                                      sampling.top_p, _exponentials(_keys(sampling, _DRAFT), shape))
-            drafts = tokens if external_drafts else proposal.tokens
-            n_acc, token, decode, draft_cache = self._verify(model, decode, draft_cache, anchor, active, sampling,
-                                                             drafts[:, :k], proposal.q[:, :k])
-            confidence = jax.lax.bitcast_convert_type(proposal.confidence.astype(jnp.float32), jnp.int32)
-            out = jnp.concatenate([n_acc[:, None], token[:, None], drafts.astype(jnp.int32), confidence], axis=1)
-            return out, decode, draft_cache
+    def step_function(self, k: int):
+        """The (uncompiled) step[k]: propose gamma drafts, verify the first k."""
+        def step(params, decode, draft_cache, slots):
+            model = self.module(params)
+            anchor, active, sampling = unpack_slots(slots)
+            proposal = self.propose(model, draft_cache, anchor, sampling)
+            verdict, decode, draft_cache = self.verify(model, decode, draft_cache, anchor, active, sampling,
+                                                       proposal.tokens[:, :k], proposal.q[:, :k])
+            return pack_output(verdict, proposal.tokens, proposal.confidence), decode, draft_cache
         return step
 
-    def _verify(self, model, decode, draft_cache, anchor, active, sampling, drafts, q):
-        """Target extend over [anchor, drafts], exact rejection sampling, commit, drafter context."""
+    def propose(self, model, draft_cache, anchor, sampling: SlotSampling) -> dspark.Proposal:
+        """The drafter's gamma tokens, their distributions q and confidences, with this step's noise."""
+        noise = _exponentials(_keys(sampling, _DRAFT), (self.gamma, self.config.vocab_size))
+        return dspark.propose(model, draft_cache, anchor, sampling.temperature, sampling.top_k, sampling.top_p, noise)
+
+    def verify(self, model, decode, draft_cache, anchor, active, sampling: SlotSampling, drafts, q):
+        """Target extend over [anchor, drafts], exact rejection sampling, commit, drafter context.
+        -> (Verdict, decode, draft_cache)."""
         k = drafts.shape[1]
         ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
         logits, features, decode = model.extend(ids, decode, jnp.where(active, k + 1, 0), self.feature_layers)
         keys = _keys(sampling, _VERIFY)
-        uniforms = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0), (k,)))(keys)
-        exps = jax.vmap(lambda key: jax.random.exponential(jax.random.fold_in(key, 1),
-                                                           (self.config.vocab_size,)))(keys)
-        n_acc, token = rejection_sample(logits, q, drafts, uniforms, exps, sampling.temperature,
-                                        sampling.top_k, sampling.top_p, use_kernel=self.use_kernel)
-        n_keep = jnp.where(active, n_acc + 1, 0)
+        uniforms = jax.vmap(lambda key: uniform_noise(jax.random.fold_in(key, 0), (k,)))(keys)
+        noise = jax.vmap(lambda key: exponential_noise(jax.random.fold_in(key, 1), (self.config.vocab_size,)))(keys)
+        verdict = rejection_sample(logits, q, drafts, uniforms, noise, sampling.temperature, sampling.top_k,
+                                   sampling.top_p, implementation=self.implementation)
+        n_keep = jnp.where(active, verdict.n_accepted + 1, 0)
         decode = state.commit(decode, n_keep)
         if draft_cache is not None:
             draft_cache = dspark.push_context(model, draft_cache, features, n_keep)
-        return n_acc.astype(jnp.int32), token.astype(jnp.int32), decode, draft_cache
+        return verdict, decode, draft_cache

@@ -11,15 +11,30 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdspark.model.layers import Keys, rms_normalize
+from pallas_kernels import resolve_implementation
 from pallas_kernels import sinkhorn as kernels
 
 
-def sinkhorn(logits: jax.Array, iters: int, eps: float) -> jax.Array:
-    """The Sinkhorn projection of comb logits [..., C, C]: on the GPU the Pallas kernel (one launch
-    per mHC site instead of a device loop of iters-1 launches), elsewhere the jnp reference."""
-    if jax.default_backend() == "gpu":
+def sinkhorn(logits: jax.Array, iters: int, eps: float, implementation: str = "auto") -> jax.Array:
+    """The Sinkhorn projection of comb logits [..., C, C]: "pallas" is the kernel (one launch per mHC
+    site instead of a device loop of iters-1 launches), "xla" the jnp reference, "auto" the kernel
+    on the GPU (`pallas_kernels.resolve_implementation`)."""
+    if resolve_implementation(implementation) == "pallas":
         return kernels.sinkhorn(logits, iters, eps)
     return kernels.ref_sinkhorn(logits, iters, eps)
+
+
+def with_implementation(graphdef: nnx.GraphDef, params: nnx.State, implementation: str) -> nnx.GraphDef:
+    """The model graph `graphdef` with every mHC site's Sinkhorn set to `implementation` ("auto",
+    "pallas" or "xla"); the parameters are unchanged. The setting is a static field of each
+    `HyperConnection`, so executables traced from the returned graph use it, and nothing global
+    changes."""
+    resolve_implementation(implementation)  # validates it
+    module = nnx.merge(graphdef, params)
+    for _, site in nnx.iter_graph(module):
+        if isinstance(site, HyperConnection):
+            site.implementation = implementation
+    return nnx.split(module)[0]
 
 
 def _mixes(x: jax.Array, fn: jax.Array, norm_eps: float) -> jax.Array:
@@ -44,6 +59,7 @@ class HyperConnection(nnx.Module):
         self.base = nnx.Param(jnp.zeros((mix,), jnp.float32))
         self.scale = nnx.Param(jnp.ones((3,), jnp.float32))
         self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = hc_mult, sinkhorn_iters, hc_eps, norm_eps
+        self.implementation = "auto"  # the Sinkhorn kernel choice; set with `with_implementation`
 
     def pre(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [..., C, D] -> (u [..., D] in x.dtype, post [..., C], comb [..., C, C]) (fp32 weights)."""
@@ -53,7 +69,7 @@ class HyperConnection(nnx.Module):
         pre = jax.nn.sigmoid(mixes[..., :c] * scale[0] + base[:c]) + self.hc_eps
         post = 2.0 * jax.nn.sigmoid(mixes[..., c:2 * c] * scale[1] + base[c:2 * c])
         comb_logits = (mixes[..., 2 * c:] * scale[2] + base[2 * c:]).reshape(*mixes.shape[:-1], c, c)
-        comb = sinkhorn(comb_logits, self.sinkhorn_iters, self.hc_eps)
+        comb = sinkhorn(comb_logits, self.sinkhorn_iters, self.hc_eps, self.implementation)
         return collapse(x, pre), post, comb
 
     @staticmethod

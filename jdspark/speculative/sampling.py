@@ -12,16 +12,18 @@ or arrays with one axis per row axis that broadcast to logits.shape[:-1] — [B]
 logits is an error, not a silent broadcast along R.
 
 The warp (FreeToken's, spec §5.6), per row:
-- temperature <= 0: one-hot at the argmax of the raw logits (ties -> lowest index);
+- temperature < MIN_TEMPERATURE (1e-5, vLLM's floor; NaN excepted): one-hot at the argmax of the raw
+  logits (ties -> lowest index). Smaller temperatures would overflow logits / T;
 - otherwise z = logits * (1 / T); top_k in 1..V-1 keeps tokens with z >= the k-th largest z (ties at the
   k-th value are kept; top_k <= 0 or >= V is off); softmax; top_p < 1 then keeps the smallest
   descending-probability prefix whose mass reaches top_p (the first token always; ties with the
   last kept value are kept too) and renormalises.
+A row whose logits hold NaN or +inf (or are all -inf), or whose temperature is NaN, has a
+non-finite `z_max`: `finite_rows` says which rows are usable, and the verifier flags the others.
 
-Variants (static, chosen on the host with `choose_variant`): "general" honours every row's
-parameters and sorts each row for the top-k / top-p thresholds; "sample" promises that no row uses
-top-k or top-p (top_k <= 0 or >= V, top_p >= 1) and skips the sort; "greedy" treats every row as
-greedy and computes only the argmax (spec §5.8: greedy does not pay for softmax or top-p).
+Randomness: `exponential_noise` and `uniform_noise` are the only sources of sampling noise (the
+prefill, decode, draft and verify paths all draw through them); see `exponential_noise` for why
+jax.random.exponential is not used.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.rejection_sampler import race_score
 
-VARIANTS = ("general", "sample", "greedy")
+MIN_TEMPERATURE = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+_BITS_SCALE = 2.0 ** -32
+_BELOW_ONE = 1.0 - 2.0 ** -24  # the largest float32 below 1
 
 
 class WarpStats(NamedTuple):
@@ -45,27 +48,12 @@ class WarpStats(NamedTuple):
     is evaluated whole than when single tokens are gathered first.
     """
 
-    greedy: jax.Array  # bool: temperature <= 0, the row is one-hot at `argmax`
+    greedy: jax.Array  # bool: temperature < MIN_TEMPERATURE, the row is one-hot at `argmax`
     argmax: jax.Array  # int32: argmax of the raw logits, lowest index on ties
     inv_temperature: jax.Array  # f32: 1 / temperature (1 on greedy rows); z = logits * this
     z_max: jax.Array  # f32: max of z
     threshold: jax.Array  # f32: a token is kept iff z >= threshold
     inv_norm: jax.Array  # f32: 1 / (sum over kept tokens of exp(z - z_max))
-
-
-def check_variant(variant: str) -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f"variant={variant!r} is not one of {VARIANTS}; pick it with choose_variant")
-
-
-def choose_variant(temperature, top_k, top_p, vocab_size: int) -> str:
-    """The cheapest variant that is exact for these host-side per-row parameters."""
-    t, k, p = np.broadcast_arrays(np.asarray(temperature), np.asarray(top_k), np.asarray(top_p))
-    sampled = t > 0
-    if not sampled.any():
-        return "greedy"
-    filtered = ((k > 0) & (k < vocab_size)) | (p < 1)
-    return "general" if (filtered & sampled).any() else "sample"
 
 
 def check_logits(logits: jax.Array, name: str = "logits") -> None:
@@ -91,27 +79,20 @@ def per_row(value, rows: tuple[int, ...], name: str, integer: bool) -> jax.Array
     )
 
 
-def warp_stats(logits, temperature, top_k, top_p, *, variant: str = "general") -> WarpStats:
+def warp_stats(logits, temperature, top_k, top_p) -> WarpStats:
     """Per-row description of the warped distribution of `logits` (see the module docstring)."""
-    check_variant(variant)
     check_logits(logits)
     rows = logits.shape[:-1]
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    ones = jnp.ones(rows, jnp.float32)
-    no_threshold = jnp.full(rows, -jnp.inf, jnp.float32)
-    if variant == "greedy":
-        return WarpStats(jnp.ones(rows, bool), argmax, ones, ones, no_threshold, ones)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # a NaN's index if the row has one
     t = per_row(temperature, rows, "temperature", integer=False)
-    greedy = t <= 0
+    greedy = t < MIN_TEMPERATURE
     inv_t = 1.0 / jnp.where(greedy, 1.0, t)
     z = logits * inv_t[..., None]
     # Scaling by inv_t > 0 is monotone under rounding, so this is exactly max(z).
     z_max = jnp.take_along_axis(logits, argmax[..., None], axis=-1)[..., 0] * inv_t
-    threshold = no_threshold
-    if variant == "general":
-        k = per_row(top_k, rows, "top_k", integer=True)
-        p = per_row(top_p, rows, "top_p", integer=False)
-        threshold = _filter_threshold(z, z_max, k, p)
+    k = per_row(top_k, rows, "top_k", integer=True)
+    p = per_row(top_p, rows, "top_p", integer=False)
+    threshold = _filter_threshold(z, z_max, k, p)
     kept = jnp.where(z >= threshold[..., None], jnp.exp(z - z_max[..., None]), 0.0)
     stats = WarpStats(greedy, argmax, inv_t, z_max, threshold, 1.0 / jnp.sum(kept, axis=-1))
     # XLA may fuse the reductions above differently, and so sum in a different order, depending on
@@ -145,21 +126,28 @@ def stats_probs(logits, stats: WarpStats) -> jax.Array:
     return jnp.where(z >= stats.threshold, jnp.exp(z - stats.z_max) * stats.inv_norm, 0.0)
 
 
-def warp_probs(logits, temperature, top_k, top_p, *, variant: str = "general") -> jax.Array:
-    """The warped distribution of every row of `logits`, float32 [..., V]."""
-    stats = warp_stats(logits, temperature, top_k, top_p, variant=variant)
+def finite_rows(stats: WarpStats) -> jax.Array:
+    """bool [rows]: the row's logits and temperature were usable (no NaN, no +inf, not all -inf)."""
+    return jnp.isfinite(stats.z_max)
+
+
+def warp_probs(logits, temperature, top_k, top_p) -> jax.Array:
+    """The warped distribution of every row of `logits`, float32 [..., V] (NaN rows: see
+    `finite_rows`)."""
+    stats = warp_stats(logits, temperature, top_k, top_p)
     one_hot = (jnp.arange(logits.shape[-1]) == stats.argmax[..., None]).astype(jnp.float32)
-    if variant == "greedy":
-        return one_hot
     probs = stats_probs(logits, jax.tree.map(lambda a: a[..., None], stats))
     return jnp.where(stats.greedy[..., None], one_hot, probs)
 
 
 def sample(probs, exponentials) -> jax.Array:
-    """One token per row by the exponential race argmax_v probs_v / E_v, E ~ Exp(1) passed in.
+    """One token per row by the exponential race argmax_v probs_v / E_v, E ~ Exp(1) passed in
+    (draw it with `exponential_noise`).
 
     Equal in distribution to sampling from probs / sum(probs); no normalisation needed. Computed
-    as race_score(probs, 1 / E), the same expression the verifier's race uses.
+    as race_score(probs, 1 / E), the same expression the verifier's race uses. A row without a
+    positive finite entry (all zero, or NaN) returns token 0: callers that can meet such rows check
+    `finite_rows` (the verifier flags them).
     """
     check_logits(probs, "probs")
     if exponentials.shape != probs.shape or exponentials.dtype != jnp.float32:
@@ -168,3 +156,37 @@ def sample(probs, exponentials) -> jax.Array:
             f"Exp(1) noise of the probabilities' shape {probs.shape}"
         )
     return jnp.argmax(race_score(probs, 1.0 / exponentials), axis=-1).astype(jnp.int32)
+
+
+def exponential_noise(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Exp(1) noise for the race, float32, with no atom at 0 (nor at infinity).
+
+    E = -log(1 - W) with W = (n + 1/2) * 2^-32 for 32 random bits n: the midpoint of n's bucket.
+    It is computed as -log1p(-W) for W < 1/2 and as -log of 1 - W = (~n + 1/2) * 2^-32 otherwise,
+    so every value is the float32 rounding of the exact one (relative error ~2^-23) and
+    2^-33 <= E <= 32 log 2 + log 2 (22.9): 1 / E is finite and no token wins the race outright.
+
+    Why not jax.random.exponential: it is -log1p(-u) of a uniform on a grid of 2^-23 that includes
+    0, so E = 0 with probability 2^-23 per entry and that token wins (excess mass ~ support x 2^-23:
+    1.5% at V = 129,280). A grid that merely avoids 0 (U in [tiny, 1)) rounds every E the same way
+    and biases the race by the same order in the other direction; midpoints cancel that to first
+    order.
+
+    Remaining discretisation bound: the grid of 2^-32 moves each E by at most 2^-33 near 0, and
+    float32 rounding moves every score by a relative 2^-23 at most. A race over S tokens of
+    positive weight then returns a token whose distribution is within about S * 2^-32 + 2^-22 of the
+    exact one in total variation (<= 3.1e-5 at S = V = 129,280). Tokens less likely than ~2^-32
+    times the winner are under-sampled; that mass is inside the bound.
+    """
+    bits = jax.random.bits(key, shape, jnp.uint32)
+    low = bits < jnp.uint32(2 ** 31)
+    w = (bits.astype(jnp.float32) + 0.5) * _BITS_SCALE  # used where < 1/2
+    one_minus_w = ((~bits).astype(jnp.float32) + 0.5) * _BITS_SCALE  # used where <= 1/2
+    return jnp.where(low, -jnp.log1p(-jnp.minimum(w, 0.5)), -jnp.log(jnp.minimum(one_minus_w, 0.5)))
+
+
+def uniform_noise(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform(0, 1) noise, float32, on the midpoints of a grid of 2^-32 (so in (0, 1) strictly):
+    the acceptance test p > u * q then errs by at most 2^-32 (plus float32 rounding) per draft."""
+    bits = jax.random.bits(key, shape, jnp.uint32)
+    return jnp.minimum((bits.astype(jnp.float32) + 0.5) * _BITS_SCALE, _BELOW_ONE)

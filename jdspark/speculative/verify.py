@@ -1,26 +1,32 @@
 """Exact verification of K drafts per request (spec dspark.md §5.2-5.4, §5.8).
 
-p = warp(target_logits) with the warp q was sampled under. Draft j is rejected iff
-p_j(x_j) <= u_j * q_j(x_j); n_accepted is the accepted prefix. The emitted token is drawn from
-normalise(max(p_n - q_n, 0)) at the first rejected row n (from p_n when that residual is all zero),
-or from the bonus row p_K when all K drafts were accepted (K = 0: no drafts, a draw from p_0).
-Greedy rows (temperature <= 0) accept while x_j == argmax p_j and emit the argmax of the first
-mismatching row or of row K. Only (n_accepted, token) leave the device; EOS / stop tokens are the
-engine's business.
+p = warp(target_logits) with the warp q was sampled under. Draft j is accepted iff
+p_j(x_j) > u_j * q_j(x_j) (the spec's "reject iff p <= u q", except that NaN rejects); n_accepted is
+the accepted prefix. The emitted token is drawn from normalise(max(p_n - q_n, 0)) at the first
+rejected row n (from p_n when that residual is all zero), or from the bonus row p_K when all K
+drafts were accepted (K = 0: no drafts, a draw from p_0). Greedy rows (temperature below
+`sampling.MIN_TEMPERATURE`) accept while x_j == argmax p_j and emit the argmax of the first
+mismatching row or of row K. Only (n_accepted, token, invalid) leave the device; EOS / stop tokens
+are the engine's business.
+
+Non-finite inputs: a request whose target logits hold NaN or +inf in any of its K+1 rows (or are
+all -inf, or whose temperature is NaN), or whose draft probability at a draft token is NaN or
+infinite, is `invalid`: it accepts nothing and its token is INVALID_TOKEN (-1, outside every
+vocabulary). The caller turns `invalid` into an error for that request; the other rows of the
+batch are unaffected.
 
 Two stages. Stage A (XLA, here) computes the warp statistics of every row, p at the draft tokens,
 n_accepted, the greedy tokens, the one row p_row = p[n_accepted] that is sampled from, and 1 / E;
 it ends in an optimization barrier so both implementations receive identical values. Stage B is
 the vocabulary-wide race: `ref_race` (jnp) or `race` (Pallas) from
-`pallas_kernels.rejection_sampler`, which agree bit for bit. So `rejection_sample(use_kernel=True)`
-equals `ref_rejection_sample` exactly.
+`pallas_kernels.rejection_sampler`, which agree bit for bit, chosen by `implementation` ("auto",
+"pallas" or "xla": `pallas_kernels.resolve_implementation`).
 
 Shapes: target_logits [B, K+1, V] f32, draft_probs [B, K, V] f32 (the exact distributions the
-drafts were sampled from), draft_tokens [B, K] int, uniforms [B, K] f32 in [0, 1),
-exponentials [B, V] f32 Exp(1) noise, temperature / top_p [B] f32, top_k [B] int (or [B, 1], or
-scalars). K (0..gamma) is
-static, from the shapes. `variant` is static: see `jdspark.speculative.sampling` ("general" is always
-exact; "sample" and "greedy" are faster when `choose_variant` allows them).
+drafts were sampled from), draft_tokens [B, K] int, uniforms [B, K] f32 in (0, 1),
+exponentials [B, V] f32 Exp(1) noise (draw both with `sampling.uniform_noise` and
+`sampling.exponential_noise`), temperature / top_p [B] f32, top_k [B] int (or [B, 1], or
+scalars). K (0..gamma) is static, from the shapes.
 """
 
 from __future__ import annotations
@@ -30,14 +36,26 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jdspark.speculative.sampling import check_logits, check_variant, per_row, stats_probs, warp_stats
+from jdspark.speculative.sampling import check_logits, finite_rows, per_row, stats_probs, warp_stats
+from pallas_kernels import resolve_implementation
 from pallas_kernels.rejection_sampler import race, ref_race
+
+INVALID_TOKEN = -1  # the token of an invalid request (non-finite inputs)
+
+
+class Verdict(NamedTuple):
+    """One verification's result per request."""
+
+    n_accepted: jax.Array  # [B] int32: accepted drafts (0 where invalid)
+    token: jax.Array  # [B] int32: the emitted residual / bonus token (INVALID_TOKEN where invalid)
+    invalid: jax.Array  # [B] bool: non-finite target logits, temperature or draft probabilities
 
 
 class RaceInputs(NamedTuple):
     """Stage A's output: what the race reads, and the greedy rows' answer."""
 
     n_accepted: jax.Array  # [B] int32
+    invalid: jax.Array  # [B] bool
     greedy: jax.Array  # [B] bool
     greedy_token: jax.Array  # [B] int32: argmax of row n_accepted
     p_row: jax.Array  # [B, V] f32: p[n_accepted] under the sampled warp
@@ -46,45 +64,30 @@ class RaceInputs(NamedTuple):
 
 def ref_rejection_sample(
     target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
-    *, variant: str = "general",
-):
-    """The reference verifier -> (n_accepted [B] int32, token [B] int32)."""
-    return rejection_sample(
-        target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
-        use_kernel=False, variant=variant,
-    )
+) -> Verdict:
+    """The reference verifier: `rejection_sample` with the jnp race."""
+    return rejection_sample(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k,
+                            top_p, implementation="xla")
 
 
 def rejection_sample(
     target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
-    use_kernel: bool, *, variant: str = "general",
-):
-    """Verification with the race in the Pallas kernel (use_kernel) or in jnp; identical results."""
+    *, implementation: str = "auto",
+) -> Verdict:
+    """Verification with the race in the Pallas kernel or in jnp (`implementation`); identical results."""
     check_inputs(target_logits, draft_probs, draft_tokens, uniforms, exponentials)
-    if variant == "greedy":
-        return greedy_verify(target_logits, draft_tokens)
-    inputs = race_inputs(
-        target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
-        variant=variant,
-    )
-    race_fn = race if use_kernel else ref_race
+    race_fn = race if resolve_implementation(implementation) == "pallas" else ref_race
+    inputs = race_inputs(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p)
     sampled = race_fn(inputs.p_row, draft_probs, inputs.n_accepted, inputs.inv_exponentials)
-    return inputs.n_accepted, jnp.where(inputs.greedy, inputs.greedy_token, sampled)
-
-
-def greedy_verify(target_logits, draft_tokens):
-    """Every row greedy: only the row argmaxes are computed. -> (n_accepted, token)."""
-    argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
-    n_accepted = _accepted_prefix(draft_tokens != argmax[:, :-1])
-    return n_accepted, _at_row(argmax, n_accepted)
+    token = jnp.where(inputs.greedy, inputs.greedy_token, sampled)
+    return Verdict(inputs.n_accepted, jnp.where(inputs.invalid, INVALID_TOKEN, token).astype(jnp.int32),
+                   inputs.invalid)
 
 
 def race_inputs(
     target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
-    *, variant: str = "general",
 ) -> RaceInputs:
     """Stage A: warp statistics, acceptance, and the row to sample from (see the module docstring)."""
-    check_variant(variant)
     batch = target_logits.shape[0]
 
     def per_request(value, name, integer):  # scalar, [B] or [B, 1] -> [B, 1]
@@ -96,19 +99,20 @@ def race_inputs(
         per_request(temperature, "temperature", False),
         per_request(top_k, "top_k", True),
         per_request(top_p, "top_p", False),
-        variant=variant,
     )
     drafted = jax.tree.map(lambda a: a[:, :-1], stats)  # the K rows that check a draft
     tokens = draft_tokens.astype(jnp.int32)[..., None]
     p_tok = stats_probs(jnp.take_along_axis(target_logits[:, :-1], tokens, axis=-1)[..., 0], drafted)
     q_tok = jnp.take_along_axis(draft_probs, tokens, axis=-1)[..., 0]
-    reject = jnp.where(drafted.greedy, tokens[..., 0] != drafted.argmax, p_tok <= uniforms * q_tok)
-    n_accepted = _accepted_prefix(reject)
+    invalid = ~jnp.all(finite_rows(stats), axis=-1) | ~jnp.all(jnp.isfinite(q_tok), axis=-1)
+    accept = jnp.where(drafted.greedy, tokens[..., 0] == drafted.argmax, p_tok > uniforms * q_tok)  # NaN: False
+    n_accepted = _accepted_prefix(~accept | invalid[:, None])
     row_stats = jax.tree.map(lambda a: _at_row(a, n_accepted)[:, None], stats)
     logits_row = jnp.take_along_axis(target_logits, n_accepted[:, None, None], axis=1)[:, 0]
     return RaceInputs(
         *jax.lax.optimization_barrier((
             n_accepted,
+            invalid,
             row_stats.greedy[:, 0],
             row_stats.argmax[:, 0],
             stats_probs(logits_row, row_stats),

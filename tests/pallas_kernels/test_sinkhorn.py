@@ -6,9 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jdspark.model import hyper
 from jdspark.model.model import Model
+from pallas_kernels import resolve_implementation
 from pallas_kernels.sinkhorn import ref_sinkhorn, sinkhorn
 from tests.conftest import SPEC_CONFIG
 
@@ -54,18 +56,30 @@ def test_gradient_is_the_reference_gradient():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)
 
 
-def test_a_model_with_the_kernel_computes_what_it_computes_with_the_loop(monkeypatch):
+def test_a_model_with_the_kernel_computes_what_it_computes_with_the_loop():
     """Every mHC site of a small model (target layers and drafter stages' blocks) through the
-    kernel, as on the GPU: the same logits."""
+    kernel (`hyper.with_implementation(..., "pallas")`, as "auto" is on the GPU) and through the
+    jnp loop ("xla"): the same logits. The setting lives in the model graph, so the two models
+    trace separately and nothing global changes."""
     model = Model.random(SPEC_CONFIG, "float32", seed=2)
     ids = np.random.default_rng(2).integers(2, SPEC_CONFIG.vocab_size, (2, 12))
-    want = np.asarray(model.forward(ids).logits)
-    with monkeypatch.context() as patch:
-        patch.setattr(hyper, "sinkhorn", sinkhorn)
-        jax.clear_caches()  # trace afresh with the kernel
-        got = np.asarray(model.forward(ids).logits)
-    jax.clear_caches()  # later tests trace the package's form again
+    built = {name: Model(hyper.with_implementation(model.graphdef, model.params, name), model.params)
+             for name in ("pallas", "xla")}
+    sites = [m for _, m in nnx.iter_graph(built["pallas"].module()) if isinstance(m, hyper.HyperConnection)]
+    assert sites and all(site.implementation == "pallas" for site in sites)
+    want = np.asarray(built["xla"].forward(ids).logits)
+    got = np.asarray(built["pallas"].forward(ids).logits)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_implementation_setting_is_validated_in_one_place():
+    assert resolve_implementation("xla") == "xla" and resolve_implementation("pallas") == "pallas"
+    assert resolve_implementation("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    model = Model.random(SPEC_CONFIG, "float32", seed=2)
+    with pytest.raises(ValueError, match="implementation='triton' is not one of"):
+        hyper.with_implementation(model.graphdef, model.params, "triton")
+    with pytest.raises(ValueError, match="implementation='kernel' is not one of"):
+        hyper.sinkhorn(jnp.zeros((1, 4, 4)), 20, EPS, "kernel")
 
 
 def test_non_square_logits_are_rejected():

@@ -1,5 +1,6 @@
 """Warp (temperature / top-k / top-p) against an independent float64 numpy implementation, its edge
-cases, the variants, the exponential race's distribution and its tie rule."""
+cases (the greedy temperature floor, non-finite rows), the exponential race's distribution and its
+tie rule. The noise itself: test_noise.py."""
 
 import jax
 import jax.numpy as jnp
@@ -7,15 +8,15 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from jdspark.speculative.sampling import choose_variant, sample, warp_probs
+from jdspark.speculative.sampling import MIN_TEMPERATURE, finite_rows, sample, warp_probs, warp_stats
 
-warp = jax.jit(warp_probs, static_argnames="variant")
+warp = jax.jit(warp_probs)
 
 
 def np_warp_row(x, temperature, top_k, top_p):
     """FreeToken's warp for one row, written directly in float64 numpy."""
     vocab = len(x)
-    if temperature <= 0:
+    if temperature < MIN_TEMPERATURE:
         out = np.zeros(vocab)
         out[np.argmax(x)] = 1.0
         return out
@@ -71,9 +72,33 @@ def test_per_batch_entry_params_broadcast_over_rows():
 
 def test_greedy_is_one_hot_at_the_lowest_tied_argmax():
     logits = np.array([[1.0, 5.0, 2.0, 5.0], [0.0, 0.0, 0.0, 0.0]], np.float32)
-    for variant in ("general", "sample", "greedy"):
-        got = np.asarray(warp(logits, 0.0, 0, 1.0, variant=variant))
-        np.testing.assert_array_equal(got, [[0, 1, 0, 0], [1, 0, 0, 0]])
+    got = np.asarray(warp(logits, 0.0, 0, 1.0))
+    np.testing.assert_array_equal(got, [[0, 1, 0, 0], [1, 0, 0, 0]])
+
+
+def test_temperatures_below_the_floor_are_greedy():
+    """Mutation caught: the greedy test back at `temperature <= 0` (T = 1e-37 then divides the
+    logits into inf - inf = NaN probabilities, and the race returns token 0)."""
+    logits = np.random.default_rng(9).normal(size=(4, 50)).astype(np.float32) * 5
+    greedy = np.eye(50, dtype=np.float32)[logits.argmax(-1)]
+    for t in (1e-37, 1e-30, 1e-6, 9.9e-6):
+        got = np.asarray(warp(logits, t, 0, 1.0))
+        np.testing.assert_array_equal(got, greedy, err_msg=str(t))
+    assert not np.array_equal(np.asarray(warp(logits, 0.05, 0, 1.0)), greedy)  # above the floor: sampled
+    assert np.isfinite(np.asarray(warp(logits, MIN_TEMPERATURE, 0, 1.0))).all()
+
+
+def test_non_finite_rows_are_reported():
+    """NaN or +inf logits, an all -inf row or a NaN temperature make a row unusable: `finite_rows`
+    says so (the verifier flags those requests); -inf entries alone are masks, not errors."""
+    logits = np.zeros((6, 8), np.float32)
+    logits[0, 3] = np.nan
+    logits[1, 5] = np.inf
+    logits[2] = -np.inf
+    logits[3, :4] = -np.inf  # a mask: fine
+    t = np.array([1.0, 1.0, 1.0, 1.0, np.nan, 0.0], np.float32)
+    got = np.asarray(jax.jit(lambda x, t: finite_rows(warp_stats(x, t, 0, 1.0)))(logits, t))
+    np.testing.assert_array_equal(got, [False, False, False, True, False, True])
 
 
 def test_top_k_one_keeps_the_max_and_its_ties():
@@ -102,27 +127,10 @@ def test_top_k_at_or_above_vocab_and_top_p_one_are_off():
     np.testing.assert_allclose(plain, np.asarray(jax.nn.softmax(logits / np.float32(0.9))), rtol=1e-6)
 
 
-def test_sample_variant_equals_general_without_filters():
-    rng = np.random.default_rng(4)
-    logits = rng.normal(size=(6, 2, 300)).astype(np.float32)
-    t = rng.choice([0.0, 0.6, 1.0], size=(6, 1)).astype(np.float32)
-    general = warp(logits, t, 0, 1.0)
-    sampled = warp(logits, t, 0, 1.0, variant="sample")
-    np.testing.assert_allclose(np.asarray(general), np.asarray(sampled), rtol=1e-6, atol=0)
-
-
 def test_masked_vocabulary_entries_get_zero():
     logits = np.array([[0.5, -np.inf, 1.0, -np.inf]], np.float32)
     got = np.asarray(warp(logits, 1.0, 0, 0.999))[0]
     assert got[1] == got[3] == 0 and got[0] > 0 and got[2] > 0
-
-
-def test_choose_variant():
-    assert choose_variant([0.0, -1.0], [0, 5], [1.0, 0.5], 100) == "greedy"
-    assert choose_variant([0.0, 1.0], [5, 0], [0.5, 1.0], 100) == "sample"  # filters only on greedy rows
-    assert choose_variant([1.0, 0.7], [0, 100], [1.0, 1.0], 100) == "sample"
-    assert choose_variant([1.0, 0.7], [0, 99], [1.0, 1.0], 100) == "general"
-    assert choose_variant(1.0, 0, 0.9, 100) == "general"
 
 
 def test_malformed_inputs_raise_clear_errors():
@@ -133,8 +141,6 @@ def test_malformed_inputs_raise_clear_errors():
         warp_probs(logits.astype(jnp.bfloat16), 1.0, 0, 1.0)
     with pytest.raises(TypeError, match="top_k has dtype float32"):
         warp_probs(logits, 1.0, np.float32(3), 1.0)
-    with pytest.raises(ValueError, match="variant='fast'"):
-        warp_probs(logits, 1.0, 0, 1.0, variant="fast")
     with pytest.raises(ValueError, match="exponentials has shape"):
         sample(jnp.ones((2, 10)), jnp.ones((2, 9)))
 
