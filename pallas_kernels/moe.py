@@ -58,7 +58,10 @@ class Tiles:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
 
 
-TILES = Tiles()  # the tiling `moe` uses unless given one
+# The tiling `moe` uses unless given one: the fastest of bench_decode --sweep on the H200 (2026-12-01,
+# Flash dims, ds_fp4, R = 1 and 6: 0.44 / 1.64 ms per layer against 0.57 / 1.79 for num_stages=2).
+TILES = Tiles(num_stages=4)
+MAX_ELEMENTS = 2 ** 31  # a stored array the kernels index must have int32 offsets
 
 
 def swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
@@ -109,10 +112,12 @@ def _combine(out: jax.Array, slot: jax.Array) -> jax.Array:
     return total
 
 
-def supported(fmt: str, d: int, f: int, rows: int, tiles: Tiles | None = None) -> bool:
-    """Whether `moe` handles these sizes (else use `ref_moe`)."""
+def supported(fmt: str, d: int, f: int, rows: int, tiles: Tiles | None = None, n_experts: int = 1) -> bool:
+    """Whether `moe` handles these sizes (else use `ref_moe`): tiles dividing D and F, at most 64
+    rows, and every stored array under 2^31 elements (Triton's int32 offsets; Pro's ds_fp4 experts,
+    384 x 3072 x 3584 bytes, are over it)."""
     tiles = tiles or TILES
-    if fmt not in FORMATS:
+    if fmt not in FORMATS or n_experts * d * f // (2 if fmt == "fp4" else 1) > MAX_ELEMENTS:
         return False
     step = tiles.step(fmt)
     return rows <= 64 and d % tiles.out == 0 and f % tiles.out == 0 and d % step == 0 and f % step == 0 \
@@ -126,7 +131,7 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
     r, d = x.shape
     m = experts.shape[0]
     f = w1[0].shape[1]
-    if not supported(fmt, d, f, r, tiles):
+    if not supported(fmt, d, f, r, tiles, w1[0].shape[0]):
         raise ValueError(f"moe kernel: unsupported sizes fmt={fmt} D={d} F={f} rows={r}; use ref_moe")
     dtype = x.dtype
     rp = max(16, 1 << (r - 1).bit_length())

@@ -17,7 +17,8 @@ share of the floor (bytes / copy bandwidth). The bytes are:
 - the KV the rows attend to: the window ring, per CSA layer the indexer's compressed keys (all
   visible entries) and the top-k selected entries, per HCA layer every visible entry.
 
-`--variants` compares implementations in one run: `current` (the code as it is), `ref_moe` (the
+`--variants` compares implementations in one run: `current` (the code as it is: on the GPU the routed
+experts take the kernel at real dims), `xla` (the routed experts through the XLA gather), `ref_moe` (the
 former routed-expert path: every expert decoded and run on every row), `dequant_linear` (FP8 linears
 decoding a bfloat16 weight per call), `before` (both of those), `pallas` (the routed experts through
 the in-place kernel `pallas_kernels.moe`). JSON with every row: `--json PATH`.
@@ -220,16 +221,18 @@ PATCHES = {"current": [], "ref_moe": [(Experts, "__call__", _ref_experts)],
            "dequant_linear": [(FP8Linear, "project", _dequant_project)]}
 PATCHES["before"] = PATCHES["ref_moe"] + PATCHES["dequant_linear"]
 # Variants that set the routed experts' `implementation` in the graph ("pallas": pallas_kernels.moe).
-EXPERTS_IMPLEMENTATION = {"pallas": "pallas"}
-PATCHES["pallas"] = []
+EXPERTS_IMPLEMENTATION = {"pallas": "pallas", "xla": "xla", "ref_moe": "xla", "before": "xla"}
+PATCHES["pallas"] = PATCHES["xla"] = []
 
 
 def with_experts_implementation(graphdef, params, name: str):
-    """graphdef with every `Experts.implementation` set for variant `name` (default "xla")."""
+    """graphdef with every `Experts.implementation` set for variant `name` (others: as built)."""
+    if name not in EXPERTS_IMPLEMENTATION:
+        return graphdef
     module = nnx.merge(graphdef, params)
     for _, node in nnx.iter_graph(module):
         if isinstance(node, Experts):
-            node.implementation = EXPERTS_IMPLEMENTATION.get(name, "xla")
+            node.implementation = EXPERTS_IMPLEMENTATION[name]
     return nnx.split(module)[0]
 
 

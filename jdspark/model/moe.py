@@ -89,8 +89,18 @@ class Experts(nnx.Module):
         self.limit = config.swiglu_limit
         self.qat_sim = qat_sim
         # "pallas": the in-place kernel (pallas_kernels.moe) where its sizes fit; "xla": the gather
-        # below. "xla" until the kernel is measured faster on the H200 (issue 23); then "auto".
-        self.implementation = "xla"
+        # below; "auto": the kernel on the GPU for experts of at least KERNEL_MIN_WEIGHTS weights
+        # per projection (measured faster at Flash dims; smaller ones, e.g. the embedded model's,
+        # are not measured with it and keep the gather).
+        self.implementation = "auto"
+
+    def _kernel(self, fmt: str, rows: int, d: int, f: int) -> bool:
+        """Whether this call runs the in-place kernel (`implementation`, sizes, no QAT rounding of h)."""
+        if self.qat_sim or resolve_implementation(self.implementation) != "pallas":
+            return False
+        if self.implementation == "auto" and d * f < KERNEL_MIN_WEIGHTS:
+            return False
+        return moe_kernels.supported(fmt, d, f, rows, n_experts=self.n_experts)
 
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [N, D], routing weights [N, K] and expert indices [N, K] -> fp32 [N, D].
@@ -103,8 +113,7 @@ class Experts(nnx.Module):
         experts, dense = routed_slots(weights, idx, self.n_experts)
         fmt, w1 = self.w1.stored()
         (_, w3), (_, w2) = self.w3.stored(), self.w2.stored()
-        if not self.qat_sim and resolve_implementation(self.implementation) == "pallas" \
-                and moe_kernels.supported(fmt, x.shape[-1], w1[0].shape[1], x.shape[0]):
+        if self._kernel(fmt, x.shape[0], x.shape[-1], w1[0].shape[1]):
             slot = jnp.searchsorted(experts, idx.astype(jnp.int32), side="left")
             return moe_kernels.moe(x, experts, dense, slot, w1, w3, w2, fmt=fmt, limit=self.limit,
                                    interpret=interpret_mode())
@@ -118,6 +127,12 @@ class Experts(nnx.Module):
             h = fp8_sim(h, 128)
         out = jnp.einsum("nef,edf->ned", h, self.w2.take(experts, dtype), preferred_element_type=jnp.float32)
         return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
+
+
+# Smallest D x F for which "auto" picks the kernel on the GPU. Measured on the H200 (bench_decode,
+# 2026-12-01) at Flash dims, 8 layers, ds_fp4: extend S=1 5.9 ms against 9.3 ms for the gather, S=6
+# 16.1 against 35.2.
+KERNEL_MIN_WEIGHTS = 1 << 20
 
 
 def routed_slots(weights: jax.Array, idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
