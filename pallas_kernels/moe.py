@@ -53,6 +53,7 @@ class Tiles:
     step_fp4: int = 256
     num_warps: int = 4
     num_stages: int = 2
+    decode: str = "select"  # E2M1 codes by float selects ("select") or from float32 bit patterns ("bits")
 
     def step(self, fmt: str) -> int:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
@@ -190,6 +191,17 @@ def _e2m1(code: jax.Array) -> jax.Array:
     return jnp.where(code >= 8, 0.0 - mag, mag)
 
 
+def _e2m1_bits(code: jax.Array) -> jax.Array:
+    """`_e2m1` from the float32 bit pattern, with fewer operations: magnitude code em = e e m; em >= 2
+    is (1 + m/2) 2^(e-1), whose bits are (em << 22) + bits(0.5); em = 1 is 0.5, em = 0 is 0; the
+    sign bit goes to bit 31 except for zero (code 8 -> +0.0)."""
+    em = code & 7
+    half = 0x3F000000  # bits of 0.5
+    bits = jnp.where(em >= 2, (em << 22) + half, em * half)
+    bits = jnp.where(em == 0, 0, bits | ((code & 8) << 28))
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [Rp, K] @ b[N, K]^T in float32."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -208,8 +220,9 @@ def _partial(fmt, e, row0, c, act_refs, w_refs, dtype, tiles):
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
         b = packed_ref[e, rows, blocks, :].astype(jnp.int32) & 0xFF  # [out, nb, 16]
         s = _scale_f32(scale_ref[e, rows, blocks, :])  # [out, nb, 1]
-        lo = (_e2m1(b & 0xF) * s).astype(dtype).reshape(out, step // 2)
-        hi = (_e2m1(b >> 4) * s).astype(dtype).reshape(out, step // 2)
+        e2m1 = _e2m1_bits if tiles.decode == "bits" else _e2m1
+        lo = (e2m1(b & 0xF) * s).astype(dtype).reshape(out, step // 2)
+        hi = (e2m1(b >> 4) * s).astype(dtype).reshape(out, step // 2)
         cols = pl.ds(pl.multiple_of(c * (step // 2), step // 2), step // 2)
         return _dot_t(even_ref[:, cols], lo) + _dot_t(odd_ref[:, cols], hi)
     cols = pl.ds(pl.multiple_of(c * step, step), step)

@@ -328,7 +328,9 @@ def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[d
 SWEEP = [moe_kernels.Tiles(), moe_kernels.Tiles(out=16, step_fp4=512),
          moe_kernels.Tiles(out=32, step_fp4=512, num_warps=8), moe_kernels.Tiles(out=64, num_warps=8),
          moe_kernels.Tiles(out=16, step_fp4=1024, num_warps=8, num_stages=3),
-         moe_kernels.Tiles(out=32, num_stages=4), moe_kernels.Tiles(out=16, num_warps=2, num_stages=3)]
+         moe_kernels.Tiles(out=32, num_stages=4), moe_kernels.Tiles(out=16, num_warps=2, num_stages=3),
+         moe_kernels.Tiles(out=32, num_stages=4, decode="bits"),
+         moe_kernels.Tiles(out=64, num_warps=8, num_stages=4, decode="bits")]
 
 
 def _median_ms(fn, args, runs) -> float:

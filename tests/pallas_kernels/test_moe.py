@@ -97,7 +97,15 @@ def test_reference_decoding_matches_the_numpy_decoder(fmt, scale_dtype):
     np.testing.assert_array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
 
 
-OTHER_TILES = Tiles(out=16, step_bf16=256, num_warps=8, num_stages=3)
+OTHER_TILES = Tiles(out=16, step_bf16=256, num_warps=8, num_stages=3, decode="bits")
+
+
+def test_e2m1_decodings_agree_on_every_code():
+    from pallas_kernels.moe import _e2m1, _e2m1_bits
+    from tests.model.dequant_ref import E2M1
+    codes = jnp.arange(16, dtype=jnp.int32)
+    for fn in (_e2m1, _e2m1_bits):
+        np.testing.assert_array_equal(np.asarray(jax.jit(fn)(codes)).view(np.uint32), E2M1.view(np.uint32))
 
 
 def test_other_tiling_interpret():
