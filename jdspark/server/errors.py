@@ -54,7 +54,7 @@ def from_validation_error(e: ValidationError) -> APIError:
     depth = [len(_fields(err["loc"])) for err in errors]
     err = errors[depth.index(max(depth))]
     param = field_path(err["loc"])
-    kind = "unknown field" if err["type"] == "extra_forbidden" else "invalid value"
+    kind = {"extra_forbidden": "unknown field", "missing": "missing field"}.get(err["type"], "invalid value")
     got = "" if err["type"] in ("extra_forbidden", "missing") else f" (got {clip(repr(err.get('input')), 60)})"
     return APIError(400, f"{kind} '{param}': {err['msg']}{got}", param=param, code=err["type"])
 

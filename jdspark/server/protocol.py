@@ -216,7 +216,7 @@ class ChatCompletionRequest(_Common):
 
 def parse(model: type[BaseModel], body: Any) -> BaseModel:
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", code="invalid_body")
     try:
         request = model.model_validate(body)
     except ValidationError as e:
