@@ -20,7 +20,9 @@ share of the floor (bytes / copy bandwidth). The bytes are:
 `--variants` compares implementations in one run: `current` (the code as it is: on the GPU the routed
 experts take the kernel at real dims), `xla` (the routed experts through the XLA gather), `ref_moe` (the
 former routed-expert path: every expert decoded and run on every row), `dequant_linear` (FP8 linears
-decoding a bfloat16 weight per call), `before` (both of those), `pallas` (the routed experts through
+decoding a bfloat16 weight per call), `fp8_scaled_x` (FP8 linears of <= 16 rows as one batched dot
+with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
+former MoE and linears), `pallas` (the routed experts through
 the in-place kernel `pallas_kernels.moe`). JSON with every row: `--json PATH`.
 
     PYTHONPATH=$PWD python scripts/bench_decode.py --preset flash --layers 8 --experts 256 \
@@ -49,7 +51,8 @@ from flax import nnx
 from jdspark.config import CSA_RATIO, EngineConfig, QuantConfig, flash_config, pro_config, tiny_config
 from jdspark.model import quantized
 from jdspark.model import state as state_lib
-from jdspark.model.dequant import E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_dequant
+from jdspark.model.dequant import (E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_dequant, fp8_block_matmul,
+                                   fp8_scaled_x_matmul)
 from jdspark.model.moe import Experts, routed_slots, swiglu
 from pallas_kernels import moe as moe_kernels
 from jdspark.model.quant_sim import fp8_sim
@@ -217,7 +220,16 @@ def _dequant_project(self, x, dtype):
                       preferred_element_type=jnp.float32)
 
 
+def _scaled_x_project(self, x, dtype):
+    """FP8 linears as one batched dot over output blocks with the scales on x (few rows only)."""
+    rows = math.prod(x.shape[:-1])
+    if rows > 16 or self.weight.shape[0] % 128:
+        return fp8_block_matmul(x, self.weight[...], self.scale[...], dtype)
+    return fp8_scaled_x_matmul(x, self.weight[...], self.scale[...], dtype)
+
+
 PATCHES = {"current": [], "ref_moe": [(Experts, "__call__", _ref_experts)],
+           "fp8_scaled_x": [(FP8Linear, "project", _scaled_x_project)],
            "dequant_linear": [(FP8Linear, "project", _dequant_project)]}
 PATCHES["before"] = PATCHES["ref_moe"] + PATCHES["dequant_linear"]
 # Variants that set the routed experts' `implementation` in the graph ("pallas": pallas_kernels.moe).

@@ -83,3 +83,24 @@ def fp8_block_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array, dtype) -
     partial = jnp.einsum("rjk,nk->rjn", x_exp, weight.astype(dtype), preferred_element_type=jnp.float32)
     s = jnp.repeat(scale_to_f32(scale), FP8_BLOCK, axis=0)[:n].T  # [Kb, N]
     return jnp.sum(partial * s[None], axis=1).reshape(*lead, n)
+
+
+def fp8_scaled_x_matmul(x: jax.Array, weight: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """`fp8_block_matmul` with no extra products: the scales move onto x, once per output block.
+
+    y[r, a*128 + b] = sum_k (x[r, k] * s[a, k // 128]) * W[a*128 + b, k]: one batched dot over the
+    N/128 output blocks a (the weight's leading axis, so it is read in place, [N/128, 128, K]) of an
+    x scaled per block [N/128, R, K]. x * s is exact for e8m0 scales (a power of two), so the
+    products equal the decoded weight's. Needs N % 128 == 0; the scaled x holds R/128 x 2 bytes per
+    weight byte, so it is for few rows (decode)."""
+    n, k = weight.shape
+    nb = scale.shape[0]
+    if n % FP8_BLOCK:
+        raise ValueError(f"fp8_scaled_x_matmul needs N % {FP8_BLOCK} == 0, got {n}")
+    lead = x.shape[:-1]
+    xr = x.reshape(-1, k).astype(jnp.float32)
+    s = jnp.repeat(scale_to_f32(scale), FP8_BLOCK, axis=1)[:, :k]  # [Nb, K]
+    xs = (xr[None] * s[:, None, :]).astype(dtype)  # [Nb, R, K]
+    w = weight.reshape(nb, FP8_BLOCK, k).astype(dtype)
+    y = jax.lax.dot_general(xs, w, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32)  # [Nb, R, 128]
+    return jnp.swapaxes(y, 0, 1).reshape(*lead, n)

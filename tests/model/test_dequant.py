@@ -100,3 +100,21 @@ def test_fp8_block_matmul_bfloat16_equals_the_decoded_dot():
     got = jax.jit(lambda x, w, s: fp8_block_matmul(x, w, s, jnp.bfloat16))(x, weight, scale)
     want = jnp.einsum("ri,oi->ro", x, fp8_block_dequant(weight, scale, jnp.bfloat16), preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("scale_dtype", ["e8m0", "float32"])
+@pytest.mark.parametrize("lead", [(1,), (2, 3)])
+def test_fp8_scaled_x_matmul_matches_decoded_weight(scale_dtype, lead):
+    from jdspark.model.dequant import fp8_scaled_x_matmul
+    rng = np.random.default_rng(len(lead))
+    shape = (256, 300)
+    raw = rng.integers(0, 256, shape, dtype=np.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0
+    weight = raw.view(ml_dtypes.float8_e4m3fn)
+    scale = rng.integers(110, 130, (2, 3), dtype=np.uint8) if scale_dtype == "e8m0" \
+        else rng.uniform(1e-4, 1e-2, (2, 3)).astype(np.float32)
+    x = rng.standard_normal((*lead, shape[1])).astype(np.float32)
+    out = jax.jit(lambda x, w, s: fp8_scaled_x_matmul(x, w, s, jnp.float32))(x, weight, scale)
+    want = x.astype(np.float64) @ decode_fp8(weight, scale).astype(np.float64).T
+    assert out.shape == (*lead, shape[0])
+    np.testing.assert_allclose(np.asarray(out), want, rtol=0, atol=2e-6 * np.abs(want).max())
