@@ -53,7 +53,7 @@ from jdspark.model import quantized
 from jdspark.model import state as state_lib
 from jdspark.model.dequant import (E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_dequant, fp8_block_matmul,
                                    fp8_scaled_x_matmul)
-from jdspark.model.moe import Experts, routed_slots, swiglu
+from jdspark.model.moe import Experts, expert_slots, routed_slots, swiglu
 from pallas_kernels import moe as moe_kernels
 from jdspark.model.quant_sim import fp8_sim
 from jdspark.model.quantized import FP8Linear, Storage, abstract_model, is_expert
@@ -371,7 +371,7 @@ def kernel_sweep(experts, rows_list, runs, bandwidth) -> tuple[list[dict], moe_k
         x = jnp.asarray(rng.standard_normal((rows, w1[0].shape[-1] * (2 if fmt == "fp4" else 1))), jnp.bfloat16)
         slots = jax.jit(lambda w, i: routed_slots(w, i, experts.n_experts))
         e_, dense = slots(w, idx)
-        slot = jnp.searchsorted(e_, idx)
+        slot = expert_slots(idx, experts.n_experts)[1]
         glue = _median_ms(slots, (w, idx), runs)
         want = jax.jit(partial(moe_kernels.ref_moe, fmt=fmt, limit=experts.limit))(x, e_, dense, slot, w1, w3, w2)
         floor = len(np.unique(np.asarray(idx))) * per_expert / bandwidth * 1e3

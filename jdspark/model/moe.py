@@ -105,16 +105,16 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [N, D], routing weights [N, K] and expert indices [N, K] -> fp32 [N, D].
 
-        Reads only the selected experts, each distinct one once (`routed_slots`: M = min(N*K, E)
+        Reads only the selected experts, each distinct one once (`expert_slots`: M = min(N*K, E)
         slots, static). Every row is computed against the M gathered experts and weighted by a dense
         [N, M] routing matrix, exactly zero where a row did not select the slot's expert: the same
         arithmetic as running every expert with a dense [N, E] matrix (the test oracle), restricted
         to the experts some row selected."""
-        experts, dense = routed_slots(weights, idx, self.n_experts)
+        experts, slot = expert_slots(idx, self.n_experts)
+        dense = routing_matrix(weights, slot, experts.shape[0])
         fmt, w1 = self.w1.stored()
         (_, w3), (_, w2) = self.w3.stored(), self.w2.stored()
         if self._kernel(fmt, x.shape[0], x.shape[-1], w1[0].shape[1]):
-            slot = jnp.searchsorted(experts, idx.astype(jnp.int32), side="left")
             return moe_kernels.moe(x, experts, dense, slot, w1, w3, w2, fmt=fmt, limit=self.limit,
                                    interpret=interpret_mode())
         dtype = x.dtype
@@ -135,19 +135,45 @@ class Experts(nnx.Module):
 KERNEL_MIN_WEIGHTS = 1 << 20
 
 
-def routed_slots(weights: jax.Array, idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
-    """The distinct experts of a call and each row's weight on them, with static shapes.
+# Largest N*K for which `expert_slots` compares all pairs of choices instead of sorting.
+PAIRWISE_SLOTS = 512
 
-    weights [N, K] fp32, idx [N, K] -> (experts [M] int32 sorted ascending, dense [N, M] fp32) with
-    M = min(N*K, E). Unused slots repeat the last expert E-1 (a valid index, so gathers stay in
-    bounds, and the order stays sorted); a row's (expert, weight) pair lands on the first slot that
-    holds the expert, so padding slots get weight 0 from every row."""
+
+def expert_slots(idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
+    """The distinct experts of a call, with static shapes: idx [N, K] -> (experts [M] int32 sorted
+    ascending, slot [N, K] int32 with experts[slot] == idx), M = min(N*K, E).
+
+    Unused slots repeat the last expert E-1 (a valid index, so gathers stay in bounds, and the
+    order stays sorted); every choice maps to the first slot holding its expert, so padding slots
+    are never chosen. Up to PAIRWISE_SLOTS choices (decode, verify) the slot of a choice is the
+    number of distinct experts below it, counted over all pairs of choices: a few elementwise
+    fusions, where the sort of jnp.unique and the loop of jnp.searchsorted cost several launches.
+    Longer calls (prefill) sort."""
     n, k = idx.shape
-    m = min(n * k, n_experts)
-    experts = jnp.unique(idx.reshape(-1).astype(jnp.int32), size=m, fill_value=n_experts - 1)
-    slot = jnp.searchsorted(experts, idx.astype(jnp.int32), side="left")
-    dense = jnp.sum(jax.nn.one_hot(slot, m, dtype=jnp.float32) * weights[..., None].astype(jnp.float32), axis=-2)
-    return experts, dense
+    length = n * k
+    m = min(length, n_experts)
+    flat = idx.reshape(-1).astype(jnp.int32)
+    if length > PAIRWISE_SLOTS:
+        experts = jnp.unique(flat, size=m, fill_value=n_experts - 1)
+        return experts, jnp.searchsorted(experts, idx.astype(jnp.int32), side="left").astype(jnp.int32)
+    pos = jnp.arange(length)
+    earlier_same = (flat[:, None] == flat[None, :]) & (pos[None, :] < pos[:, None])
+    first = ~jnp.any(earlier_same, axis=1)  # [L]: the first choice of its expert
+    rank = jnp.sum((flat[None, :] < flat[:, None]) & first[None, :], axis=1).astype(jnp.int32)  # distinct below
+    at = (rank[None, :] == jnp.arange(m)[:, None]) & first[None, :]  # [M, L]: slot j holds choice i
+    experts = jnp.where(jnp.any(at, axis=1), jnp.sum(jnp.where(at, flat[None, :], 0), axis=1), n_experts - 1)
+    return experts.astype(jnp.int32), rank.reshape(n, k)
+
+
+def routing_matrix(weights: jax.Array, slot: jax.Array, m: int) -> jax.Array:
+    """dense [N, M] fp32: each row's routing weight on each slot (0 where it did not choose it)."""
+    return jnp.sum(jax.nn.one_hot(slot, m, dtype=jnp.float32) * weights[..., None].astype(jnp.float32), axis=-2)
+
+
+def routed_slots(weights: jax.Array, idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
+    """(experts [M], dense [N, M]): `expert_slots` and the `routing_matrix` of weights [N, K]."""
+    experts, slot = expert_slots(idx, n_experts)
+    return experts, routing_matrix(weights, slot, experts.shape[0])
 
 
 class SharedExpert(nnx.Module):

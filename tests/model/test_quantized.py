@@ -175,3 +175,18 @@ def test_routed_expert_kernel_in_the_model_equals_the_gather_path(storage):
     ex.implementation = "pallas"
     got = jax.jit(lambda m, x, w, i: m(x, w, i))(ex, x, jnp.asarray(w), jnp.asarray(idx))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2 * float(jnp.abs(want).max()), rtol=0)
+
+
+@pytest.mark.parametrize("rows,k,n_experts", [(1, 6, 256), (6, 6, 256), (64, 6, 256), (7, 3, 12), (100, 6, 256)])
+def test_expert_slots_equal_sorted_unique(rows, k, n_experts):
+    """The pairwise count (<= PAIRWISE_SLOTS choices) and the sort (longer calls) give the same slots."""
+    from jdspark.model.moe import expert_slots
+    rng = np.random.default_rng(rows)
+    pool = rng.permutation(n_experts)[:max(k, rows // 2)]
+    idx = np.stack([rng.choice(pool, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    experts, slot = jax.jit(expert_slots, static_argnums=1)(jnp.asarray(idx), n_experts)
+    m = min(rows * k, n_experts)
+    distinct = np.unique(idx)
+    want = np.concatenate([distinct, np.full(m - len(distinct), n_experts - 1)])
+    np.testing.assert_array_equal(np.asarray(experts), want)
+    np.testing.assert_array_equal(np.asarray(slot), np.searchsorted(want, idx))

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jdspark.model.moe import routed_slots
+from jdspark.model.moe import expert_slots, routed_slots
 from pallas_kernels.moe import Tiles, moe, ref_moe, supported
 
 D, F, E, K = 256, 256, 10, 3  # small: the interpret mode runs every program in Python
@@ -32,7 +32,7 @@ def inputs(fmt, rows, seed, dtype, scale_dtype="e8m0"):
     idx = np.stack([rng.choice(pool, K, replace=False) for _ in range(rows)]).astype(np.int32)
     weights = jnp.asarray(rng.uniform(0.1, 1.0, (rows, K)), jnp.float32)
     experts, dense = routed_slots(weights, jnp.asarray(idx), E)
-    slot = jnp.searchsorted(experts, jnp.asarray(idx))
+    slot = expert_slots(jnp.asarray(idx), E)[1]
     x = jnp.asarray(rng.standard_normal((rows, D)), dtype)
     ws = [tuple(jnp.asarray(a) for a in stored(fmt, rng, *shape, scale_dtype)) for shape in ((F, D), (F, D), (D, F))]
     return (x, experts, dense, slot, *ws)
