@@ -49,14 +49,13 @@ import numpy as np
 from flax import nnx
 
 from jdspark.config import CSA_RATIO, EngineConfig, QuantConfig, flash_config, pro_config, tiny_config
-from jdspark.model import quantized
 from jdspark.model import state as state_lib
 from jdspark.model.dequant import (E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_dequant, fp8_block_matmul,
                                    fp8_scaled_x_matmul)
 from jdspark.model.moe import Experts, expert_slots, routed_slots, swiglu
-from pallas_kernels import moe as moe_kernels
 from jdspark.model.quant_sim import fp8_sim
 from jdspark.model.quantized import FP8Linear, Storage, abstract_model, is_expert
+from pallas_kernels import moe as moe_kernels
 
 PRESETS = {"tiny": tiny_config, "flash": flash_config, "pro": pro_config}
 STORAGES = {"bf16": Storage(), "fp8+fp4": Storage(linears="fp8", experts="fp4", scale_dtype="e8m0"),
@@ -312,7 +311,7 @@ def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[d
         distinct = len(np.unique(np.asarray(idx)))
         for impl in ("xla", "pallas", "every_expert"):
             experts.implementation = "xla" if impl == "every_expert" else impl
-            fn = (lambda m, x, w, i: _ref_experts(m, x, w, i)) if impl == "every_expert" else (lambda m, x, w, i: m(x, w, i))
+            fn = _ref_experts if impl == "every_expert" else (lambda m, x, w, i: m(x, w, i))
             try:
                 start = time.perf_counter()
                 compiled = jax.jit(fn).lower(experts, x, w, idx).compile()

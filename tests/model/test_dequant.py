@@ -98,7 +98,8 @@ def test_fp8_block_matmul_bfloat16_equals_the_decoded_dot():
     scale = rng.integers(110, 130, (2, 4), dtype=np.uint8)
     x = jnp.asarray(rng.standard_normal((6, 512)), jnp.bfloat16)
     got = jax.jit(lambda x, w, s: fp8_block_matmul(x, w, s, jnp.bfloat16))(x, weight, scale)
-    want = jnp.einsum("ri,oi->ro", x, fp8_block_dequant(weight, scale, jnp.bfloat16), preferred_element_type=jnp.float32)
+    want = jnp.einsum("ri,oi->ro", x, fp8_block_dequant(weight, scale, jnp.bfloat16),
+                      preferred_element_type=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
 
 

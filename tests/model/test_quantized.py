@@ -134,7 +134,8 @@ def routing(rng, rows: int, n_experts: int, k: int, pool: int):
     return idx, rng.uniform(0.1, 1.0, (rows, k)).astype(np.float32)
 
 
-@pytest.mark.parametrize("storage", [Storage(), FLASH, Storage(experts="fp8"), BASE], ids=["float", "fp4", "fp8", "fp8_f32"])
+@pytest.mark.parametrize("storage", [Storage(), FLASH, Storage(experts="fp8"), BASE],
+                         ids=["float", "fp4", "fp8", "fp8_f32"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_routed_experts_read_only_selected_equal_every_expert_oracle(storage, dtype):
     ex = random_experts(storage, dtype, seed=3)
