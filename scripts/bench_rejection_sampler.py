@@ -1,7 +1,8 @@
 """Benchmark the rejection sampler: Pallas kernel vs jnp reference vs a naive host-side sampler.
 
-For each variant, batch B and width K (V = 129,280 by default) it times
-- end to end, `rejection_sample(use_kernel=True)` vs `ref_rejection_sample` (warp + accept + race);
+For each sampling-parameter preset (greedy, sample, general: the same verifier, different rows),
+batch B and width K (V = 129,280 by default) it times
+- end to end, `rejection_sample(implementation="pallas")` vs `ref_rejection_sample` (warp + accept + race);
 - the race alone (stage B), `race` vs `ref_race`, on the same stage-A outputs;
 - a naive host sampler: p = warp_probs on the device, p and q copied to the host, numpy accept,
   residual and race (what the device path avoids).
@@ -35,16 +36,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdspark.profile import busy_us, gpu_kernels
-from jdspark.speculative.sampling import sample, warp_probs
+from jdspark.speculative.sampling import exponential_noise, sample, uniform_noise, warp_probs
 from jdspark.speculative.verify import race_inputs, ref_rejection_sample, rejection_sample
 from pallas_kernels.rejection_sampler import race, ref_race
 
-PARAMS = {  # (temperature, top_k, top_p) per variant, the same on every row
+PARAMS = {  # (temperature, top_k, top_p) per preset ("variant" below), the same on every row
     "greedy": (0.0, 0, 1.0),
     "sample": (1.0, 0, 1.0),
     "general": (0.7, 50, 0.9),
 }
-rejection_sample_kernel = functools.partial(rejection_sample, use_kernel=True)
+rejection_sample_kernel = functools.partial(rejection_sample, implementation="pallas")
 
 
 def make_inputs(variant, batch, width, vocab, seed):
@@ -53,11 +54,10 @@ def make_inputs(variant, batch, width, vocab, seed):
     t, k, p = (np.full(batch, v, d) for v, d in zip(PARAMS[variant], (np.float32, np.int32, np.float32)))
     logits = 3.0 * jax.random.normal(keys[0], (batch, width + 1, vocab), jnp.float32)
     draft_logits = logits[:, :width] + jax.random.normal(keys[1], (batch, width, vocab), jnp.float32)
-    q = jax.jit(warp_probs, static_argnames="variant")(draft_logits, t[:, None], k[:, None], p[:, None],
-                                                      variant=variant)
-    drafts = jax.jit(sample)(q, jax.random.exponential(keys[2], q.shape, jnp.float32))
-    uniforms = jax.random.uniform(keys[3], (batch, width), jnp.float32)
-    noise = jax.random.exponential(keys[4], (batch, vocab), jnp.float32)
+    q = jax.jit(warp_probs)(draft_logits, t[:, None], k[:, None], p[:, None])
+    drafts = jax.jit(sample)(q, exponential_noise(keys[2], q.shape))
+    uniforms = uniform_noise(keys[3], (batch, width))
+    noise = exponential_noise(keys[4], (batch, vocab))
     return [logits, q, drafts, uniforms, noise, jnp.asarray(t), jnp.asarray(k), jnp.asarray(p)]
 
 
@@ -79,10 +79,10 @@ def next_zero(n_accepted, token):
     return jnp.where((n_accepted[0] < 0) | (token[0] < 0), 1.0, 0.0).astype(jnp.float32)
 
 
-def end_to_end_step(verifier, variant):
+def end_to_end_step(verifier):
     def step(zero, logits, q, drafts, uniforms, noise, t, k, p):
-        out = verifier(logits + zero, q, drafts, uniforms, noise + zero, t, k, p, variant=variant)
-        return out, next_zero(*out)
+        out = verifier(logits + zero, q, drafts, uniforms, noise + zero, t, k, p)
+        return out, next_zero(out.n_accepted, out.token)
 
     return step
 
@@ -120,9 +120,9 @@ def paired_ratio(kernel_times, ref_times, confidence=0.95):
     return float(np.median(ratios)), float(ratios[j]), float(ratios[n - 1 - j])
 
 
-def host_sampler(logits, q, drafts, uniforms, noise, t, k, p, variant, warp):
+def host_sampler(logits, q, drafts, uniforms, noise, t, k, p, warp):
     """The naive path: warp on the device, copy p and q to the host, verify in numpy."""
-    probs = np.asarray(warp(logits, t[:, None], k[:, None], p[:, None], variant=variant))
+    probs = np.asarray(warp(logits, t[:, None], k[:, None], p[:, None]))
     q_host = np.asarray(q)
     batch, width = drafts.shape
     rows = np.arange(batch)
@@ -136,20 +136,20 @@ def host_sampler(logits, q, drafts, uniforms, noise, t, k, p, variant, warp):
     return n_acc, np.argmax(np.where(dist > 0, dist / noise, -1), axis=1)
 
 
-def host_time(args, variant, runs, warp):
+def host_time(args, runs, warp):
     host_args = [np.asarray(a) for a in args[2:]]  # drafts, uniforms, E, params live on the host
-    host_sampler(args[0], args[1], *host_args, variant, warp)
+    host_sampler(args[0], args[1], *host_args, warp)
     times = []
     for _ in range(runs):
         start = time.perf_counter()
-        host_sampler(args[0], args[1], *host_args, variant, warp)
+        host_sampler(args[0], args[1], *host_args, warp)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def bench_one(variant, batch, width, vocab, cfg, warp):
     args = make_inputs(variant, batch, width, vocab, seed=batch * 100 + width)
-    loops = [looped(end_to_end_step(fn, variant), cfg.reps) for fn in (rejection_sample_kernel, ref_rejection_sample)]
+    loops = [looped(end_to_end_step(fn), cfg.reps) for fn in (rejection_sample_kernel, ref_rejection_sample)]
     (times_k, out_k), (times_r, out_r) = device_times(loops, args, cfg.trials)
     ratio, ratio_low, ratio_high = paired_ratio(times_k, times_r)
     n_acc = np.asarray(out_r[0])
@@ -160,16 +160,13 @@ def bench_one(variant, batch, width, vocab, cfg, warp):
         "e2e_kernel_us": np.median(times_k) / cfg.reps * 1e6, "e2e_ref_us": np.median(times_r) / cfg.reps * 1e6,
         "e2e_ratio": ratio, "e2e_ratio_ci95": [ratio_low, ratio_high],
         "exact_e2e": all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(out_k, out_r)),
-        "host_us": host_time(args, variant, cfg.host_runs, warp) * 1e6,
+        "host_us": host_time(args, cfg.host_runs, warp) * 1e6,
     }
     if cfg.profile and jax.default_backend() == "gpu":
         row["profile"] = {path: kernel_profile(loop, args, cfg.reps) for path, loop in zip(("kernel", "ref"), loops)}
     reads_logits = 4 * batch * (width + 1) * vocab
     row["bytes_floor"] = reads_logits + 4 * vocab * (batch + rejected)  # logits, E, one q row per rejection
-    if variant == "greedy":  # one argmax pass; no race
-        row["bytes_design"] = reads_logits
-        return row
-    stage_a = jax.jit(functools.partial(race_inputs, variant=variant))(*args)
+    stage_a = jax.jit(race_inputs)(*args)
     race_args = [stage_a.p_row, args[1], stage_a.n_accepted, stage_a.inv_exponentials]
     (times_k, tok_k), (times_r, tok_r) = device_times(
         [looped(race_step(fn), cfg.reps) for fn in (race, ref_race)], race_args, cfg.trials)
@@ -201,7 +198,7 @@ def kernel_profile(loop, args, reps):
 def sweep(batch, width, vocab, cfg):
     """Stage-B times of a few kernel layouts (tile, splits, num_warps) at one shape."""
     args = make_inputs("sample", batch, width, vocab, seed=7)
-    stage_a = jax.jit(functools.partial(race_inputs, variant="sample"))(*args)
+    stage_a = jax.jit(race_inputs)(*args)
     race_args = [stage_a.p_row, args[1], stage_a.n_accepted, stage_a.inv_exponentials]
     results = []
     for tile in (1024, 2048, 4096):
@@ -257,7 +254,7 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="also trace each shape's two loops once: device kernels and busy time per verification")
     cfg = parser.parse_args()
-    warp = jax.jit(warp_probs, static_argnames="variant")
+    warp = jax.jit(warp_probs)
     device = jax.devices()[0]
     print(f"jax {jax.__version__} on {device.platform}: {device.device_kind}")
     out_path = Path(os.environ.get("OUT") or "bench_out") / "rejection_sampler.json"
