@@ -11,7 +11,8 @@ from jdspark.engine.stats import CompletionStats
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1 are off. `stop` strings
+    """Per-request sampling. temperature 0 is greedy, and so is any temperature below 1e-5
+    (`speculative.sampling.MIN_TEMPERATURE`, vLLM's floor); top_k 0 and top_p 1 are off. `stop` strings
     end the text (needs a tokenizer); `stop_token_ids` and the model's EOS end the token stream."""
 
     max_tokens: int = 128
@@ -30,7 +31,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
-            ("temperature", _number(self.temperature) and self.temperature >= 0, "a number >= 0 (0 is greedy)"),
+            ("temperature", _number(self.temperature) and self.temperature >= 0, "a number >= 0 (< 1e-5 is greedy)"),
             ("top_p", _number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
             ("top_k", isinstance(self.top_k, int) and 0 <= self.top_k < 2 ** 31, "an integer in [0, 2**31) (0 is off)"),
             ("seed", self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2 ** 32),
