@@ -131,6 +131,11 @@ def _convert(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from jdspark.experts import bench_bw
+    return bench_bw.main(args.options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jdspark", description="DeepSeek-V4 serving engine (JAX/Pallas)")
     parser.add_argument("--version", action="version", version="jdspark 0.1.0")
@@ -169,6 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--dequantize", action="store_true", help="store FP8 / FP4 weights expanded to --dtype")
     p.set_defaults(run=_convert)
+    p = sub.add_parser("bench", help="benchmarks: `jdspark bench bw [--json PATH]` measures host read, PCIe and "
+                                     "the CPU / GPU expert GEMV (its own --help)")
+    p.add_argument("name", choices=["bw"])
+    p.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    p.set_defaults(run=_bench)
     return parser
 
 

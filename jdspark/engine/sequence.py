@@ -44,6 +44,7 @@ class Sequence:
         self.stats.record(step, row)
         if step.width and self.breaker is not None:
             self.breaker.record(row.n_accepted, step.width)
+            self.stats.fallback_trips = self.breaker.trips
         if confidence is not None:
             self.confidence = confidence
 

@@ -51,6 +51,7 @@ class CompletionStats:
     accepted_at: list[int] = dataclasses.field(default_factory=list)  # position i was accepted
     draft_cost_s: float | None = None  # D the width selector used (None: fixed width)
     verify_costs_s: list[float] | None = None  # V(0..gamma) the width selector used
+    fallback_trips: int = 0  # times the acceptance breaker switched this request to target-only
 
     @classmethod
     def empty(cls, prompt_tokens: int, gamma: int) -> "CompletionStats":
@@ -86,7 +87,8 @@ class CompletionStats:
         return dict(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
                     elapsed_s=self.elapsed_s, time_to_first_token_s=self.time_to_first_token_s,
                     tokens_per_s=self.tokens_per_s, steps=self.steps, tau=self.tau, widths=list(self.widths),
-                    acceptance=self.acceptance, draft_cost_s=self.draft_cost_s, verify_costs_s=self.verify_costs_s)
+                    acceptance=self.acceptance, draft_cost_s=self.draft_cost_s, verify_costs_s=self.verify_costs_s,
+                    fallback_trips=self.fallback_trips)
 
 
 class LogCounters:

@@ -68,7 +68,7 @@ def test_fallback_breaker_switches_to_target_only_and_back(engine):
     engine.options = SpecOptions(fallback_threshold=0.9, fallback_min_drafted=10, fallback_cooldown=4)
     slot = generate(engine)
     assert slot.token_ids == reference
-    assert slot.breaker.trips >= 1 and slot.stats.widths[0] >= 4  # cooled down without drafting
+    assert slot.stats.fallback_trips >= 1 and slot.stats.widths[0] >= 4  # cooled down without drafting
     assert slot.stats.widths[5] >= 3  # and speculated again afterwards
 
 
