@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 
+import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -36,6 +37,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        # build the plain-text encoder now, not in the first request
+        await anyio.to_thread.run_sync(lambda: tokenizer.encode_pieces([("", True), ("", False)]))
         serving.scheduler.start()
         yield
         serving.scheduler.close()
