@@ -1,11 +1,15 @@
 """The per-slot inputs and the step output of the executables: packed into one int32 array each
-way, unpacked exactly (bit-cast floats and unsigned seeds included); a float32 model's executables
-compute every dot product at full float32 precision whatever the ambient default."""
+way, unpacked exactly (bit-cast floats and unsigned seeds included); non-finite logits come back as
+the invalid flag; the kernel setting is validated before compiling; a float32
+model's executables compute every dot product at full float32 precision whatever the ambient
+default."""
 
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jdspark.config import EngineConfig
 from jdspark.engine import executables
@@ -24,7 +28,7 @@ def test_slot_inputs_unpack_exactly_on_the_device():
     packed = executables.slot_inputs(anchor=anchor, active=active, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, counter=counter)
     assert packed.dtype == np.int32 and packed.shape == (3, len(executables.SLOT_FIELDS))
-    got_anchor, got_active, sampling = jax.jit(executables._unpack_slots)(packed)
+    got_anchor, got_active, sampling = jax.jit(executables.unpack_slots)(packed)
     np.testing.assert_array_equal(got_anchor, anchor)
     np.testing.assert_array_equal(got_active, active)
     for name, want in [("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed),
@@ -36,16 +40,57 @@ def test_slot_inputs_unpack_exactly_on_the_device():
 
 def test_read_output_splits_a_step_and_a_decode_result():
     confidence = np.array([[0.9, 0.5, 0.25], [1.0, 0.0, 1e-30]], np.float32)
-    step = np.concatenate([np.array([[2, 11], [0, 4]], np.int32), np.array([[5, 6, 7], [8, 9, 10]], np.int32),
+    step = np.concatenate([np.array([[2, 11, 0], [0, -1, 1]], np.int32), np.array([[5, 6, 7], [8, 9, 10]], np.int32),
                            confidence.view(np.int32)], axis=1)
     out = executables.read_output(step, gamma=3)
     np.testing.assert_array_equal(out.n_accepted, [2, 0])
-    np.testing.assert_array_equal(out.token, [11, 4])
+    np.testing.assert_array_equal(out.token, [11, -1])
+    np.testing.assert_array_equal(out.invalid, [False, True])
     np.testing.assert_array_equal(out.drafts, [[5, 6, 7], [8, 9, 10]])
     np.testing.assert_array_equal(out.confidence, confidence)
-    decode = executables.read_output(np.array([[0, 3], [0, 9]], np.int32), gamma=3)
-    assert decode.drafts is None and decode.confidence is None
+    decode = executables.read_output(np.array([[0, 3, 0], [0, 9, 0]], np.int32), gamma=3)
+    assert decode.drafts is None and decode.confidence is None and not decode.invalid.any()
     np.testing.assert_array_equal(decode.token, [3, 9])
+
+
+def test_non_finite_logits_come_back_as_the_invalid_flag(spec_engine):
+    """Parameters poisoned with NaN in one call (they are an argument of every executable): the
+    prefill, decode and step[3] results say invalid, with token -1 and nothing accepted; with clean
+    parameters the same calls are valid (one row alone: tests/speculative/test_non_finite.py).
+    Mutation caught: the verifier's `p <= u q` test back (NaN accepts every draft) or the race's
+    silent token 0, or an executable that drops the invalid column."""
+    engine, exe = spec_engine, spec_engine.exe
+    assert not engine.running
+    b = engine.config.max_batch
+    poisoned = jax.tree.map(lambda a: a * jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else a, exe.params.arrays)
+    slots = executables.slot_inputs(anchor=np.full(b, 4), active=np.ones(b, bool), temperature=np.ones(b),
+                                    top_k=np.zeros(b), top_p=np.ones(b), seed=np.arange(b), counter=np.zeros(b))
+    ids = np.full((b, exe.prefill_chunk), 5, np.int32)
+    n_valid, reset = np.full(b, 3, np.int32), np.ones(b, bool)
+    try:
+        for params, bad in ((exe.params.arrays, False), (poisoned, True)):
+            out, engine.state, engine.draft_cache = exe.prefill(params, engine.state, engine.draft_cache, ids, n_valid,
+                                                                reset, slots)
+            outputs = [out]
+            for call in (exe.decode, exe.step[3]):
+                out, engine.state, engine.draft_cache = call(params, engine.state, engine.draft_cache, slots)
+                outputs.append(out)
+            for out in outputs:
+                got = executables.read_output(out, engine.config.gamma)
+                np.testing.assert_array_equal(got.invalid, bad)
+                if bad:
+                    np.testing.assert_array_equal(got.token, -1)
+                    np.testing.assert_array_equal(got.n_accepted, 0)
+                else:
+                    assert (got.token >= 0).all()
+    finally:
+        engine.reset()
+
+
+def test_the_kernel_setting_is_checked_before_compiling(spec_model):
+    with pytest.raises(ValueError, match="implementation='gpu' is not one of"):
+        Engine(spec_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=1), speculative=False,
+               implementation="gpu")
 
 
 def test_a_float32_model_compiles_every_dot_at_full_precision(spec_model):
