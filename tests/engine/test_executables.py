@@ -10,10 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jdspark.config import EngineConfig
+from jdspark.drafter import dspark
 from jdspark.engine import executables
 from jdspark.engine.engine import Engine
+from jdspark.model import hyper
 from tests.conftest import SPEC_CONFIG
 
 
@@ -101,3 +104,31 @@ def test_a_float32_model_compiles_every_dot_at_full_precision(spec_model):
     for exe in (engine.exe.prefill, engine.exe.decode):
         dots = re.findall(r" dot\(.*", exe.as_text())
         assert dots and all("operand_precision={highest,highest}" in d for d in dots)
+
+
+def test_the_kernel_setting_reaches_every_mhc_site(spec_model):
+    """Executables trace the model graph with the setting on every Sinkhorn site (nothing global).
+    Mutation caught: the setting applied to the sampler only."""
+    config = EngineConfig(max_seq_len=64, gamma=5, max_batch=1)
+    for name in ("pallas", "xla"):
+        exe = executables.Executables(spec_model, config, 8, name, (), pack_params=False)  # not compiled
+        sites = [m for _, m in nnx.iter_graph(nnx.merge(exe.graphdef, spec_model.params))
+                 if isinstance(m, hyper.HyperConnection)]
+        assert sites and {site.implementation for site in sites} == {name}
+    assert {m.implementation for _, m in nnx.iter_graph(spec_model.module())
+            if isinstance(m, hyper.HyperConnection)} == {"auto"}  # the model itself is unchanged
+
+
+@pytest.mark.gpu
+def test_auto_lowers_to_the_pallas_kernels_on_the_gpu_and_xla_does_not(spec_model):
+    """On the GPU "auto" is "pallas": step[5] lowers to Triton calls of the race and of Sinkhorn;
+    with "xla" neither appears (the lowered program, before XLA's own fusions)."""
+    config = EngineConfig(max_seq_len=64, gamma=5, max_batch=1)
+    decode, cache = spec_model.init_state(config), dspark.init_draft_cache(SPEC_CONFIG, 1, spec_model.dtype)
+    slots = jnp.zeros((1, len(executables.SLOT_FIELDS)), jnp.int32)
+    texts = {}
+    for name in ("auto", "xla"):
+        exe = executables.Executables(spec_model, config, 8, name, (5,), pack_params=False)
+        texts[name] = jax.jit(exe.step_function(5)).lower(exe.params.arrays, decode, cache, slots).as_text()
+    assert "rejection_race" in texts["auto"] and "mhc_sinkhorn" in texts["auto"]
+    assert "rejection_race" not in texts["xla"] and "mhc_sinkhorn" not in texts["xla"]
