@@ -1,12 +1,16 @@
 """Pallas kernels: one module per kernel, each with its plain-jnp reference `ref_<name>`.
 
 - `rejection_sampler`: `race` / `ref_race`, the vocabulary-wide exponential race of exact verification;
-- `sinkhorn`: `sinkhorn` / `ref_sinkhorn`, the mHC Sinkhorn projection.
+- `sinkhorn`: `sinkhorn` / `ref_sinkhorn`, the mHC Sinkhorn projection;
+- `moe`: `moe` / `ref_moe`, routed experts read in place.
 
 Kernels are the bottom layer: nothing here imports `jdspark`. The choice between a kernel and its
 reference is one setting, `implementation`, validated and resolved here for every kernel:
 "pallas" (the kernel), "xla" (the jnp reference) or "auto" (the kernel on the GPU, the reference
-elsewhere). A Pallas kernel run on a CPU runs in interpret mode (`interpret_mode`).
+elsewhere). A Pallas kernel run on a CPU runs in interpret mode (`interpret_mode`). Callers resolve
+the setting once (`resolve_implementation`) and call the kernel or its reference; the engine takes
+it as `Engine(..., implementation=...)` and applies it to the sampler and, through the model graph
+(`jdspark.model.hyper.with_implementation`), to Sinkhorn.
 """
 
 from __future__ import annotations
