@@ -25,15 +25,16 @@ def sinkhorn(logits: jax.Array, iters: int, eps: float, implementation: str = "a
 
 
 def with_implementation(graphdef: nnx.GraphDef, params: nnx.State, implementation: str) -> nnx.GraphDef:
-    """The model graph `graphdef` with every mHC site's Sinkhorn set to `implementation` ("auto",
-    "pallas" or "xla"); the parameters are unchanged. The setting is a static field of each
-    `HyperConnection`, so executables traced from the returned graph use it, and nothing global
+    """The model graph `graphdef` with its kernel choice set to `implementation` ("auto", "pallas" or
+    "xla") in every module that declares an `implementation` field (each mHC site's Sinkhorn, and any
+    kernel-backed layer that declares one the same way); the parameters are unchanged. The setting
+    is a static field, so executables traced from the returned graph use it, and nothing global
     changes."""
     resolve_implementation(implementation)  # validates it
     module = nnx.merge(graphdef, params)
-    for _, site in nnx.iter_graph(module):
-        if isinstance(site, HyperConnection):
-            site.implementation = implementation
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Module) and "implementation" in vars(node):
+            node.implementation = implementation
     return nnx.split(module)[0]
 
 
