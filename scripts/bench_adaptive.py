@@ -28,6 +28,7 @@ from jdspark.engine import executables
 from jdspark.engine.engine import Engine
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
+from jdspark.speculative.verify import Verdict
 
 REGIMES = {"high": 0.85, "low": 0.35}
 
@@ -44,12 +45,12 @@ def bench_config():
 
 def synthetic_acceptor(rate: float):
     def accept(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
-               use_kernel=False):
+               implementation="auto"):
         k = draft_tokens.shape[1]
         accepted = jnp.cumprod((uniforms < rate).astype(jnp.int32), axis=1).sum(axis=1) if k else \
             jnp.zeros(target_logits.shape[0], jnp.int32)
         token = jnp.argmax(target_logits[:, -1] / exponentials, axis=-1).astype(jnp.int32)
-        return accepted.astype(jnp.int32), token
+        return Verdict(accepted.astype(jnp.int32), token, jnp.zeros(token.shape, bool))
     return accept
 
 

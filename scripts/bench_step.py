@@ -1,10 +1,11 @@
 """Where a decode step's time goes: D, V(k) and the kernels per executable, for the embedded model.
 
 The tiny model's steps are launch-bound, so the number of kernels (and of device loops: at least
-one launch per iteration) and of executable calls matters more than bytes. For each Sinkhorn
-variant — `kernel` (the Pallas kernel `jdspark.model.hyper.sinkhorn` uses on the GPU, one launch
-per mHC site) or `loop` (the jnp reference, a device loop of 19 iterations per site) — a fresh
-engine with widths 0 and gamma is compiled and measured:
+one launch per iteration) and of executable calls matters more than bytes. For each kernel
+variant — `kernel` (`implementation="pallas"`: the Pallas Sinkhorn, one launch per mHC site, and
+the Pallas race of the sampler) or `loop` (`implementation="xla"`: the jnp references, a device loop
+of 19 iterations per Sinkhorn site) — a fresh engine with widths 0 and gamma is compiled and
+measured:
 - the synchronised cost of its `decode` and step[0], step[gamma] executables (medians), hence
   D = S(0) - decode and V(gamma) = S(gamma) - D as the engine's selector sees them;
 - the wall time of a whole Engine.step() on a T = 1 request at width gamma and target-only
@@ -40,11 +41,8 @@ from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.profile import busy_us, gpu_kernels
 from jdspark.engine.request import SamplingParams
-from jdspark.model import hyper
-from pallas_kernels import sinkhorn as pallas_sinkhorn
 
-PACKAGE = hyper.sinkhorn
-VARIANTS = {"kernel": pallas_sinkhorn.sinkhorn, "loop": pallas_sinkhorn.ref_sinkhorn}
+VARIANTS = {"kernel": "pallas", "loop": "xla"}  # the engine's implementation setting
 
 
 def kernel_counts(compiled) -> dict:
@@ -111,14 +109,11 @@ def device_busy(engine: Engine, speculative: bool, steps: int) -> dict | None:
 
 
 def measure(model, variant: str, runs: int, steps: int, cache_dir: str) -> dict:
-    hyper.sinkhorn = VARIANTS[variant]  # looked up when the executables are traced
-    try:
-        start = time.perf_counter()
-        engine = Engine(model, EngineConfig(max_seq_len=512, gamma=5, max_batch=1), prefill_chunk=64, widths=(0, 5),
-                        options=SpecOptions(width=5, profile_runs=runs, reprofile=True, cost_cache_dir=cache_dir))
-        compile_s = time.perf_counter() - start
-    finally:
-        hyper.sinkhorn = PACKAGE
+    start = time.perf_counter()
+    engine = Engine(model, EngineConfig(max_seq_len=512, gamma=5, max_batch=1), prefill_chunk=64, widths=(0, 5),
+                    options=SpecOptions(width=5, profile_runs=runs, reprofile=True, cost_cache_dir=cache_dir),
+                    implementation=VARIANTS[variant])
+    compile_s = time.perf_counter() - start
     cost = engine.measure_call_costs()
     draft = cost["step0"] - cost["decode"]
     row = {"variant": variant, "compile_s": compile_s, "decode_ms": cost["decode"] * 1e3,
