@@ -8,6 +8,7 @@ import pytest
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
+from jdspark.engine import executables
 from jdspark.engine.engine import Engine, EngineError, SpecOptions
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
@@ -60,22 +61,36 @@ def test_packed_parameters_decode_what_unpacked_ones_do(model, engine, greedy_re
         assert run(other, PROMPT, GREEDY, width).token_ids == greedy_reference
 
 
+def scripted_step(exe, k: int):
+    """A test double of step[k]: the drafter's proposal (its q and confidences), but the drafted
+    tokens [B, gamma] come in as a fifth argument; verification, commit and the drafter context are
+    the engine's own (`Executables.verify`), and the output is packed as step[k]'s."""
+    def step(params, decode, cache, slots, tokens):
+        model = exe.module(params)
+        anchor, active, sampling = executables.unpack_slots(slots)
+        proposal = exe.propose(model, cache, anchor, sampling)
+        verdict, decode, cache = exe.verify(model, decode, cache, anchor, active, sampling, tokens[:, :k],
+                                            proposal.q[:, :k])
+        return executables.pack_output(verdict, tokens, proposal.confidence), decode, cache
+    return jax.jit(step, donate_argnums=(1, 2))
+
+
 def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greedy_reference, monkeypatch):
     """Drafts copied from the reference continuation, corrupted at random positions, verified by
-    the step function the engine compiles (`external_drafts`): every accepted-prefix length
-    occurs, and the output is still the reference."""
+    the engine's verification (`scripted_step`, a test double of step[5]): every accepted-prefix
+    length occurs, and the output is still the reference."""
     rng = np.random.default_rng(0)
-    scripted_step = jax.jit(engine.exe.step_function(5, external_drafts=True), donate_argnums=(1, 2))
+    scripted = scripted_step(engine.exe, 5)
 
-    def scripted(params, decode, cache, slots):
+    def scripted_call(params, decode, cache, slots):
         done = 1 + sum(len(step.rows[0].emitted) for step in records)  # the prefill's token, then steps
         tokens = np.array([greedy_reference[min(done + i, len(greedy_reference) - 1)] for i in range(5)], np.int32)
         bad = rng.integers(0, 7)  # 5 or 6: all correct
         if bad < 5:
             tokens[bad] = (tokens[bad] + 1) % 16
-        return scripted_step(params, decode, cache, slots, np.stack([tokens, tokens]))
+        return scripted(params, decode, cache, slots, np.stack([tokens, tokens]))
 
-    monkeypatch.setitem(engine.exe.step, 5, scripted)
+    monkeypatch.setitem(engine.exe.step, 5, scripted_call)
     with engine.record_steps() as records:
         slot = run(engine, PROMPT, GREEDY, 5)
     assert slot.token_ids == greedy_reference
