@@ -175,8 +175,13 @@ def moe_forward(bank: ExpertBank, x, ids, weights, *, limit: float = 0.0, dtype:
         return _forward_cpp(bank, x, plan, limit, dtype == "bfloat16", threads, simd)
     if backend == "numba":
         from jdspark.experts import numba_gemv
-        return numba_gemv.forward(bank, x, plan, limit, dtype == "bfloat16", threads)
+        return numba_gemv.forward(bank, x, plan, limit, dtype == "bfloat16", threads, _format_code(bank),
+                                  (TILE_F, TILE_D))
     raise ValueError(f"backend={backend!r}: expected 'cpp' or 'numba'")
+
+
+def _format_code(bank: ExpertBank) -> int:
+    return _FMT_CODE[(bank.fmt, bank.scale_dtype if bank.fmt == "fp8" else "e8m0")]
 
 
 def _ptr(a: np.ndarray) -> int:
@@ -195,7 +200,7 @@ def _forward_cpp(bank, x, plan, limit, round_bf16, threads, simd) -> np.ndarray:
     h = np.empty((plan.n_pairs, f), np.float32)
     out = np.empty((r * k, d), np.float32)
     rc = lib.jds_moe_forward(
-        _FMT_CODE[(bank.fmt, bank.scale_dtype if bank.fmt == "fp8" else "e8m0")], _ptr(bank.data),
+        _format_code(bank), _ptr(bank.data),
         bank.expert_nbytes, _ptr(off), d, f, r, k, _ptr(x), plan.n_experts, _ptr(plan.uniq_slot),
         _ptr(plan.pstart), _ptr(plan.pair_row), _ptr(plan.pair_w), _ptr(plan.pair_out), _ptr(plan.covered),
         _ptr(xp), _ptr(h), _ptr(out), _ptr(y), float(limit), int(round_bf16), int(threads), TILE_F, TILE_D,

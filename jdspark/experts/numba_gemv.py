@@ -120,20 +120,20 @@ def _forward(fmt, u8, u16, f32, off, D, F, x, uniq_slot, pstart, pair_row, pair_
                     y[r, d] += out[r * k_ + k, d]
 
 
-def forward(bank, x: np.ndarray, plan, limit: float, round_bf16: bool, threads: int) -> np.ndarray:
+def forward(bank, x: np.ndarray, plan, limit: float, round_bf16: bool, threads: int, fmt: int,
+            tiles: tuple[int, int]) -> np.ndarray:
+    """The C++ kernel's plan run by numba; `fmt` is the kernel's format code, `tiles` its (F, D) tiles."""
     from jdspark.experts.banks import TENSORS
-    from jdspark.experts.cpu_gemv import TILE_D, TILE_F, _FMT_CODE
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
     r, d, f = x.shape[0], bank.dim, bank.inter
     y = np.zeros((r, d), np.float32)
     if plan.n_pairs == 0:
         return y
-    fmt = _FMT_CODE[(bank.fmt, bank.scale_dtype if bank.fmt == "fp8" else "e8m0")]
     off = np.array([bank.offsets.get(n, 0) for n in TENSORS], np.int64)
     u8 = bank.data
     h = np.zeros((plan.n_pairs, f), np.float32)
     out = np.zeros((r * plan.k, d), np.float32)
     _forward(fmt, u8, u8.view(np.uint16), u8.view(np.float32), off, d, f, x, plan.uniq_slot, plan.pstart,
              plan.pair_row, plan.pair_w, plan.pair_out, plan.covered, h, out, y, np.float32(limit),
-             bool(round_bf16), TILE_F, TILE_D)
+             bool(round_bf16), *tiles)
     return y
