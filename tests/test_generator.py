@@ -5,8 +5,6 @@ import json
 import pytest
 
 from jdspark import Generator, SamplingParams
-from jdspark.config import EngineConfig
-from jdspark.engine.engine import Engine
 from jdspark.engine.errors import EngineError
 from tests.conftest import CHARS
 
@@ -51,15 +49,15 @@ def test_stop_string_ends_the_text(generator):
     assert streamed == stopped.text
 
 
-def test_token_ids_without_tokenizer_and_clear_errors(spec_model):
-    engine = Engine(spec_model, EngineConfig(max_seq_len=256, gamma=5, max_batch=2), prefill_chunk=16)
-    bare = Generator(engine)  # the session engine's executables: compiled once (the persistent cache)
+def test_token_ids_without_tokenizer_and_clear_errors(target_engine):
+    engine = target_engine
+    bare = Generator(engine)
     out = bare.generate([0, 5, 6], SamplingParams(max_tokens=5, temperature=0.0))
     assert out.text is None and 1 <= len(out.token_ids) <= 5
     with pytest.raises(EngineError, match="a text prompt needs a tokenizer"):
         bare.generate("hello")
     with pytest.raises(EngineError, match="needs a tokenizer; use stop_token_ids"):
-        bare.generate([0, 5], SamplingParams(stop="x"))
+        bare.generate([0, 5], SamplingParams(max_tokens=8, stop="x"))
     assert engine.running == [] and engine.free_slots == 2  # failed requests leave no slot behind
 
 
