@@ -35,6 +35,8 @@ from jdspark.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+NON_FINITE = ("the model produced non-finite logits or draft probabilities for this request (NaN or inf); "
+              "it was stopped instead of emitting a token drawn from them")
 WidthPolicy = Callable[[np.ndarray], int]  # stale confidences [gamma] of one request -> width k
 
 
@@ -196,12 +198,12 @@ class Engine:
         slots = free[:len(requests)]
         for b, ids, (_, params) in zip(slots, prompts, requests):
             self._admit(b, len(ids), params)
-        first = self._prefill(slots, prompts)
+        first, invalid = self._prefill(slots, prompts)
         deltas = []
         for b in slots:
             seq = self._slots[b]
             seq.stats.time_to_first_token_s = time.perf_counter() - seq.started
-            deltas.append(self._emit(b, [int(first[b])]))
+            deltas.append(self._emit(b, [int(first[b])], bool(invalid[b])))
         return deltas
 
     def _admit(self, b: int, prompt_len: int, params: SamplingParams) -> None:
@@ -212,10 +214,11 @@ class Engine:
                                   breaker=self._new_breaker())
         self._slot_of[rid] = b
 
-    def _prefill(self, slots: list[int], prompts: list[np.ndarray]) -> np.ndarray:
-        """Prefill the prompts into their slots in chunks (other slots idle); each slot's first token."""
+    def _prefill(self, slots: list[int], prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill the prompts into their slots in chunks (other slots idle); each slot's first token,
+        and whether any of its chunks came back invalid (non-finite logits)."""
         chunk, batch = self.exe.prefill_chunk, self.config.max_batch
-        first = np.zeros(batch, np.int32)
+        first, invalid = np.zeros(batch, np.int32), np.zeros(batch, bool)
         sampling = self._slot_inputs(np.zeros(batch, np.int32), np.zeros(batch, bool))
         for start in range(0, max(len(p) for p in prompts), chunk):
             batch_ids = np.zeros((batch, chunk), np.int32)
@@ -228,11 +231,13 @@ class Engine:
             token, self.state, self.draft_cache = self.exe.prefill(self.exe.params.arrays, self.state,
                                                                    self.draft_cache, batch_ids, n_valid, reset,
                                                                    sampling)
-            token = read_output(token, self.config.gamma).token  # TODO(lead): check .invalid
+            out = read_output(token, self.config.gamma)
             for b, ids in zip(slots, prompts):
+                if start < len(ids):
+                    invalid[b] |= out.invalid[b]
                 if start < len(ids) <= start + chunk:  # this chunk held the prompt's last token
-                    first[b] = token[b]
-        return first
+                    first[b] = out.token[b]
+        return first, invalid
 
     def check_prompt(self, prompt_ids, params: SamplingParams) -> np.ndarray:
         """The prompt as int32 ids, or a typed EngineError if it cannot run here (empty, ids outside
@@ -317,12 +322,12 @@ class Engine:
         width, call = self._choose(active, stale)
         out, self.state, self.draft_cache = call(self.exe.params.arrays, self.state, self.draft_cache,
                                                  self._slot_inputs(anchor, mask))
-        n_acc, token, drafts, confidence = read_output(out, self.config.gamma)[:4]  # TODO(lead): check .invalid
+        n_acc, token, drafts, confidence, invalid = read_output(out, self.config.gamma)
         sequences = {b: self._slots[b] for b in active}
         deltas = {}
         for b in active:
             new = [*drafts[b, :n_acc[b]].tolist(), int(token[b])] if width else [int(token[b])]
-            deltas[sequences[b].request_id] = self._emit(b, new)
+            deltas[sequences[b].request_id] = self._emit(b, new, bool(invalid[b]))
         cost = self.cost_summary()
         rows = tuple(RowRecord(seq.request_id, stale[b], int(n_acc[b]), deltas[seq.request_id].tokens)
                      for b, seq in sequences.items())
@@ -364,9 +369,12 @@ class Engine:
         return FallbackBreaker(o.fallback_threshold, o.fallback_min_drafted, o.fallback_cooldown) \
             if o.fallback_threshold else None
 
-    def _emit(self, b: int, new: list[int]) -> Delta:
-        """Slot b's sequence takes the tokens; a finished request leaves its slot."""
-        delta = self._slots[b].emit(new)
+    def _emit(self, b: int, new: list[int], invalid: bool = False) -> Delta:
+        """Slot b's sequence takes the tokens; a finished request leaves its slot. An invalid
+        verification (non-finite logits or draft probabilities) ends the request with an error
+        instead of emitting a token."""
+        seq = self._slots[b]
+        delta = seq.finish("error", error=NON_FINITE) if invalid else seq.emit(new)
         if delta.final:
             self._slots[b] = None
             del self._slot_of[delta.request_id]

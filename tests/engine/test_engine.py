@@ -143,3 +143,18 @@ def test_bad_requests_get_clear_errors(engine, model):
     with pytest.raises(ValueError, match="temperature=-1: must be a number >= 0"):
         SamplingParams(temperature=-1)
     assert engine.running == [] and engine.free_slots == engine.config.max_batch
+
+
+def test_non_finite_logits_end_the_request_with_an_error(spec_model):
+    """A model whose weights are NaN: the request ends with finish_reason "error" and a message that
+    says why, and no token is emitted (the verifier's invalid flag, read by the engine). Mutation
+    caught: the engine ignoring the flag and emitting the -1 (or any) token. Same shapes as the
+    session's target_engine, so its executables come from the compile cache."""
+    poisoned = Model(spec_model.graphdef, jax.tree.map(
+        lambda a: a * np.nan if np.issubdtype(a.dtype, np.floating) else a, spec_model.params))
+    engine = Engine(poisoned, EngineConfig(max_seq_len=64, gamma=5, max_batch=2), prefill_chunk=16,
+                    speculative=False)
+    delta = engine.add(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=0))
+    assert delta.final and delta.finish_reason == "error" and "non-finite" in delta.error
+    assert delta.tokens == () and delta.completion.token_ids == []
+    assert engine.running == [] and engine.free_slots == 2
