@@ -32,6 +32,7 @@ def test_the_embedded_model_is_a_dsv4_with_a_drafter_and_a_tokenizer(shipped):
     assert size <= 64e6, f"the embedded model takes {size / 1e6:.1f} MB; the package allows 64 MB"
 
 
+@pytest.mark.slow  # two engines of the shipped model compiled
 def test_greedy_speculative_equals_greedy_target_only_on_the_shipped_model(shipped):
     model, tokenizer = shipped
     gen = Generator.from_model(model, tokenizer, max_seq_len=96, prefill_chunk=32, options=SpecOptions(width=5),

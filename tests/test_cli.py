@@ -1,8 +1,11 @@
 """`jdspark generate` end to end on a synthetic checkpoint with a tokenizer."""
 
+import pytest
+
 from jdspark.cli import main
 
 
+@pytest.mark.slow  # loads and compiles a checkpoint's engine
 def test_generate_target_only_prints_text_and_stats(spec_checkpoint, capsys):
     code = main(["generate", "--model", str(spec_checkpoint), "--dtype", "float32", "--max-seq-len", "64",
                  "--max-tokens", "6", "--temperature", "0", "--no-speculative", "--stats", "abc"])

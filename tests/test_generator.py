@@ -8,6 +8,10 @@ from jdspark import Generator, SamplingParams
 from jdspark.engine.errors import EngineError
 from tests.conftest import CHARS
 
+# The session engine with every width (tests/conftest.py spec_engine) is compiled for these: minutes on
+# a 2-core CPU. `make test-fast` leaves them out; `make test` (CI) runs them.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def generator(spec_engine):

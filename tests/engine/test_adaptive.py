@@ -11,6 +11,11 @@ from jdspark.engine.request import SamplingParams
 from jdspark.speculative.selector import AdaptiveWidth
 from tests.conftest import generate_to_end
 
+# The session engine with every width (tests/conftest.py spec_engine) is compiled for these: minutes on
+# a 2-core CPU. `make test-fast` leaves them out; `make test` (CI) runs them.
+pytestmark = pytest.mark.slow
+
+
 PROMPT = [5, 9, 2, 14, 7, 7, 1, 12, 0, 4, 8, 11]
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 

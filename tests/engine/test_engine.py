@@ -14,6 +14,11 @@ from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
 from tests.conftest import SPEC_CONFIG, generate_to_end
 
+# The session engine with every width (tests/conftest.py spec_engine) is compiled for these: minutes on
+# a 2-core CPU. `make test-fast` leaves them out; `make test` (CI) runs them.
+pytestmark = pytest.mark.slow
+
+
 CONFIG = SPEC_CONFIG
 PROMPT = np.array([5, 9, 2, 14, 7, 7, 1, 12, 0, 4, 8, 11], np.int32)
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)

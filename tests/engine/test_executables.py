@@ -56,6 +56,7 @@ def test_read_output_splits_a_step_and_a_decode_result():
     np.testing.assert_array_equal(decode.token, [3, 9])
 
 
+@pytest.mark.slow  # the session spec_engine
 def test_non_finite_logits_come_back_as_the_invalid_flag(spec_engine):
     """Parameters poisoned with NaN in one call (they are an argument of every executable): the
     prefill, decode and step[3] results say invalid, with token -1 and nothing accepted; with clean
@@ -96,6 +97,7 @@ def test_the_kernel_setting_is_checked_before_compiling(spec_model):
                implementation="gpu")
 
 
+@pytest.mark.slow  # compiles a float32 engine under a low precision
 def test_a_float32_model_compiles_every_dot_at_full_precision(spec_model):
     """Under a low ambient precision (TF32 is the GPU default) the engine's dots still say highest."""
     with jax.default_matmul_precision("bfloat16"):

@@ -20,6 +20,11 @@ from jdspark.speculative.selector import AdaptiveWidth
 from tests.conftest import SPEC_CONFIG
 from tests.speculative.test_verify import biased_rejection_sample
 
+# The session engine with every width (tests/conftest.py spec_engine) is compiled for these: minutes on
+# a 2-core CPU. `make test-fast` leaves them out; `make test` (CI) runs them.
+pytestmark = pytest.mark.slow
+
+
 CONFIG = SPEC_CONFIG
 STAT_PROMPT = np.array([5, 9, 2, 14], np.int32)
 WARPS = {"T=1": dict(temperature=1.0), "T=0.7,top_k=8,top_p=0.9": dict(temperature=0.7, top_k=8, top_p=0.9)}

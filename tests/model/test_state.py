@@ -75,6 +75,7 @@ def assert_matches_full(got, full):
         assert err <= TOL, (name, err)
 
 
+@pytest.mark.slow  # many extend shapes compiled: ~30 s on a 2-core CPU
 def test_incremental_decode_equals_full_forward(model, prompts, full):
     """Prefill a different length per slot, then one token at a time up to LENGTH."""
     prefill = [[13, 1], [16, 1], [9, 1], [1]]  # first chunk, then single tokens
@@ -87,6 +88,7 @@ def test_chunked_prefill_random_chunks_equals_full_forward(model, prompts, full)
     assert_matches_full(run_chunked(model, prompts, sizes, ENGINE), full)
 
 
+@pytest.mark.slow  # many extend shapes compiled: ~30 s on a 2-core CPU
 def test_batched_slots_equal_each_slot_alone(model, prompts):
     sizes = [[5, 1], [12, 1], [16, 3, 1], [1]]
     n = 40
@@ -133,6 +135,7 @@ def rollback_cases(gamma=5):
     return [(k, j) for k in range(gamma + 1) for j in range(k + 2)]
 
 
+@pytest.mark.slow  # many extend shapes compiled: ~30 s on a 2-core CPU
 def test_verify_then_rollback_equals_direct_extend(model, prompts):
     """For every k in 0..5 and j <= k+1: extend by k+1 tokens, commit j, decode 20 — equals the
     path that extended by the j tokens directly. Prefix lengths 11..16 put the verified rows across

@@ -14,10 +14,16 @@ of 1e-5, and it accepts no draft.)
 """
 
 import numpy as np
+import pytest
 
 from jdspark.drafter import dspark
 from jdspark.engine.request import SamplingParams
 from tests.conftest import SPEC_CONFIG
+
+# The session engine with every width (tests/conftest.py spec_engine) is compiled for these: minutes on
+# a 2-core CPU. `make test-fast` leaves them out; `make test` (CI) runs them.
+pytestmark = pytest.mark.slow
+
 
 PROMPT = np.array([5, 9, 2, 14, 7, 7, 1, 12, 0, 4], np.int32)
 
