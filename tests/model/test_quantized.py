@@ -179,8 +179,9 @@ def test_routed_expert_kernel_in_the_model_equals_the_gather_path(storage):
 
 
 @pytest.mark.parametrize("rows,k,n_experts", [(1, 6, 256), (6, 6, 256), (64, 6, 256), (7, 3, 12), (100, 6, 256)])
-def test_expert_slots_equal_sorted_unique(rows, k, n_experts):
-    """The pairwise count (<= PAIRWISE_SLOTS choices) and the sort (longer calls) give the same slots."""
+def test_expert_slots_equal_numpy_unique(rows, k, n_experts):
+    """The distinct experts, sorted and padded with E-1, and each choice's first slot, at decode, verify
+    and prefill sizes."""
     from jdspark.model.moe import expert_slots
     rng = np.random.default_rng(rows)
     pool = rng.permutation(n_experts)[:max(k, rows // 2)]
