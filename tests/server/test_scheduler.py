@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import MODEL, QUEUE, SLOTS
+from tests.server.conftest import API_KEY, MODEL, QUEUE, SLOTS
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 
@@ -95,6 +95,31 @@ def test_full_queue_answers_429_with_retry_after(server, client):
     for t in threads:
         t.join(60)
     assert all(isinstance(x, str) and x == results[0] for x in results)
+    server.idle()
+
+
+def test_a_disconnected_queued_request_leaves_the_queue_at_once(server, client):
+    """Clients that give up while queued free their queue places within a second (the handler
+    polls its connection every 0.5 s): the waiting gauge drops back and as many new requests queue
+    again, with no 429."""
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0}
+    with paused(server.engine):
+        running, _ = in_threads(lambda p: stream_text(client, p, max_tokens=5, **GREEDY), [("abc",)] * SLOTS)
+        wait_for(lambda: len(server.scheduler.running) + server.scheduler.waiting == SLOTS)
+        before = server.scheduler.waiting  # the ones the paused engine thread has not admitted yet
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.3) as http:
+            for _ in range(QUEUE):
+                with pytest.raises(httpx.ReadTimeout):
+                    http.post("/v1/completions", json=body)
+        gone = time.monotonic()
+        wait_for(lambda: server.scheduler.waiting == before, timeout=5.0)
+        assert time.monotonic() - gone < 1.0
+        assert server.metric("jdspark:num_requests_waiting") == before
+        queued, results = in_threads(lambda p: stream_text(client, p, max_tokens=5, **GREEDY), [("abc",)] * QUEUE)
+        wait_for(lambda: server.scheduler.waiting == before + QUEUE)
+    for t in running + queued:
+        t.join(60)
+    assert all(isinstance(r, str) for r in results)
     server.idle()
 
 
