@@ -56,11 +56,11 @@ def synthetic_acceptor(rate: float):
 
 def run(engine, prompt, tokens, width) -> dict:
     """Decode `tokens` tokens; width None = adaptive, -1 = target only. Times the decode steps only."""
-    engine.speculative = width != -1
+    engine.set_policy(speculative=width != -1)
     if width is None:
-        engine.width_policy = engine.selector
+        engine.set_policy(width_policy=engine.selector)
     elif width >= 0:
-        engine.width_policy = lambda confidence, k=width: k
+        engine.set_policy(width_policy=lambda confidence, k=width: k)
     # One seed for every mode: the synthetic acceptance draws are then the same sequence, so modes
     # that choose the same widths accept the same drafts and differ only in what they cost.
     first = engine.add(prompt, SamplingParams(max_tokens=tokens, temperature=0.0, seed=1234, ignore_eos=True))

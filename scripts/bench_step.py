@@ -54,7 +54,7 @@ def kernel_counts(compiled) -> dict:
 
 def start_request(engine: Engine, speculative: bool) -> int:
     """A long T = 1 request, 3 steps in; its request id (cancel it when done)."""
-    engine.speculative = speculative
+    engine.set_policy(speculative=speculative)
     rid = engine.add(list(range(4, 68)), SamplingParams(max_tokens=400, temperature=1.0, seed=0,
                                                         ignore_eos=True)).request_id
     for _ in range(3):

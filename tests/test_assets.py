@@ -38,9 +38,9 @@ def test_greedy_speculative_equals_greedy_target_only_on_the_shipped_model(shipp
     gen = Generator.from_model(model, tokenizer, max_seq_len=96, prefill_chunk=32, options=SpecOptions(width=5),
                                widths=(5,))  # speculative=False below: the plain `decode` executable
     for prompt in PROMPTS:
-        gen.engine.speculative = False
+        gen.engine.set_policy(speculative=False)
         expected = gen.generate(prompt, GREEDY)
-        gen.engine.speculative = True
+        gen.engine.set_policy(speculative=True)
         got = gen.generate(prompt, GREEDY)
         assert got.token_ids == expected.token_ids
         assert expected.stats.widths[0] == expected.stats.steps and got.stats.widths[5] == got.stats.steps

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def generator(spec_engine):
-    spec_engine.speculative = True
-    spec_engine.width_policy = lambda confidence: 5
+    spec_engine.set_policy(speculative=True)
+    spec_engine.set_policy(width_policy=lambda confidence: 5)
     return Generator(spec_engine)
 
 
@@ -71,7 +71,7 @@ def test_from_pretrained_loads_drafter_and_tokenizer(spec_checkpoint):
     assert gen.tokenizer is not None and sorted(gen.engine.exe.step) == [0, 1, 2, 3, 4, 5]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     speculative = gen.generate("hello", params)
-    gen.engine.speculative = False
+    gen.engine.set_policy(speculative=False)
     assert gen.generate("hello", params).token_ids == speculative.token_ids
     assert speculative.stats.verify_costs_s is not None and len(speculative.stats.verify_costs_s) == 6
 

@@ -289,6 +289,28 @@ class Engine:
         """The slot a running request occupies (for inspecting `state` / `draft_cache`)."""
         return self._slot_of[request_id]
 
+    def policy(self) -> dict:
+        """How the engine speculates now, as `set_policy` takes it."""
+        return {"speculative": self.speculative, "width_policy": self.width_policy, "options": self.options}
+
+    def set_policy(self, *, speculative: bool | None = None, width_policy: WidthPolicy | None = None,
+                   options: SpecOptions | None = None) -> None:
+        """Change how the engine speculates, between steps, on the executables it compiled:
+        speculation on or off, the width policy (`selector` is the measured adaptive one), the
+        options (breaker and log line; a new breaker applies to requests admitted afterwards).
+        Benchmarks and tests compare policies on one compiled engine this way."""
+        if speculative and not self.exe.step:
+            raise EngineError("speculative=True: this engine compiled no step widths (it was built with "
+                              "speculative=False); build one with speculative=True")
+        if options is not None:
+            FallbackBreaker(options.fallback_threshold, options.fallback_min_drafted, options.fallback_cooldown) \
+                if options.fallback_threshold else None  # validates before anything changes
+            self.options = options
+        if speculative is not None:
+            self.speculative = speculative
+        if width_policy is not None:
+            self.width_policy = width_policy
+
     @contextlib.contextmanager
     def record_steps(self) -> Iterator[list[StepRecord]]:
         """Collect every step's record while the block runs (profiling)."""
@@ -359,10 +381,12 @@ class Engine:
             self._log = LogCounters()
 
     def cost_summary(self) -> dict:
-        """D and V(k) (seconds) the selector uses; None without a selector (fixed width)."""
-        if self.selector is None:
+        """D and V(k) (seconds) the width policy in use reads; None when it is no AdaptiveWidth
+        (a fixed width, or a policy of the caller's)."""
+        policy = self.width_policy
+        if not isinstance(policy, AdaptiveWidth):
             return {"draft_cost_s": None, "verify_costs_s": None}
-        return {"draft_cost_s": self.selector.draft_cost, "verify_costs_s": self.selector.verify_costs.tolist()}
+        return {"draft_cost_s": policy.draft_cost, "verify_costs_s": policy.verify_costs.tolist()}
 
     def _new_breaker(self) -> FallbackBreaker | None:
         o = self.options

@@ -23,9 +23,9 @@ GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 @pytest.fixture
 def engine(spec_engine):
     """The shared engine, restored to its defaults afterwards."""
-    saved = spec_engine.options, spec_engine.width_policy, spec_engine.selector, spec_engine.speculative
+    saved = spec_engine.policy()
     yield spec_engine
-    spec_engine.options, spec_engine.width_policy, spec_engine.selector, spec_engine.speculative = saved
+    spec_engine.set_policy(**saved)
 
 
 def generate(engine, params=GREEDY, prompt=PROMPT):
@@ -39,11 +39,10 @@ def test_startup_profile_measures_every_width_and_the_draft(engine):
 
 
 def test_expensive_wide_widths_make_the_engine_choose_narrow_ones(engine):
-    engine.speculative = False
+    engine.set_policy(speculative=False)
     reference = generate(engine).token_ids
-    engine.speculative = True
-    engine.selector = AdaptiveWidth([0.010, 0.011, 5.0, 5.0, 5.0, 5.0], 0.002, gamma=5)
-    engine.width_policy = engine.selector
+    engine.set_policy(speculative=True,
+                      width_policy=AdaptiveWidth([0.010, 0.011, 5.0, 5.0, 5.0, 5.0], 0.002, gamma=5))
     slot = generate(engine)
     assert slot.token_ids == reference
     widths = slot.stats.widths
@@ -54,8 +53,8 @@ def test_expensive_wide_widths_make_the_engine_choose_narrow_ones(engine):
 
 def test_stale_confidences_reset_for_each_request(engine):
     seen = []
-    engine.speculative = True
-    engine.width_policy = lambda confidence: seen.append(np.array(confidence)) or 3
+    engine.set_policy(speculative=True)
+    engine.set_policy(width_policy=lambda confidence: seen.append(np.array(confidence)) or 3)
     first = generate(engine, SamplingParams(max_tokens=12, temperature=1.0, seed=1, ignore_eos=True))
     first_calls = len(seen)
     generate(engine, SamplingParams(max_tokens=12, temperature=1.0, seed=2, ignore_eos=True))
@@ -67,10 +66,10 @@ def test_stale_confidences_reset_for_each_request(engine):
 
 
 def test_fallback_breaker_switches_to_target_only_and_back(engine):
-    engine.speculative = False
+    engine.set_policy(speculative=False)
     reference = generate(engine).token_ids
-    engine.speculative, engine.width_policy = True, lambda confidence: 5
-    engine.options = SpecOptions(fallback_threshold=0.9, fallback_min_drafted=10, fallback_cooldown=4)
+    engine.set_policy(speculative=True, width_policy=lambda confidence: 5)
+    engine.set_policy(options=SpecOptions(fallback_threshold=0.9, fallback_min_drafted=10, fallback_cooldown=4))
     slot = generate(engine)
     assert slot.token_ids == reference
     assert slot.stats.fallback_trips >= 1 and slot.stats.widths[0] >= 4  # cooled down without drafting
@@ -78,8 +77,8 @@ def test_fallback_breaker_switches_to_target_only_and_back(engine):
 
 
 def test_engine_logs_throughput_acceptance_widths_and_costs(engine, caplog):
-    engine.speculative, engine.width_policy = True, engine.selector
-    engine.options = SpecOptions(log_every=4)
+    engine.set_policy(speculative=True, width_policy=engine.selector)
+    engine.set_policy(options=SpecOptions(log_every=4))
     with caplog.at_level(logging.INFO, logger="jdspark.engine.engine"):
         generate(engine, SamplingParams(max_tokens=30, temperature=1.0, seed=4, ignore_eos=True))
     lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]

@@ -36,8 +36,7 @@ def engine(spec_engine):
 
 def run(engine, prompt, params, width=None):
     """Generate one request to the end with a fixed width (None: target-only); its Completion."""
-    engine.speculative = width is not None
-    engine.width_policy = lambda confidence: width
+    engine.set_policy(speculative=width is not None, width_policy=lambda confidence: width)
     return generate_to_end(engine, prompt, params)
 
 
@@ -106,7 +105,7 @@ def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greed
 def test_draft_cache_holds_exactly_the_committed_positions(engine, model):
     """Mid-generation (accepts and rejections behind it), the drafter's context rows equal those
     recomputed from scratch over the committed tokens."""
-    engine.speculative, engine.width_policy = True, lambda confidence: 3
+    engine.set_policy(speculative=True, width_policy=lambda confidence: 3)
     first = engine.add(PROMPT, SamplingParams(max_tokens=60, temperature=1.0, seed=5, ignore_eos=True))
     rid, b, tokens = first.request_id, engine.slot_of(first.request_id), list(first.tokens)
     for _ in range(12):
@@ -128,7 +127,7 @@ def test_no_compilation_after_warm_up_at_any_mix_of_widths(engine, compile_count
     widths = iter(np.random.default_rng(1).integers(0, 6, 1000))
     run(engine, PROMPT, SamplingParams(max_tokens=8, temperature=0.8, top_k=5, seed=1), 2)  # warm-up
     before = compile_counter.count
-    engine.speculative, engine.width_policy = True, lambda confidence: int(next(widths))
+    engine.set_policy(speculative=True, width_policy=lambda confidence: int(next(widths)))
     long, short = engine.complete([
         engine.add(PROMPT, SamplingParams(max_tokens=200, temperature=1.0, seed=2, ignore_eos=True)),
         engine.add(PROMPT[:5], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))])

@@ -64,7 +64,7 @@ def exact_joint(model, warp) -> np.ndarray:
 
 def sample_first_tokens(engine, warp, rounds, seed=0) -> tuple[np.ndarray, np.ndarray]:
     """([n, TOKENS] the first tokens of n = rounds x BATCH requests, widths used [gamma + 1])."""
-    engine.speculative = True
+    engine.set_policy(speculative=True)
     out, widths = [], np.zeros(engine.config.gamma + 1, int)
     for r in range(rounds):
         params = [SamplingParams(max_tokens=TOKENS, seed=seed + r * BATCH + i, ignore_eos=True, **warp)
@@ -108,7 +108,7 @@ def stat_engine_for(model, implementation):
     each request's stale confidences (3+ are prohibitively expensive)."""
     engine = Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH), prefill_chunk=4,
                     widths=(0, 1, 2), width_policy=lambda confidence: 2, implementation=implementation)
-    engine.width_policy = AdaptiveWidth([1e-3, 1e-3, 1.5e-3, 10.0, 10.0, 10.0], 1e-3, gamma=5)
+    engine.set_policy(width_policy=AdaptiveWidth([1e-3, 1e-3, 1.5e-3, 10.0, 10.0, 10.0], 1e-3, gamma=5))
     return engine
 
 
@@ -168,8 +168,8 @@ def test_a_seeded_request_does_not_depend_on_its_batch_mate(spec_engine):
     """A seeded T = 1 request alone, then next to a batch-mate whose confidences ask for other
     widths: the same tokens. Fails today (issue 22); the per-request widths change turns it on."""
     engine = spec_engine
-    engine.speculative = True
-    engine.width_policy = lambda confidence: min(5, int(confidence[0] * 6))  # each request its own width
+    engine.set_policy(speculative=True,  # each request its own width
+                      width_policy=lambda confidence: min(5, int(confidence[0] * 6)))
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)
     alone = engine.complete([engine.add(STAT_PROMPT, params)])[0].token_ids
     mate = SamplingParams(max_tokens=40, temperature=1.0, seed=12, ignore_eos=True)

@@ -41,7 +41,7 @@ def fresh_proposal(model, committed: np.ndarray, anchor: int) -> dspark.Proposal
 
 def test_drafts_equal_a_recomputation_over_the_committed_context(spec_engine, spec_model):
     engine = spec_engine
-    engine.speculative, engine.width_policy = True, lambda confidence: 3
+    engine.set_policy(speculative=True, width_policy=lambda confidence: 3)
     first = engine.add(PROMPT, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
     rid, tokens = first.request_id, list(first.tokens)
     contexts = []  # (committed tokens, anchor) before each step
