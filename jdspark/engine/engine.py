@@ -303,8 +303,7 @@ class Engine:
             raise EngineError("speculative=True: this engine compiled no step widths (it was built with "
                               "speculative=False); build one with speculative=True")
         if options is not None:
-            FallbackBreaker(options.fallback_threshold, options.fallback_min_drafted, options.fallback_cooldown) \
-                if options.fallback_threshold else None  # validates before anything changes
+            self._new_breaker(options)  # validates before anything changes
             self.options = options
         if speculative is not None:
             self.speculative = speculative
@@ -388,8 +387,8 @@ class Engine:
             return {"draft_cost_s": None, "verify_costs_s": None}
         return {"draft_cost_s": policy.draft_cost, "verify_costs_s": policy.verify_costs.tolist()}
 
-    def _new_breaker(self) -> FallbackBreaker | None:
-        o = self.options
+    def _new_breaker(self, options: SpecOptions | None = None) -> FallbackBreaker | None:
+        o = options or self.options
         return FallbackBreaker(o.fallback_threshold, o.fallback_min_drafted, o.fallback_cooldown) \
             if o.fallback_threshold else None
 
