@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -23,9 +23,10 @@ import numpy as np
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import costs
-from jdspark.engine.errors import CapacityError, ContextLengthError, EngineError, PromptError
+from jdspark.engine.errors import CapacityError, EngineError
 from jdspark.engine.executables import Executables, read_output, slot_inputs
-from jdspark.engine.request import Completion, Delta, SamplingParams
+from jdspark.engine.options import SpecOptions, WidthPolicy
+from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
 from jdspark.engine.sequence import Sequence
 from jdspark.engine.stats import LogCounters, RowRecord, StepRecord
 from jdspark.model import state
@@ -37,26 +38,6 @@ log = logging.getLogger(__name__)
 
 NON_FINITE = ("the model produced non-finite logits or draft probabilities for this request (NaN or inf); "
               "it was stopped instead of emitting a token drawn from them")
-WidthPolicy = Callable[[np.ndarray], int]  # stale confidences [gamma] of one request -> width k
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecOptions:
-    """How the engine speculates. `width=None` is adaptive (E(k)/(D+V(k)) from measured costs);
-    an integer fixes the width. `fallback_threshold` > 0 turns on the acceptance breaker (0.60 /
-    32 / 64 is the measured starting point of the reference). Costs are cached in `cost_cache_dir`
-    (default ~/.cache/jdspark/costs) unless `reprofile`."""
-
-    width: int | None = None
-    fallback_threshold: float = 0.0
-    fallback_min_drafted: int = 32
-    fallback_cooldown: int = 64
-    profile_runs: int = 7
-    cost_cache_dir: str | None = None
-    reprofile: bool = False
-    log_every: int = 0  # steps between engine log lines (0: never)
-
-
 class Engine:
     """Slots of running requests over one decode state. Faces hand it prompts and read `Delta`s:
     `add` / `add_many` admit (and prefill), `step` advances every running request, `cancel` drops
@@ -240,26 +221,13 @@ class Engine:
         return first, invalid
 
     def check_prompt(self, prompt_ids, params: SamplingParams) -> np.ndarray:
-        """The prompt as int32 ids, or a typed EngineError if it cannot run here (empty, ids outside
-        the vocabulary, or prompt + max_tokens + speculative rows over max_seq_len). Reads only the
+        """The prompt as int32 ids, or a typed EngineError (`request.check_prompt`). Reads only the
         configuration, so a server can check a request before queueing it."""
-        ids = np.asarray(prompt_ids)
-        vocab = self.model.config.vocab_size
-        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise PromptError(f"the prompt must be a non-empty list of token ids, got {prompt_ids!r:.80}")
-        if ids.min() < 0 or ids.max() >= vocab:
-            raise PromptError(f"token id {int(ids[(ids < 0) | (ids >= vocab)][0])} is outside the vocabulary [0, {vocab})")
-        if params.max_tokens > self.room(len(ids)):
-            need = len(ids) + params.max_tokens + self.config.rollback_rows
-            raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) + "
-                                     f"{self.config.rollback_rows} speculative rows = {need} exceeds max_seq_len="
-                                     f"{self.config.max_seq_len}; shorten the prompt, lower max_tokens or raise "
-                                     "max_seq_len")
-        return ids.astype(np.int32)
+        return check_prompt(prompt_ids, params, self.model.config.vocab_size, self.config)
 
     def room(self, prompt_len: int) -> int:
         """The most tokens a request with a prompt of `prompt_len` tokens may generate here."""
-        return self.config.max_seq_len - self.config.rollback_rows - prompt_len
+        return room(self.config, prompt_len)
 
     def cancel(self, request_id: int) -> None:
         """Drop a running request (its client went away); its slot is free for the next one. A

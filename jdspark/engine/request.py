@@ -6,6 +6,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
+from jdspark.config import EngineConfig
+from jdspark.engine.errors import ContextLengthError, PromptError
 from jdspark.engine.stats import CompletionStats
 
 
@@ -72,3 +76,25 @@ class Delta:
     @property
     def final(self) -> bool:
         return self.finish_reason is not None
+
+
+def room(config: EngineConfig, prompt_len: int) -> int:
+    """The most tokens a request with a prompt of `prompt_len` tokens may generate under `config`."""
+    return config.max_seq_len - config.rollback_rows - prompt_len
+
+
+def check_prompt(prompt_ids, params: SamplingParams, vocab_size: int, config: EngineConfig) -> np.ndarray:
+    """The prompt as int32 ids, or PromptError (empty, not ids, an id outside the vocabulary) or
+    ContextLengthError (prompt + max_tokens + speculative rows over max_seq_len)."""
+    ids = np.asarray(prompt_ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise PromptError(f"the prompt must be a non-empty list of token ids, got {prompt_ids!r:.80}")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise PromptError(f"token id {int(ids[(ids < 0) | (ids >= vocab_size)][0])} is outside the vocabulary "
+                          f"[0, {vocab_size})")
+    if params.max_tokens > room(config, len(ids)):
+        need = len(ids) + params.max_tokens + config.rollback_rows
+        raise ContextLengthError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) + "
+                                 f"{config.rollback_rows} speculative rows = {need} exceeds max_seq_len="
+                                 f"{config.max_seq_len}; shorten the prompt, lower max_tokens or raise max_seq_len")
+    return ids.astype(np.int32)

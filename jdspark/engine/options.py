@@ -1,0 +1,27 @@
+"""How an engine speculates: its options and the shape of a width policy."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+WidthPolicy = Callable[[np.ndarray], int]  # stale confidences [gamma] of one request -> width k
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecOptions:
+    """How the engine speculates. `width=None` is adaptive (E(k)/(D+V(k)) from measured costs);
+    an integer fixes the width. `fallback_threshold` > 0 turns on the acceptance breaker (0.60 /
+    32 / 64 is the measured starting point of the reference). Costs are cached in `cost_cache_dir`
+    (default ~/.cache/jdspark/costs) unless `reprofile`."""
+
+    width: int | None = None
+    fallback_threshold: float = 0.0
+    fallback_min_drafted: int = 32
+    fallback_cooldown: int = 64
+    profile_runs: int = 7
+    cost_cache_dir: str | None = None
+    reprofile: bool = False
+    log_every: int = 0  # steps between engine log lines (0: never)
