@@ -44,20 +44,21 @@ _RELEASED = dict(
 
 def flash_config(**overrides) -> DSV4Config:
     """DeepSeek-V4-Flash (spec §2.1)."""
-    return DSV4Config(**{**_RELEASED, **dict(
-        hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, q_lora_rank=1024, o_groups=8,
-        compress_ratios=(0, 0) + (4, 128) * 20 + (4, 0), index_topk=512, n_routed_experts=256,
-        moe_intermediate_size=2048, routed_scaling_factor=1.5,
-    ), **overrides})
+    return _released(overrides, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, q_lora_rank=1024,
+                     o_groups=8, compress_ratios=(0, 0) + (4, 128) * 20 + (4, 0), index_topk=512,
+                     n_routed_experts=256, moe_intermediate_size=2048, routed_scaling_factor=1.5)
 
 
 def pro_config(**overrides) -> DSV4Config:
     """DeepSeek-V4-Pro (spec §2.1)."""
-    return DSV4Config(**{**_RELEASED, **dict(
-        hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536, o_groups=16,
-        compress_ratios=(128, 128) + (4, 128) * 29 + (4, 0), index_topk=1024, n_routed_experts=384,
-        moe_intermediate_size=3072, routed_scaling_factor=2.5,
-    ), **overrides})
+    return _released(overrides, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, q_lora_rank=1536,
+                     o_groups=16, compress_ratios=(128, 128) + (4, 128) * 29 + (4, 0), index_topk=1024,
+                     n_routed_experts=384, moe_intermediate_size=3072, routed_scaling_factor=2.5)
+
+
+def _released(overrides: dict, **sizes) -> DSV4Config:
+    """A released model: what Flash and Pro share, its own sizes, then the caller's overrides."""
+    return DSV4Config(**{**_RELEASED, **sizes, **overrides})
 
 
 def tiny_code_config(**overrides) -> DSV4Config:
