@@ -13,18 +13,38 @@ class EngineConfig:
 
     `max_seq_len` bounds prompt + generated tokens per slot; `gamma` is the DSpark block size, so one
     verification writes up to gamma + 1 rows ahead of the committed frontier; `max_batch` is the
-    number of sequence slots.
+    number of sequence slots. `batch_buckets` are the batch sizes the engine compiles executables
+    for (each step runs the smallest that holds its requests); empty: 1, 2, 4, ... and max_batch.
     """
 
     max_seq_len: int = 4096
     gamma: int = 5
     max_batch: int = 1
+    batch_buckets: tuple[int, ...] = ()
 
     def __post_init__(self):
         for key, low in (("max_seq_len", 1), ("gamma", 0), ("max_batch", 1)):
             value = getattr(self, key)
             if not isinstance(value, int) or value < low:
                 raise ConfigError(f"EngineConfig.{key}={value!r}: must be an integer >= {low}")
+        buckets = tuple(self.batch_buckets)
+        if buckets and (any(not isinstance(n, int) or not 1 <= n <= self.max_batch for n in buckets)
+                        or self.max_batch not in buckets):
+            raise ConfigError(f"EngineConfig.batch_buckets={buckets!r}: each must be an integer in "
+                              f"1..max_batch={self.max_batch}, and max_batch itself must be one")
+        object.__setattr__(self, "batch_buckets", buckets)
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The compiled batch sizes, ascending (the last is max_batch)."""
+        if self.batch_buckets:
+            return tuple(sorted(set(self.batch_buckets)))
+        powers = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i < self.max_batch]
+        return (*powers, self.max_batch)
+
+    def bucket(self, n: int) -> int:
+        """The smallest compiled batch size that holds n requests."""
+        return next(b for b in self.buckets if b >= n)
 
     @property
     def rollback_rows(self) -> int:

@@ -27,6 +27,11 @@ drafts were sampled from), draft_tokens [B, K] int, uniforms [B, K] f32 in (0, 1
 exponentials [B, V] f32 Exp(1) noise (draw both with `sampling.uniform_noise` and
 `sampling.exponential_noise`), temperature / top_p [B] f32, top_k [B] int (or [B, 1], or
 scalars). K (0..gamma) is static, from the shapes.
+
+Per-row widths: `widths` [B] int in 0..K verifies row b at its own k_b <= K (None: every row at K).
+Row b then reads only its first k_b + 1 logit rows and k_b drafts, and takes the bonus from row k_b
+when all k_b are accepted; with causal attention those rows are exactly a k_b-wide verification's,
+so one K-wide call verifies a batch whose requests chose different widths.
 """
 
 from __future__ import annotations
@@ -63,32 +68,44 @@ class RaceInputs(NamedTuple):
 
 
 def ref_rejection_sample(
-    target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
+    target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p, widths=None,
 ) -> Verdict:
     """The reference verifier: `rejection_sample` with the jnp race."""
     return rejection_sample(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k,
-                            top_p, implementation="xla")
+                            top_p, widths, implementation="xla")
 
 
 def rejection_sample(
-    target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
+    target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p, widths=None,
     *, implementation: str = "auto",
 ) -> Verdict:
     """Verification with the race in the Pallas kernel or in jnp (`implementation`); identical results."""
     check_inputs(target_logits, draft_probs, draft_tokens, uniforms, exponentials)
     race_fn = race if resolve_implementation(implementation) == "pallas" else ref_race
-    inputs = race_inputs(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p)
-    sampled = race_fn(inputs.p_row, draft_probs, inputs.n_accepted, inputs.inv_exponentials)
+    k = draft_tokens.shape[1]
+    widths = jnp.full((target_logits.shape[0],), k, jnp.int32) if widths is None else jnp.asarray(widths, jnp.int32)
+    if widths.shape != (target_logits.shape[0],):
+        raise ValueError(f"widths has shape {widths.shape}; pass one width in 0..K={k} per request, "
+                         f"shape ({target_logits.shape[0]},)")
+    inputs = race_inputs(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
+                         widths)
+    # The race draws the residual of row n_accepted iff n_accepted < K: a row that accepted all its
+    # own k_b drafts is sent as K, so it draws the bonus from p_row (= p[k_b]).
+    race_row = jnp.where(inputs.n_accepted >= widths, k, inputs.n_accepted)
+    sampled = race_fn(inputs.p_row, draft_probs, race_row, inputs.inv_exponentials)
     token = jnp.where(inputs.greedy, inputs.greedy_token, sampled)
     return Verdict(inputs.n_accepted, jnp.where(inputs.invalid, INVALID_TOKEN, token).astype(jnp.int32),
                    inputs.invalid)
 
 
 def race_inputs(
-    target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p,
+    target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature, top_k, top_p, widths=None,
 ) -> RaceInputs:
-    """Stage A: warp statistics, acceptance, and the row to sample from (see the module docstring)."""
-    batch = target_logits.shape[0]
+    """Stage A: warp statistics, acceptance, and the row to sample from (see the module docstring);
+    row b reads only its first widths[b] + 1 logit rows and widths[b] drafts."""
+    batch, k1 = target_logits.shape[:2]
+    widths = jnp.full((batch,), k1 - 1, jnp.int32) if widths is None else widths
+    row_used = jnp.arange(k1)[None, :] <= widths[:, None]  # [B, K+1]
 
     def per_request(value, name, integer):  # scalar, [B] or [B, 1] -> [B, 1]
         value = jnp.asarray(value)
@@ -104,9 +121,11 @@ def race_inputs(
     tokens = draft_tokens.astype(jnp.int32)[..., None]
     p_tok = stats_probs(jnp.take_along_axis(target_logits[:, :-1], tokens, axis=-1)[..., 0], drafted)
     q_tok = jnp.take_along_axis(draft_probs, tokens, axis=-1)[..., 0]
-    invalid = ~jnp.all(finite_rows(stats), axis=-1) | ~jnp.all(jnp.isfinite(q_tok), axis=-1)
+    draft_used = row_used[:, 1:]  # draft j is verified iff j < widths[b]
+    invalid = (~jnp.all(finite_rows(stats) | ~row_used, axis=-1)
+               | ~jnp.all(jnp.isfinite(q_tok) | ~draft_used, axis=-1))
     accept = jnp.where(drafted.greedy, tokens[..., 0] == drafted.argmax, p_tok > uniforms * q_tok)  # NaN: False
-    n_accepted = _accepted_prefix(~accept | invalid[:, None])
+    n_accepted = _accepted_prefix(~accept | ~draft_used | invalid[:, None])
     row_stats = jax.tree.map(lambda a: _at_row(a, n_accepted)[:, None], stats)
     logits_row = jnp.take_along_axis(target_logits, n_accepted[:, None, None], axis=1)[:, 0]
     return RaceInputs(

@@ -2,6 +2,8 @@
 biased sampler as a negative control), the greedy rule, mixed batches, width 0, the literal spec
 recipe, and input validation."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from jdspark.speculative.sampling import sample, warp_probs
-from jdspark.speculative.verify import Verdict, ref_rejection_sample
+from jdspark.speculative.verify import Verdict, ref_rejection_sample, rejection_sample
 
 N = 20_000  # samples per distribution test (FreeToken's sampler tests use 20k too)
 ALPHA = 1e-3
@@ -39,10 +41,10 @@ reference = jax.jit(ref_rejection_sample)
 
 @jax.jit
 def biased_rejection_sample(target_logits, draft_probs, draft_tokens, uniforms, exponentials, temperature,
-                            top_k, top_p):
+                            top_k, top_p, widths=None):
     """Negative control: after a rejection it samples p instead of the residual max(p - q, 0)."""
     n_acc, _, invalid = ref_rejection_sample(target_logits, draft_probs, draft_tokens, uniforms, exponentials,
-                                             temperature, top_k, top_p)
+                                             temperature, top_k, top_p, widths)
     p = warp_probs(target_logits, temperature[:, None], top_k[:, None], top_p[:, None])
     p_row = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]
     return Verdict(n_acc, sample(p_row, exponentials), invalid)
@@ -191,6 +193,29 @@ def test_width_zero_is_a_draw_from_the_first_row():
     p0 = warp(logits[:, 0], t, tk, tp)
     np.testing.assert_array_equal(np.asarray(n_acc), 0)
     np.testing.assert_array_equal(np.asarray(token), np.asarray(draw(p0, e)))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_a_row_at_its_own_width_equals_a_verification_at_that_width(implementation):
+    """One K-wide call with per-row widths k_b gives, row by row, what a k_b-wide call on the first
+    k_b + 1 logit rows, k_b drafts and uniforms gives (mixed greedy and sampled rows; row K + 1 and
+    beyond poisoned with NaN: a row never reads past its own width)."""
+    b, k = 30, 4
+    logits, q, drafts, u, e, t, tk, tp = random_inputs(b, k, 25, seed=11)
+    widths = np.arange(b) % (k + 1)
+    argmax = logits.argmax(-1)
+    drafts = np.where(np.random.default_rng(12).uniform(size=drafts.shape) < 0.7, argmax[:, :k], drafts)
+    unused = np.arange(k + 1)[None, :] > widths[:, None]
+    poisoned = np.where(unused[..., None], np.nan, logits).astype(np.float32)
+    got = jax.jit(functools.partial(rejection_sample, implementation=implementation))(
+        poisoned, q, drafts, u, e, t, tk, tp, widths)
+    for w in range(k + 1):
+        rows = np.flatnonzero(widths == w)
+        want = reference(logits[rows, :w + 1], q[rows, :w], drafts[rows, :w], u[rows, :w], e[rows], t[rows],
+                         tk[rows], tp[rows])
+        for g, x in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g)[rows], np.asarray(x))
+    assert not np.asarray(got.invalid).any()
 
 
 @jax.jit
