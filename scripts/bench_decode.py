@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -397,28 +398,139 @@ def kernel_sweep(experts, rows_list, runs, bandwidth) -> tuple[list[dict], moe_k
     return out, best
 
 
-def top_kernels(fn, n: int = 14) -> list[dict]:
-    """The GPU kernels of one fn() call (jax.profiler trace), by total time: where the time goes."""
-    from jdspark.profile import busy_us, gpu_kernels
-    kernels = gpu_kernels(fn)
-    by_name: dict[str, list[float]] = {}
-    for _, dur, name in kernels:
-        by_name.setdefault(name, []).append(dur)
-    rows = sorted(({"name": k, "us": sum(v), "count": len(v)} for k, v in by_name.items()), key=lambda r: -r["us"])
-    print(f"  {len(kernels)} kernels, busy {busy_us(kernels) / 1e3:.3f} ms; top by time:")
-    for r in rows[:n]:
-        print(f"    {r['us']:9.1f} us {r['count']:>4} x  {r['name'][:90]}")
-    return rows[:40]
+# Sublayer of each traced kernel: jax.named_scope around these methods (put on for --profile only), read
+# back from the optimized HLO's op_name metadata; the first scope of SCOPE_ORDER in a kernel's op_name wins.
+SCOPES = [("jdspark.model.compressor", "Compressor", "extend", "compressor"),
+          ("jdspark.model.indexer", "Indexer", "scores", "indexer"), ("jdspark.model.indexer", "Indexer", "select", "indexer"),
+          ("jdspark.model.moe", "Experts", "__call__", "routed_moe"), ("jdspark.model.moe", "Gate", "__call__", "router"),
+          ("jdspark.model.moe", "SharedExpert", "__call__", "shared_expert"),
+          ("jdspark.model.attention", "Attention", "query", "attn_q"),
+          ("jdspark.model.attention", "Attention", "window_kv", "attn_kv"),
+          ("jdspark.model.attention", None, "sink_attention", "attn_core"),
+          ("jdspark.model.attention", "Attention", "output", "attn_out"),
+          ("jdspark.model.attention", "Attention", "extend", "attention"),
+          ("jdspark.model.hyper", "HyperConnection", "pre", "mhc"), ("jdspark.model.hyper", "HyperConnection", "post", "mhc"),
+          ("jdspark.model.dsv4", "DSV4", "logits_from_streams", "head"), ("jdspark.model.dsv4", "DSV4", "embed_streams", "embed")]
+SCOPE_ORDER = ["compressor", "indexer", "routed_moe", "router", "shared_expert", "attn_q", "attn_kv", "attn_core",
+               "attn_out", "attention", "mhc", "head", "embed"]
+KERNEL_SCOPES = {"moe_gate_up": "routed_moe", "moe_down": "routed_moe", "sinkhorn": "mhc", "fp8_linear": None}
 
 
-def profile_row(graphdef, params, config, decode, batch, rows, context) -> list[dict]:
-    """top_kernels of one extend call at [batch, rows] after `context` tokens."""
+@contextlib.contextmanager
+def named_scopes():
+    """Every SCOPES method traced under its jax.named_scope (restored after)."""
+    import importlib
+    saved = []
+    for module_name, cls_name, attr, scope in SCOPES:
+        owner = importlib.import_module(module_name)
+        owner = getattr(owner, cls_name) if cls_name else owner
+        raw = owner.__dict__[attr]
+        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+
+        def scoped(*a, _fn=fn, _scope=scope, **k):
+            with jax.named_scope(_scope):
+                return _fn(*a, **k)
+        saved.append((owner, attr, raw))
+        setattr(owner, attr, staticmethod(scoped) if isinstance(raw, staticmethod) else scoped)
+    try:
+        yield
+    finally:
+        for owner, attr, raw in reversed(saved):
+            setattr(owner, attr, raw)
+
+
+_INSTR = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+) = .*?op_name="([^"]*)"')
+
+
+def hlo_scopes(hlo_text: str) -> dict[str, str]:
+    """Instruction name (and its kernel-name spelling, '.' / '-' as '_') -> sublayer, from op_name."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        parts = m.group(2).split("/")
+        scope = next((s for s in SCOPE_ORDER if s in parts), "other")
+        out[m.group(1)] = scope
+        out.setdefault(re.sub(r"[.\-]", "_", m.group(1)), scope)
+    return out
+
+
+def trace_kernels(fn) -> list[dict]:
+    """Every kernel on the GPU streams while fn() runs under jax.profiler: ts, dur (us), name, args."""
+    import gzip
+    import tempfile
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            fn()
+        path = next(Path(trace_dir).rglob("*.trace.json.gz"))
+        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+           and "GPU" in e["args"].get("name", "")}
+    return sorted(({"ts": e["ts"], "dur": e["dur"], "name": e["name"], "args": e.get("args", {})} for e in events
+                   if e.get("ph") == "X" and e["pid"] in gpu
+                   and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")), key=lambda k: k["ts"])
+
+
+def kernel_scope(kernel: dict, scopes: dict[str, str]) -> str:
+    args = kernel["args"]
+    for key in ("hlo_op", "long_name", "name"):
+        if isinstance(args.get(key), str) and args[key] in scopes:
+            return scopes[args[key]]
+    name = kernel["name"]
+    for prefix, scope in KERNEL_SCOPES.items():
+        if scope and name.startswith(prefix):
+            return scope
+    trimmed = name
+    while trimmed:
+        if trimmed in scopes:
+            return scopes[trimmed]
+        trimmed = trimmed.rpartition("_")[0]
+    return "unmapped"
+
+
+def sublayer_split(kernels: list[dict], scopes: dict[str, str], wall_ms: float) -> dict:
+    """us and kernel count per sublayer, the device-busy time, and what could not be mapped."""
+    from jdspark.profile import busy_us
+    split, unmapped = {}, {}
+    for k in kernels:
+        scope = kernel_scope(k, scopes)
+        us, count = split.get(scope, (0.0, 0))
+        split[scope] = (us + k["dur"], count + 1)
+        if scope == "unmapped":
+            unmapped[k["name"][:80]] = unmapped.get(k["name"][:80], 0.0) + k["dur"]
+    busy = busy_us([(k["ts"], k["dur"], k["name"]) for k in kernels]) / 1e3
+    print(f"  {len(kernels)} kernels, busy {busy:.3f} ms of {wall_ms:.3f} ms wall; by sublayer (ms, kernels):")
+    for scope, (us, count) in sorted(split.items(), key=lambda kv: -kv[1][0]):
+        print(f"    {scope:>14} {us / 1e3:7.3f} ms {count:>5}")
+    for name, us in sorted(unmapped.items(), key=lambda kv: -kv[1])[:6]:
+        print(f"      unmapped {us:8.1f} us  {name}")
+    return {"busy_ms": busy, "kernels": len(kernels), "wall_ms": wall_ms,
+            "split": {s: {"ms": us / 1e3, "kernels": c} for s, (us, c) in split.items()},
+            "unmapped": dict(sorted(unmapped.items(), key=lambda kv: -kv[1])[:20]),
+            "sample_args": [k["args"] for k in kernels[:5]]}
+
+
+def profile_row(graphdef, params, config, decode, batch, rows, context) -> dict:
+    """The top kernels and the per-sublayer split of one extend call at [batch, rows] after `context`."""
     decode = jax.tree.map(jnp.zeros_like, decode).replace(length=jnp.full((batch,), context, jnp.int32))
     ids = jnp.ones((batch, rows), jnp.int32)
     n_valid = jnp.full((batch,), rows, jnp.int32)
-    fn = jax.jit(lambda p, d, i, n: nnx.merge(graphdef, p).extend(i, d, n)[0])
-    fn(params, decode, ids, n_valid).block_until_ready()
-    return top_kernels(lambda: fn(params, decode, ids, n_valid).block_until_ready())
+    with named_scopes():
+        fn = jax.jit(lambda p, d, i, n: nnx.merge(graphdef, p).extend(i, d, n)[0])
+        compiled = fn.lower(params, decode, ids, n_valid).compile()
+    call = lambda: compiled(params, decode, ids, n_valid).block_until_ready()
+    wall_ms = _median_ms(lambda: compiled(params, decode, ids, n_valid), (), 10)
+    kernels = trace_kernels(call)
+    by_name: dict[str, list[float]] = {}
+    for k in kernels:
+        by_name.setdefault(k["name"], []).append(k["dur"])
+    top = sorted(({"name": n, "us": sum(v), "count": len(v)} for n, v in by_name.items()), key=lambda r: -r["us"])
+    for r in top[:8]:
+        print(f"    {r['us']:9.1f} us {r['count']:>4} x  {r['name'][:90]}")
+    return {"top": top[:40], **sublayer_split(kernels, hlo_scopes(compiled.as_text()), wall_ms)}
 
 
 def main(argv=None) -> dict:
@@ -504,7 +616,7 @@ def main(argv=None) -> dict:
                               flush=True)
                         if args.profile and gpu and name == args.variants[0]:
                             profile_decode = state_lib.init_state(config, engine_b, dtype)
-                            row["kernels"] = profile_row(graphdef_v, params, config, profile_decode, batch, rows,
+                            row["profile"] = profile_row(graphdef_v, params, config, profile_decode, batch, rows,
                                                          context)
                         if args.json:  # after every row: a run cut short keeps what it measured
                             args.json.write_text(json.dumps(report, indent=1))
