@@ -9,12 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jdspark.config import DSV4Config, EngineConfig
 from jdspark.model import state
 from jdspark.model.dsv4 import DSV4
 from jdspark.model.layers import Keys
 from jdspark.model.state import DecodeState
+from jdspark.parallel import mesh as mesh_lib
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
@@ -52,8 +54,9 @@ class ExtendResult(NamedTuple):
 class Model:
     """A loaded DeepSeek-V4 model. Parameters stay on the device; calls are jitted per shape."""
 
-    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State):
-        self.graphdef, self.params = graphdef, params
+    def __init__(self, graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh | None = None):
+        """`mesh`: the devices the parameters are sharded over (`jdspark.parallel.shard`), or None."""
+        self.graphdef, self.params, self.mesh = graphdef, params, mesh
         module = nnx.merge(graphdef, params)
         self.config: DSV4Config = module.config
         self.dtype = module.dtype
@@ -72,8 +75,13 @@ class Model:
         return ForwardResult(*_forward(self.graphdef, self.params, jnp.asarray(ids, jnp.int32), tuple(feature_layers)))
 
     def init_state(self, engine: EngineConfig) -> DecodeState:
-        """An empty decode state with `engine.max_batch` slots (see `jdspark.model.state`)."""
-        return state.init_state(self.config, engine, self.dtype)
+        """An empty decode state with `engine.max_batch` slots (see `jdspark.model.state`), on the
+        model's mesh: replicated, since every query head reads the one shared K=V head."""
+        return self.on_devices(state.init_state(self.config, engine, self.dtype))
+
+    def on_devices(self, tree):
+        """A state-like pytree (decode state, draft cache) placed replicated on the model's mesh."""
+        return mesh_lib.place_tree(tree, self.mesh)
 
     def extend(self, decode: DecodeState, ids, n_valid=None, feature_layers: tuple[int, ...] = ()) -> ExtendResult:
         """Run ids [B, S] after the tokens each slot holds (prefill, chunked prefill, decode or a

@@ -8,10 +8,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from jdspark.config import DSV4Config
 from jdspark.model.layers import Keys, Linear
 from jdspark.model.quant_sim import fp8_sim
+from jdspark.parallel import rules
+from jdspark.parallel.mesh import EXPERT, TENSOR
 from pallas_kernels import interpret_mode, resolve_implementation
 from pallas_kernels import moe as moe_kernels
 
@@ -88,6 +91,7 @@ class Experts(nnx.Module):
         self.n_experts = e
         self.limit = config.swiglu_limit
         self.qat_sim = qat_sim
+        self.mesh = None  # a jax Mesh when the model is sharded (`jdspark.parallel.shard`): the EP path
         # "pallas": the in-place kernel (pallas_kernels.moe) where its sizes fit; "xla": the gather
         # below; "auto": the kernel on the GPU for experts of at least KERNEL_MIN_WEIGHTS weights
         # per projection (measured faster at Flash dims; smaller ones, e.g. the embedded model's,
@@ -109,7 +113,9 @@ class Experts(nnx.Module):
         slots, static). Every row is computed against the M gathered experts and weighted by a dense
         [N, M] routing matrix, exactly zero where a row did not select the slot's expert: the same
         arithmetic as running every expert with a dense [N, E] matrix (the test oracle), restricted
-        to the experts some row selected."""
+        to the experts some row selected. On a mesh, `_sharded`."""
+        if self.mesh is not None:
+            return self._sharded(x, weights, idx)
         experts, slot = expert_slots(idx, self.n_experts)
         dense = routing_matrix(weights, slot, experts.shape[0])
         fmt, w1 = self.w1.stored()
@@ -117,6 +123,10 @@ class Experts(nnx.Module):
         if self._kernel(fmt, x.shape[0], x.shape[-1], w1[0].shape[1]):
             return moe_kernels.moe(x, experts, dense, slot, w1, w3, w2, fmt=fmt, limit=self.limit,
                                    interpret=interpret_mode())
+        return _sum_experts(self._outputs(x, experts, dense), x.dtype)
+
+    def _outputs(self, x: jax.Array, experts: jax.Array, dense: jax.Array) -> jax.Array:
+        """Each gathered expert's weighted output, fp32 [N, M, D] (before the rounding to x.dtype)."""
         dtype = x.dtype
         if self.qat_sim:
             x = fp8_sim(x, 128)
@@ -125,8 +135,34 @@ class Experts(nnx.Module):
         h = (swiglu(gate.astype(dtype), up.astype(dtype), self.limit) * dense[..., None]).astype(dtype)
         if self.qat_sim:
             h = fp8_sim(h, 128)
-        out = jnp.einsum("nef,edf->ned", h, self.w2.take(experts, dtype), preferred_element_type=jnp.float32)
-        return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
+        return jnp.einsum("nef,edf->ned", h, self.w2.take(experts, dtype), preferred_element_type=jnp.float32)
+
+    def _sharded(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
+        """Expert parallelism (shard_map): tokens and routing are replicated; each device holds
+        E / ep experts (and F / tp of their width), computes its experts' contributions through the
+        gather path with the other experts' weights zeroed, sums the width pieces over `tensor`
+        (fp32, before the rounding to x.dtype, as unsharded) and its experts over `expert`."""
+        graphdef, params = nnx.split(self)
+        n_local = self.n_experts // self.mesh.shape[EXPERT]
+
+        def local(params, x, weights, idx):
+            module = nnx.merge(graphdef, params)
+            own = idx - jax.lax.axis_index(EXPERT) * n_local
+            mine = (own >= 0) & (own < n_local)
+            experts, slot = expert_slots(jnp.where(mine, own, 0), n_local)
+            dense = routing_matrix(jnp.where(mine, weights, 0.0), slot, experts.shape[0])
+            out = jax.lax.psum(module._outputs(x, experts, dense), TENSOR)
+            return jax.lax.psum(_sum_experts(out, x.dtype), EXPERT)
+
+        replicated = PartitionSpec()
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(rules.specs(params, ("experts",)), replicated,
+                                                              replicated, replicated),
+                             out_specs=replicated)(params, x, weights, idx)
+
+
+def _sum_experts(out: jax.Array, dtype) -> jax.Array:
+    """[N, M, D] fp32 -> [N, D]: each expert's output rounded to the model dtype, summed in fp32 (the reference)."""
+    return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
 
 
 # Smallest D x F for which "auto" picks the kernel on the GPU. Measured on the H200 (bench_decode,

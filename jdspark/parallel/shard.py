@@ -1,0 +1,42 @@
+"""A `Model` on a mesh: its parameters laid out by the partition rules (`rules`), and its routed
+experts switched to the expert-parallel path (`Experts.mesh`). Everything else (attention heads,
+the output groups, the vocabulary) is partitioned by XLA from the parameters' shardings."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from jdspark.model.model import Model
+from jdspark.model.moe import Experts
+from jdspark.parallel import rules
+from jdspark.parallel.mesh import make_mesh, place
+
+
+def shard_model(model: Model, tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
+                devices=None) -> Model:
+    """`model` over tensor_parallel_size x expert_parallel_size devices (`make_mesh`); the model
+    itself for 1 x 1. ValueError, naming the size and what it must divide, when a split is not
+    possible (heads, groups, experts, vocabulary, quantization blocks)."""
+    mesh = make_mesh(tensor_parallel_size, expert_parallel_size, devices)
+    return model if mesh is None else on_mesh(model, mesh)
+
+
+def on_mesh(model: Model, mesh: Mesh) -> Model:
+    """`model`'s parameters placed on `mesh` by the partition rules."""
+    if model.mesh is not None:
+        raise ValueError("the model is already sharded; shard the unsharded model once")
+    rules.check_config(model.config, mesh)
+    params = jax.tree.map(place, model.params, rules.shardings(model.params, mesh))
+    return Model(with_mesh(model.graphdef, params, mesh), params, mesh=mesh)
+
+
+def with_mesh(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh) -> nnx.GraphDef:
+    """The graph with `mesh` set in every routed-expert module (a static field, like the kernel
+    choice of `hyper.with_implementation`): traced calls then take the expert-parallel path."""
+    module = nnx.merge(graphdef, params)
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, Experts):
+            node.mesh = mesh
+    return nnx.split(module)[0]
