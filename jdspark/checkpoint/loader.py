@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from jdspark.checkpoint import orbax_io
@@ -28,6 +29,9 @@ from jdspark.config import DSV4Config
 from jdspark.model.dequant import fp4_dequant, fp8_block_dequant
 from jdspark.model.model import Model
 from jdspark.model.quantized import Storage, abstract_model
+from jdspark.parallel import rules
+from jdspark.parallel.mesh import place
+from jdspark.parallel.shard import on_mesh
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _DEQUANT = {"fp4": jax.jit(fp4_dequant, static_argnums=2), "fp8": jax.jit(fp8_block_dequant, static_argnums=2)}
@@ -43,11 +47,13 @@ def read_config(path: str | Path) -> DSV4Config:
 
 
 def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False, dequantize: bool = False,
-               progress: bool = True) -> Model:
+               progress: bool = True, mesh: Mesh | None = None) -> Model:
     """Load a DeepSeek-V4 checkpoint directory. dtype: "bfloat16" (serving) or "float32" (parity).
     Quantized weights stay compact on the device and are dequantized inside the jitted forward;
     `dequantize=True` expands them to `dtype` at load instead (debugging). `qat_sim=True` builds the
-    model with the reference's FP8 / FP4 QAT rounding simulated (spec §5.8; `Model.qat_sim`)."""
+    model with the reference's FP8 / FP4 QAT rounding simulated (spec §5.8; `Model.qat_sim`).
+    `mesh` (`jdspark.parallel.mesh.make_mesh`): each parameter goes straight to its shards
+    (`jdspark.parallel.rules`), so no device ever holds the whole model."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
     path = Path(path)
@@ -55,7 +61,8 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
         if dequantize:
             raise CheckpointError(f"{path}: a converted checkpoint restores its stored layout; "
                                   f"convert again with --dequantize instead")
-        return orbax_io.restore(path, dtype=dtype, qat_sim=qat_sim)
+        model = orbax_io.restore(path, dtype=dtype, qat_sim=qat_sim)
+        return model if mesh is None else on_mesh(model, mesh)
     config = read_config(path)
     ckpt = CheckpointDir(path)
     pieces = {name: locate(name, ckpt.shape(name)) for name in ckpt.names()}
@@ -66,14 +73,19 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
     leaves = {tuple(k.key for k in kp): v for kp, v in jax.tree_util.tree_flatten_with_path(pure)[0]}
     specs = disk_specs(leaves, storage)
     plan = _plan(ckpt, pieces, specs, config)
-    values = _read(ckpt, plan, specs, leaves, config, progress)
+    placement = {}
+    if mesh is not None:
+        rules.check_config(config, mesh)
+        rules.check(state, mesh)
+        placement = {leaf: NamedSharding(mesh, rules.spec_of(leaf)) for leaf in leaves}
+    values = _read(ckpt, plan, specs, leaves, config, progress, placement)
     for leaf, array in values.items():
         node = pure
         for key in leaf[:-1]:
             node = node[key]
         node[leaf[-1]] = array
     nnx.replace_by_pure_dict(state, pure)
-    return Model(graphdef, state)
+    return Model(graphdef, state) if mesh is None else on_mesh(Model(graphdef, state), mesh)
 
 
 def _plan(ckpt: CheckpointDir, pieces: dict[str, list[Piece]], specs: dict[tuple, TensorSpec],
@@ -148,21 +160,26 @@ class _Staging:
     def done(self) -> bool:
         return not any(self.left.values())
 
-    def finish(self, leaf_path: tuple, config: DSV4Config) -> jax.Array:
+    def finish(self, leaf_path: tuple, config: DSV4Config, sharding=None) -> jax.Array:
+        """The parameter on the device, or laid out by `sharding` (its pieces only on their devices)."""
         spec = self.specs[leaf_path]
         if spec.dequant:
             scale = self.parts[(*leaf_path[:-1], "scale")]
-            return _DEQUANT[spec.fmt](self.parts[leaf_path], scale, self.leaf.dtype)
+            array = _DEQUANT[spec.fmt](self.parts[leaf_path], scale, self.leaf.dtype)
+            return array if sharding is None else place(array, sharding)
         array = np.asarray(self.parts[leaf_path])
         if leaf_path[-1] == "tid2eid" and (array.min() < 0 or array.max() >= config.n_routed_experts):
             raise CheckpointError(f"{spec.name()}: expert ids must lie in [0, {config.n_routed_experts}), "
                                   f"found {array.min()}..{array.max()}")
+        array = array.astype(self.leaf.dtype, copy=False)
+        if sharding is not None:
+            return place(array, sharding)
         # device_put copies (jnp.asarray may alias host memory on the CPU: here, the mapped file)
-        return jax.device_put(array.astype(self.leaf.dtype, copy=False))
+        return jax.device_put(array)
 
 
 def _read(ckpt: CheckpointDir, plan: dict[str, list[tuple[Piece, TensorSpec]]], specs: dict[tuple, TensorSpec],
-          leaves: dict, config: DSV4Config, progress: bool) -> dict[tuple, jax.Array]:
+          leaves: dict, config: DSV4Config, progress: bool, placement: dict) -> dict[tuple, jax.Array]:
     """Read shard by shard in file order; each parameter goes to the device once complete."""
     by_leaf: dict[tuple, list[TensorSpec]] = {}
     for spec in specs.values():
@@ -181,7 +198,7 @@ def _read(ckpt: CheckpointDir, plan: dict[str, list[tuple[Piece, TensorSpec]]], 
                     stage = staging.setdefault(spec.leaf, _Staging(by_leaf[spec.leaf], leaves[spec.leaf]))
                     stage.put(spec, piece, array[piece.index])
                     if stage.done():
-                        values[spec.leaf] = staging.pop(spec.leaf).finish(spec.leaf, config)
+                        values[spec.leaf] = staging.pop(spec.leaf).finish(spec.leaf, config, placement.get(spec.leaf))
                 bar.update(f.nbytes(name))
     return values
 

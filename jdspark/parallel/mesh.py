@@ -48,8 +48,8 @@ def place(array, sharding: jax.sharding.Sharding) -> jax.Array:
     mesh, where `jax.device_put` of a whole array would not."""
     if isinstance(array, jax.Array) and array.sharding == sharding:
         return array
-    host = np.asarray(array)
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    host = np.asarray(array)  # copied per piece below: `array` may map a checkpoint file
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: np.array(host[index]))
 
 
 def place_tree(tree, mesh: Mesh | None):
