@@ -54,6 +54,7 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 2
     decode: str = "select"  # E2M1 codes by float selects ("select") or from float32 bit patterns ("bits")
+    form: str = "dot"  # "dot": rows padded to 16, tl.dot; "gemv": per-row products and sums (<= GEMV_MAX_ROWS rows)
 
     def step(self, fmt: str) -> int:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
@@ -62,6 +63,7 @@ class Tiles:
 # The tiling `moe` uses unless given one: the fastest of bench_decode --sweep on the H200 (2026-12-01,
 # Flash dims, ds_fp4, R = 1 and 6: 0.44 / 1.64 ms per layer against 0.57 / 1.79 for num_stages=2).
 TILES = Tiles(num_stages=4)
+GEMV_MAX_ROWS = 8  # the gemv form unrolls its rows in the kernel; calls with more take the dot form
 MAX_ELEMENTS = 2 ** 31  # a stored array the kernels index must have int32 offsets
 
 
@@ -134,6 +136,8 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
     f = w1[0].shape[1]
     if not supported(fmt, d, f, r, tiles, w1[0].shape[0]):
         raise ValueError(f"moe kernel: unsupported sizes fmt={fmt} D={d} F={f} rows={r}; use ref_moe")
+    if tiles.form == "gemv" and r <= GEMV_MAX_ROWS:
+        return _combine(_moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles), slot)
     dtype = x.dtype
     rp = max(16, 1 << (r - 1).bit_length())
     xp = jnp.zeros((rp, d), dtype).at[:r].set(x)
@@ -280,3 +284,95 @@ class _SlotRef:
     def __getitem__(self, index):
         rows, cols = index
         return self.ref[self.slot, rows, cols]
+
+
+# ---- the gemv form: no tl.dot, no row padding -----------------------------------------------------
+
+def _moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles) -> jax.Array:
+    """Both kernels as per-row products and sums: each program decodes its weight tile once per
+    loop step and multiplies it with each of the R rows (unrolled), so no MMA operand layout and
+    no padded rows. Per-slot outputs [M, R, D] in the compute dtype."""
+    r, d = x.shape
+    m, f, dtype = experts.shape[0], w1[0].shape[1], x.dtype
+    params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    experts = experts.astype(jnp.int32)
+    kernel = functools.partial(_gemv_kernel, fmt=fmt, rows=r, limit=limit, dtype=dtype, tiles=tiles)
+    h = pl.pallas_call(
+        functools.partial(kernel, k=d, n_w=2 * len(_weights(fmt, w1)), per_slot=False),
+        out_shape=jax.ShapeDtypeStruct((m, r, f), dtype), grid=(m, f // tiles.out),
+        interpret=interpret, compiler_params=params, name="moe_gate_up",
+    )(experts, dense.T.astype(jnp.float32), *_gemv_activations(fmt, x), *_weights(fmt, w1), *_weights(fmt, w3))
+    return pl.pallas_call(
+        functools.partial(kernel, k=f, n_w=len(_weights(fmt, w2)), per_slot=True),
+        out_shape=jax.ShapeDtypeStruct((m, r, d), dtype), grid=(m, d // tiles.out),
+        interpret=interpret, compiler_params=params, name="moe_down",
+    )(experts, *_gemv_activations(fmt, h), *_weights(fmt, w2))
+
+
+def _gemv_activations(fmt: str, a: jax.Array) -> tuple[jax.Array, ...]:
+    """fp4: even / odd columns of a [..., K] as [..., K/32, 16] (one scale group per row of 16);
+    otherwise (a,)."""
+    if fmt == "fp4":
+        return tuple(half.reshape(*half.shape[:-1], half.shape[-1] // 16, 16) for half in _activations(fmt, a))
+    return (a,)
+
+
+def _gemv_partials(fmt, e, row0, c, act, w_refs, rows, dtype, tiles) -> list[jax.Array]:
+    """Per row i < rows: x_i[chunk c] . w[e, row0:row0+out, chunk c], float32 [out] (fp4: [out, nb],
+    one sum per scale group, summed after the loop). `act(i, c)` loads row i's chunk."""
+    out, step = tiles.out, tiles.step(fmt)
+    w_rows = pl.ds(row0, out)
+    if fmt == "fp4":
+        packed_ref, scale_ref = w_refs
+        nb = step // FP4_BLOCK
+        blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
+        b = packed_ref[e, w_rows, blocks, :].astype(jnp.int32) & 0xFF  # [out, nb, 16]
+        s = _scale_f32(scale_ref[e, w_rows, blocks, 0])  # [out, nb]
+        e2m1 = _e2m1_bits if tiles.decode == "bits" else _e2m1
+        lo, hi = e2m1(b & 0xF), e2m1(b >> 4)
+        parts = []
+        for i in range(rows):
+            even, odd = act(i, blocks)  # [nb, 16] each
+            parts.append(jnp.sum(lo * even.astype(jnp.float32)[None] + hi * odd.astype(jnp.float32)[None], axis=2) * s)
+        return parts
+    cols = pl.ds(pl.multiple_of(c * step, step), step)
+    if fmt == "fp8":
+        w_ref, scale_ref = w_refs
+        s = _scale_f32(scale_ref[e, row0 // FP8_BLOCK, c])
+        w = (w_ref[e, w_rows, cols].astype(jnp.float32) * s).astype(dtype).astype(jnp.float32)  # as the reference rounds
+    else:
+        w = w_refs[0][e, w_rows, cols].astype(jnp.float32)
+    return [jnp.sum(w * act(i, cols)[0].astype(jnp.float32)[None], axis=1) for i in range(rows)]
+
+
+def _gemv_kernel(experts_ref, *refs, fmt, k, rows, limit, dtype, tiles, n_w, per_slot):
+    """gate/up (refs: dense [M, R], x, w1, w3; h = swiglu * dense) or down (per_slot: the slot's
+    own rows of h, then w2) for one slot and `out` output features."""
+    dense_ref, refs = (None, refs) if per_slot else (refs[0], refs[1:])
+    n_act = 2 if fmt == "fp4" else 1
+    act_refs, w_refs, out_ref = refs[:n_act], refs[n_act:n_act + n_w], refs[-1]
+    slot, tile = pl.program_id(0), pl.program_id(1)
+    e = experts_ref[slot]
+    row0 = pl.multiple_of(tile * tiles.out, tiles.out)
+    lead = (slot,) if per_slot else ()
+
+    def act(i, index):
+        return tuple(ref[(*lead, i, index) + ((slice(None),) if fmt == "fp4" else ())] for ref in act_refs)
+
+    groups = [w_refs[:n_w // 2], w_refs[n_w // 2:]] if not per_slot else [w_refs]
+
+    def step(c, acc):
+        parts = [_gemv_partials(fmt, e, row0, c, act, ws, rows, dtype, tiles) for ws in groups]
+        return tuple(a + p for a, p in zip(acc, sum(parts, [])))
+
+    shape = (tiles.out, tiles.step(fmt) // FP4_BLOCK) if fmt == "fp4" else (tiles.out,)
+    acc = jax.lax.fori_loop(0, k // tiles.step(fmt), step, tuple(jnp.zeros(shape, jnp.float32)
+                                                                for _ in range(rows * len(groups))))
+    sums = [jnp.sum(a, axis=1) if fmt == "fp4" else a for a in acc]
+    cols = pl.ds(row0, tiles.out)
+    for i in range(rows):
+        if per_slot:
+            out_ref[slot, i, cols] = sums[i].astype(dtype)
+        else:
+            h = swiglu(sums[i].astype(dtype), sums[rows + i].astype(dtype), limit) * dense_ref[slot, i]
+            out_ref[slot, i, cols] = h.astype(dtype)

@@ -23,7 +23,8 @@ former routed-expert path: every expert decoded and run on every row), `dequant_
 decoding a bfloat16 weight per call), `fp8_scaled_x` (FP8 linears of <= 16 rows as one batched dot
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
 former MoE and linears), `pallas` (the routed experts through
-the in-place kernel `pallas_kernels.moe`). JSON with every row: `--json PATH`.
+the in-place kernel `pallas_kernels.moe`), `pallas_dot` (that kernel in its dot form, the former default
+tiling). JSON with every row: `--json PATH`.
 
     PYTHONPATH=$PWD python scripts/bench_decode.py --preset flash --layers 8 --experts 256 \
         --storage fp8+fp4 --rows 1 6 --context 4096 --json /tmp/bench_decode.json
@@ -235,6 +236,9 @@ PATCHES["before"] = PATCHES["ref_moe"] + PATCHES["dequant_linear"]
 # Variants that set the routed experts' `implementation` in the graph ("pallas": pallas_kernels.moe).
 EXPERTS_IMPLEMENTATION = {"pallas": "pallas", "xla": "xla", "ref_moe": "xla", "before": "xla"}
 PATCHES["pallas"] = PATCHES["xla"] = []
+# "pallas_dot": the kernel's former default tiling (the dot form), to compare with the tiling in use.
+PATCHES["pallas_dot"] = [(moe_kernels, "TILES", moe_kernels.Tiles(num_stages=4))]
+EXPERTS_IMPLEMENTATION["pallas_dot"] = "pallas"
 
 
 def with_experts_implementation(graphdef, params, name: str):
@@ -337,12 +341,12 @@ def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[d
     return out, experts
 
 
-SWEEP = [moe_kernels.Tiles(), moe_kernels.Tiles(out=16, step_fp4=512),
-         moe_kernels.Tiles(out=32, step_fp4=512, num_warps=8), moe_kernels.Tiles(out=64, num_warps=8),
-         moe_kernels.Tiles(out=16, step_fp4=1024, num_warps=8, num_stages=3),
-         moe_kernels.Tiles(out=32, num_stages=4), moe_kernels.Tiles(out=16, num_warps=2, num_stages=3),
-         moe_kernels.Tiles(out=32, num_stages=4, decode="bits"),
-         moe_kernels.Tiles(out=64, num_warps=8, num_stages=4, decode="bits")]
+_GEMV = dict(form="gemv")
+SWEEP = [moe_kernels.Tiles(num_stages=4), moe_kernels.Tiles(num_stages=2, **_GEMV), moe_kernels.Tiles(num_stages=4, **_GEMV),
+         moe_kernels.Tiles(out=16, num_stages=3, **_GEMV), moe_kernels.Tiles(out=64, num_warps=8, num_stages=3, **_GEMV),
+         moe_kernels.Tiles(step_fp4=512, num_warps=8, num_stages=3, **_GEMV), moe_kernels.Tiles(num_stages=4, decode="bits", **_GEMV),
+         moe_kernels.Tiles(out=64, step_fp4=128, num_stages=4, decode="bits", **_GEMV),
+         moe_kernels.Tiles(out=16, step_fp4=512, num_stages=4, **_GEMV), moe_kernels.Tiles(out=128, step_fp4=128, num_warps=8, num_stages=3, **_GEMV)]
 
 
 def _median_ms(fn, args, runs) -> float:

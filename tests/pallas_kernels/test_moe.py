@@ -70,11 +70,12 @@ def test_kernel_equals_ref_compiled(fmt, scale_dtype, rows, dtype):
 
 
 @pytest.mark.gpu
-def test_kernel_rows_do_not_depend_on_the_call():
+@pytest.mark.parametrize("form", ["dot", "gemv"])
+def test_kernel_rows_do_not_depend_on_the_call(form):
     """Batch invariance: a row's output is bitwise the same alone and among 6 rows."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    run = jax.jit(lambda *a: moe(*a, fmt="fp4", limit=4.0))
+    run = jax.jit(lambda *a: moe(*a, fmt="fp4", limit=4.0, tiles=Tiles(form=form, num_stages=4)))
     args = inputs("fp4", 6, seed=3, dtype=jnp.bfloat16)
     x, _, _, _, *ws = args
     full = np.asarray(run(*args))
@@ -118,3 +119,25 @@ def test_other_tiling_compiled(fmt, scale_dtype):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     check(fmt, scale_dtype, 6, jnp.bfloat16, interpret=False, tiles=OTHER_TILES)
+
+
+GEMV_TILES = Tiles(form="gemv", num_stages=3)
+
+
+@pytest.mark.parametrize("fmt,scale_dtype,rows", [("fp4", "e8m0", 5), ("fp8", "float32", 2), ("bf16", None, 1)])
+def test_gemv_form_interpret(fmt, scale_dtype, rows):
+    check(fmt, scale_dtype, rows, jnp.bfloat16, interpret=True, tiles=GEMV_TILES)
+
+
+def test_gemv_form_takes_the_dot_form_above_its_rows():
+    check("fp4", "e8m0", 9, jnp.float32, interpret=True, tiles=Tiles(form="gemv", out=16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,scale_dtype", CASES, ids=[f"{f}-{s}" for f, s in CASES])
+@pytest.mark.parametrize("rows,dtype", [(1, jnp.bfloat16), (6, jnp.bfloat16), (8, jnp.float32)], ids=["1", "6", "8-f32"])
+def test_gemv_form_compiled(fmt, scale_dtype, rows, dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=GEMV_TILES)
+    check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=Tiles(form="gemv", out=64, num_warps=8, decode="bits"))
