@@ -212,9 +212,14 @@ def _forward_cpp(bank, x, plan, limit, round_bf16, threads, simd) -> np.ndarray:
 
 def host_callback(bank: ExpertBank, *, limit: float, dtype: str = "float32", backend: str = "cpp",
                   threads: int | None = None):
-    """A function (x [R, D], ids [R, K], weights [R, K]) -> [R, D] float32 over numpy inputs, for
-    `jax.pure_callback` (one per MoE layer): x may be bf16; the result is float32."""
+    """A function (x [..., D], ids [..., K], weights [..., K]) -> [..., D] float32 over numpy inputs,
+    for `jax.pure_callback` (one per MoE layer): x may be bf16; leading axes are flattened into rows,
+    so a vmapped call (vmap_method="broadcast_all") is still one host call."""
     def call(x, ids, weights):
-        return moe_forward(bank, np.asarray(x, np.float32), np.asarray(ids), np.asarray(weights, np.float32),
-                           limit=limit, dtype=dtype, backend=backend, threads=threads)
+        x = np.asarray(x, np.float32)
+        k = np.shape(ids)[-1]
+        y = moe_forward(bank, x.reshape(-1, x.shape[-1]), np.asarray(ids).reshape(-1, k),
+                        np.asarray(weights, np.float32).reshape(-1, k), limit=limit, dtype=dtype, backend=backend,
+                        threads=threads)
+        return y.reshape(x.shape)
     return call

@@ -1,0 +1,142 @@
+"""Hybrid MoE layers: some routed experts on the device, the rest in a host bank.
+
+`HybridExperts` has the contract of `jdspark.model.moe.Experts` (x [N, D], routing weights [N, K],
+expert ids [N, K] -> float32 [N, D]) and replaces it in the MoE layers that hold host experts
+(`with_host_experts`). It computes:
+
+- the device experts as `Experts` does (the in-place kernel or the XLA gather, the same rounding
+  points), over the same M = min(N*K, E) slots of the call's distinct global experts; a slot whose
+  expert lives on the host gathers some device expert with routing weight 0, so it adds exact zeros;
+- the host experts through ONE `jax.pure_callback` per layer and call: the multi-threaded CPU GEMV
+  (`cpu_gemv.moe_forward`) over every row's host choices, each distinct host expert read once;
+- their sum in float32.
+
+The callback is pure (no ordering token): XLA may place it anywhere its operands allow and drops it
+if its result were unused, which is what a function of (x, ids, weights) permits. The device waits
+for it (its operands go to the host, its result comes back), so the device and host experts of a
+layer do not overlap. Under `jax.vmap` the batch is broadcast into the rows of one call
+(vmap_method="broadcast_all"). Executables holding host callbacks are not written to JAX's
+persistent compilation cache.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from jdspark.experts.banks import ExpertBank
+from jdspark.experts.cpu_gemv import host_callback
+from jdspark.model.model import Model
+from jdspark.model.moe import Experts, MoE, expert_slots, routing_matrix, swiglu
+from pallas_kernels import interpret_mode
+from pallas_kernels import moe as moe_kernels
+
+
+class HybridExperts(Experts):
+    """The routed experts of one layer split by `host_ids`: the others stay on the device in their
+    stored format (`w1`, `w3`, `w2` over the device experts only; None when all are on the host),
+    `bank` holds the host ones. `local[e]` is global expert e's device index (host experts point at
+    a neighbouring device expert, which they gather with weight 0), `on_host[e]` where it lives."""
+
+    def __init__(self, experts: Experts, host_ids: Sequence[int], *, dtype, threads: int | None = None):
+        """dtype: the model's compute dtype (float32 or bfloat16), which the host GEMV rounds to."""
+        e = experts.n_experts
+        host = np.unique(np.asarray(host_ids, np.int64))
+        if host.size == 0 or host.min() < 0 or host.max() >= e:
+            raise ValueError(f"host expert ids {np.asarray(host_ids).tolist()}: expected a non-empty set of ids "
+                             f"in [0, {e})")
+        if experts.qat_sim:
+            raise ValueError("host experts do not simulate QAT rounding: build the model with qat_sim=False")
+        on_host = np.zeros(e, bool)
+        on_host[host] = True
+        device = np.flatnonzero(~on_host)
+        fmt, _ = experts.w1.stored()
+        self.bank = _bank(experts, fmt, host)
+        ranks = np.cumsum(~on_host) - ~on_host  # device experts before e: e's index when it is on the device
+        self.local = nnx.Variable(jnp.asarray(np.minimum(ranks, max(len(device) - 1, 0)), jnp.int32))
+        self.on_host = nnx.Variable(jnp.asarray(on_host))
+        self.w1, self.w3, self.w2 = ((_subset(getattr(experts, n), device) if len(device) else None)
+                                     for n in ("w1", "w3", "w2"))
+        self.n_experts, self.limit, self.qat_sim = e, experts.limit, False
+        self.implementation = experts.implementation
+        self.host_forward = host_callback(self.bank, limit=self.limit, dtype=jnp.dtype(dtype).name, threads=threads)
+
+    def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
+        """x [N, D], routing weights [N, K], expert ids [N, K] -> float32 [N, D]."""
+        y = jax.pure_callback(self.host_forward, jax.ShapeDtypeStruct(x.shape, jnp.float32), x,
+                              idx.astype(jnp.int32), weights.astype(jnp.float32), vmap_method="broadcast_all")
+        if self.w1 is None:
+            return y
+        experts, slot = expert_slots(idx, self.n_experts)
+        dense = jnp.where(self.on_host[...][experts][None], 0.0, routing_matrix(weights, slot, experts.shape[0]))
+        return self._device(x, self.local[...][experts], dense, slot) + y
+
+    def _device(self, x: jax.Array, local: jax.Array, dense: jax.Array, slot: jax.Array) -> jax.Array:
+        """`Experts.__call__` after its slots: the device experts `local` [M] weighted by dense [N, M]."""
+        fmt, w1 = self.w1.stored()
+        (_, w3), (_, w2) = self.w3.stored(), self.w2.stored()
+        if self._kernel(fmt, x.shape[0], x.shape[-1], w1[0].shape[1]):
+            return moe_kernels.moe(x, local, dense, slot, w1, w3, w2, fmt=fmt, limit=self.limit,
+                                   interpret=interpret_mode())
+        dtype = x.dtype
+        gate = jnp.einsum("nd,efd->nef", x, self.w1.take(local, dtype), preferred_element_type=jnp.float32)
+        up = jnp.einsum("nd,efd->nef", x, self.w3.take(local, dtype), preferred_element_type=jnp.float32)
+        h = (swiglu(gate.astype(dtype), up.astype(dtype), self.limit) * dense[..., None]).astype(dtype)
+        out = jnp.einsum("nef,edf->ned", h, self.w2.take(local, dtype), preferred_element_type=jnp.float32)
+        return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
+
+
+def _subset(weights, ids: np.ndarray):
+    """The same ExpertWeights module over the experts `ids` only, on the device."""
+    graphdef, state = nnx.split(weights)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: jax.device_put(a[ids]), state))
+
+
+def _bank(experts: Experts, fmt: str, host: np.ndarray) -> ExpertBank:
+    """A host bank of the experts `host` from their stored arrays (device or host memory)."""
+    arrays = []
+    for name in ("w1", "w3", "w2"):
+        _, stored = getattr(experts, name).stored()
+        arrays.append([np.asarray(a[host]) for a in stored])
+    if fmt == "bf16":
+        weights = [_bf16_exact(a[0], name) for a, name in zip(arrays, ("w1", "w3", "w2"))]
+        return ExpertBank.from_stacked("bf16", *weights, expert_ids=host, n_experts=experts.n_experts)
+    (w1, s1), (w3, s3), (w2, s2) = arrays
+    return ExpertBank.from_stacked(fmt, w1, w3, w2, s1, s3, s2, expert_ids=host,
+                                   n_experts=experts.n_experts)
+
+
+def _bf16_exact(weight: np.ndarray, name: str) -> np.ndarray:
+    """Float experts as bf16 (the host banks' float format); float32 ones must be bf16 values."""
+    as_bf16 = weight.astype(ml_dtypes.bfloat16)
+    if weight.dtype != ml_dtypes.bfloat16 and not np.array_equal(as_bf16.astype(weight.dtype), weight):
+        raise ValueError(f"{name}: float32 routed experts that are not bfloat16 values cannot live in a host bank "
+                         "(it holds bf16, ds_fp4 or FP8): load the model in bfloat16 or keep its experts on the GPU")
+    return as_bf16
+
+
+def with_host_experts(model: Model, host: Mapping[int, Sequence[int]], *, threads: int | None = None) -> Model:
+    """`model` with the routed experts host[layer] (main layer ids -> global expert ids) of each
+    listed layer moved to host banks (`HybridExperts`); other layers and the parameters of everything
+    else are unchanged (shared, not copied). `Placement.host_map()` gives `host` from a plan."""
+    module = model.module()
+    n_layers = len(module.layers)
+    for layer, ids in host.items():
+        if not 0 <= int(layer) < n_layers:
+            raise ValueError(f"layer {layer}: host experts are placed in main layers 0..{n_layers - 1}")
+        moe = module.layers[int(layer)].ffn
+        if not isinstance(moe, MoE) or type(moe.experts) is not Experts:
+            raise ValueError(f"layer {layer}: expected a MoE layer with device experts, found {type(moe.experts)}")
+        moe.experts = HybridExperts(moe.experts, ids, dtype=model.dtype, threads=threads)
+    return Model(*nnx.split(module))
+
+
+def host_banks(model: Model) -> dict[int, ExpertBank]:
+    """main layer id -> the host bank of each hybrid layer of `model`."""
+    return {i: layer.ffn.experts.bank for i, layer in enumerate(model.module().layers)
+            if isinstance(layer.ffn.experts, HybridExperts)}

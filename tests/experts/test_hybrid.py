@@ -1,0 +1,119 @@
+"""Hybrid MoE layers (experts split between the device and host banks) compute what the all-device
+model does: per layer in every storage, the logits of a tiny model, vmap, clear errors; the engine's
+greedy tokens (slow). On the CPU: float32 within 1e-6 (the host GEMV sums in another order than
+XLA's dot), bfloat16 within one bf16 rounding of an intermediate."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jdspark.checkpoint.loader import load_model
+from jdspark.checkpoint.synthetic import write_checkpoint
+from jdspark.config import EngineConfig, QuantConfig, tiny_config
+from jdspark.engine.engine import Engine
+from jdspark.engine.request import SamplingParams
+from jdspark.experts.hybrid import HybridExperts, host_banks, with_host_experts
+from jdspark.model.model import Model
+from jdspark.model.quantized import Storage
+from tests.conftest import SPEC_CONFIG, generate_to_end
+from tests.model.test_quantized import BASE, FLASH, random_experts, routing
+
+CFG = tiny_config(num_hidden_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1)
+HOST = {0: [1, 2, 5], 2: list(range(8))}  # part of layer 0, all of layer 2 (no device part there)
+CALL = jax.jit(lambda m, x, w, i: m(x, w, i))
+
+
+def rel(a, b) -> float:
+    return float(np.abs(np.asarray(a) - np.asarray(b)).max() / np.abs(np.asarray(b)).max())
+
+
+def bf16_valued(model: Model) -> Model:
+    """`model` with its float routed experts rounded to bf16 values (what a host bank holds)."""
+    module = model.module()
+    for layer in module.layers:
+        for name in ("w1", "w3", "w2"):
+            w = getattr(layer.ffn.experts, name).weight
+            w[...] = w[...].astype(jnp.bfloat16).astype(w.dtype)
+    return Model(*nnx.split(module))
+
+
+@pytest.mark.parametrize("storage", [Storage(), FLASH, Storage(experts="fp8"), BASE],
+                         ids=["float", "fp4", "fp8", "fp8_f32"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_layer_equals_device_experts(storage, dtype):
+    ex = random_experts(storage, dtype, seed=3)
+    if storage.experts is None and dtype == jnp.float32:
+        for name in ("w1", "w3", "w2"):
+            w = getattr(ex, name).weight
+            w[...] = w[...].astype(jnp.bfloat16).astype(jnp.float32)
+    rng = np.random.default_rng(4)
+    for host in ([0, 3, 4, 9], list(range(12))):
+        hybrid = HybridExperts(ex, host, dtype=dtype)
+        assert (hybrid.w1 is None) == (len(host) == 12) and len(hybrid.bank.expert_ids) == len(host)
+        for rows, pool in [(1, 3), (6, 12), (17, 5)]:
+            idx, w = routing(rng, rows, 12, 3, pool)
+            x = jnp.asarray(rng.standard_normal((rows, 256)), dtype)
+            args = (x, jnp.asarray(w), jnp.asarray(idx))
+            want, got = CALL(ex, *args), CALL(hybrid, *args)
+            assert got.dtype == jnp.float32 and got.shape == want.shape
+            assert rel(got, want) <= (1e-6 if dtype == jnp.float32 else 2 ** -7), (host, rows)
+
+
+def test_vmap_is_one_batched_call():
+    ex = random_experts(FLASH, jnp.float32, seed=1)
+    hybrid = HybridExperts(ex, [2, 7], dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    idx, w = routing(rng, 8, 12, 3, 6)
+    x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
+    batched = jax.jit(jax.vmap(lambda x, w, i: hybrid(x, w, i)))
+    got = batched(x.reshape(2, 4, 256), jnp.asarray(w).reshape(2, 4, 3), jnp.asarray(idx).reshape(2, 4, 3))
+    assert rel(got.reshape(8, 256), CALL(ex, x, jnp.asarray(w), jnp.asarray(idx))) <= 1e-6
+
+
+def test_errors():
+    ex = random_experts(Storage(), jnp.float32, seed=2)
+    with pytest.raises(ValueError, match="not bfloat16 values"):
+        HybridExperts(ex, [1], dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"in \[0, 12\)"):
+        HybridExperts(ex, [12], dtype=jnp.float32)
+    model = Model.random(CFG, "bfloat16")
+    with pytest.raises(ValueError, match="main layers 0..2"):
+        with_host_experts(model, {3: [0]})
+
+
+@pytest.fixture(scope="module")
+def fp4_checkpoint(tmp_path_factory):
+    cfg = CFG.replace(expert_dtype="fp4", quantization=QuantConfig())
+    return write_checkpoint(cfg, tmp_path_factory.mktemp("fp4"), seed=1, progress=False)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["float", "fp4"])
+def test_model_logits_equal_the_all_device_model(quantized, fp4_checkpoint):
+    model = load_model(fp4_checkpoint, "float32", progress=False) if quantized \
+        else bf16_valued(Model.random(CFG, "float32", seed=1))
+    hybrid = with_host_experts(model, HOST)
+    assert sorted(host_banks(hybrid)) == [0, 2]
+    ids = np.random.default_rng(0).integers(0, CFG.vocab_size, 20)
+    assert rel(hybrid.logits(ids), model.logits(ids)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_engine_greedy_tokens_equal_and_nothing_recompiles(compile_counter):
+    """Target-only and speculative (width 2) decoding of a hybrid model emit the all-device
+    model's greedy tokens; after the first request nothing compiles."""
+    model = bf16_valued(Model.random(SPEC_CONFIG, "float32", seed=3))
+    hybrid = with_host_experts(model, {0: [0, 3, 6], 2: [1, 2]})
+    prompt = np.array([5, 9, 2, 14, 7, 7, 1, 12], np.int32)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    config = EngineConfig(max_seq_len=64, gamma=5, max_batch=2)
+    want = generate_to_end(Engine(model, config, prefill_chunk=16, speculative=False), prompt, greedy).token_ids
+    engine = Engine(hybrid, config, prefill_chunk=16, widths=(2,), width_policy=lambda confidence: 2)
+    counts = []
+    for _ in range(2):
+        for speculative in (False, True):
+            engine.set_policy(speculative=speculative, width_policy=lambda confidence: 2)
+            assert generate_to_end(engine, prompt, greedy).token_ids == want, speculative
+        counts.append(compile_counter.count)
+    assert counts[1] == counts[0]
