@@ -10,6 +10,7 @@ its decode and step[k] executables into the selector's D and V(k).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,6 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import numpy as np
+
+from jdspark.drafter import dspark
+from jdspark.engine.executables import slot_inputs
+from jdspark.model import state
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +78,32 @@ def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path
 
 def _fmt(costs: dict[str, float]) -> str:
     return ", ".join(f"{label}={c * 1e3:.2f}ms" for label, c in costs.items())
+
+
+def measure_bucket(engine, n: int) -> dict[str, float]:
+    """{"decode": s, "step{k}": s} of an engine's batch bucket n: rows 0..n-1 active at full width,
+    greedy, on emptied state; cached per device kind, model, dtype, engine config and bucket."""
+    config, exe = engine.config, engine.exe.buckets[n]
+    active = np.arange(config.max_batch) < n
+    zeros = np.zeros(n, np.int32)
+    slots = slot_inputs(anchor=zeros, active=np.ones(n, bool), temperature=np.zeros(n, np.float32), top_k=zeros,
+                        top_p=np.ones(n, np.float32), seed=zeros, counter=zeros, slot=np.arange(n),
+                        width=np.full(n, config.gamma))
+    calls = {"decode": exe.decode, **{f"step{k}": exe.step[k] for k in sorted(exe.step)}}
+
+    def run(label):
+        out, engine.state, engine.draft_cache = calls[label](engine.exe.params.arrays, engine.state,
+                                                             engine.draft_cache, slots)
+        jax.block_until_ready(out)
+
+    def reset():
+        engine.state = state.reset_slots(engine.state, active)
+        engine.draft_cache = dspark.reset_draft_slots(engine.draft_cache, active)
+        jax.block_until_ready((engine.state, engine.draft_cache))
+
+    key = cost_key(engine.model.config.to_dict(), str(engine.model.dtype), {**dataclasses.asdict(config), "bucket": n})
+    options = engine.options
+    cache_dir = Path(options.cost_cache_dir) if options.cost_cache_dir else None
+    measured = load_or_measure(key, run, list(calls), options.profile_runs, cache_dir, options.reprofile, reset)
+    reset()
+    return measured

@@ -1,11 +1,13 @@
-"""The engine: slots of requests over one decode state; a step = choose the width, then draft and
-verify in one executable call.
+"""The engine: slots of requests over one decode state; a step = prefill one chunk of the prompts
+still coming in (if any), then choose each running request's width and draft + verify them all in
+one executable call of the smallest batch bucket that holds them.
 
 The host owns the bookkeeping (which slot holds which request, its tokens, stop conditions,
-statistics); the device owns the model state. Per step only (n_accepted, token) per slot, the
+statistics); the device owns the model state. Per call only (n_accepted, token) per row, the
 drafted tokens and their confidences come back to the host, as one small array. Requests join a
-free slot (prefill in chunks of `prefill_chunk`, other slots idle in that call) and leave it when
-they finish.
+free slot and leave it when they finish. `add_many` prefills its prompts at once (offline use);
+`admit` spreads them over the coming steps, `prefill_budget` prompt tokens per step, so running
+requests keep decoding while a new one is prefilled (serving).
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import numpy as np
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import costs
+from jdspark.engine.batch import PendingPrompt, call_inputs, call_slots, prefill_inputs
 from jdspark.engine.errors import CapacityError, EngineError
-from jdspark.engine.executables import Executables, read_output, slot_inputs
+from jdspark.engine.executables import Executables, read_output
 from jdspark.engine.options import SpecOptions, WidthPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
 from jdspark.engine.sequence import Sequence
 from jdspark.engine.stats import LogCounters, RowRecord, StepRecord
+from jdspark.engine.widths import executable_width, row_widths
 from jdspark.model import state
 from jdspark.model.model import Model
 from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
@@ -47,9 +51,11 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig, *, tokenizer: Tokenizer | None = None,
                  speculative: bool = True, prefill_chunk: int = 256, options: SpecOptions = SpecOptions(),
                  width_policy: WidthPolicy | None = None, widths: tuple[int, ...] | None = None,
-                 implementation: str = "auto", pack_params: bool | None = None):
+                 implementation: str = "auto", pack_params: bool | None = None, prefill_budget: int | None = None):
         """`tokenizer` turns tokens into text deltas and enables stop strings; `widths`: the step
-        widths to compile (default 0..gamma; only 0 without speculation); `width_policy` overrides
+        widths to compile (default 0..gamma; only 0 without speculation; a row's width rounds up to
+        the next compiled one's executable); `prefill_budget`: prompt tokens a `step` prefills
+        (whole chunks of `prefill_chunk`; default one chunk); `width_policy` overrides
         the width choice (a function of a request's stale confidences); `implementation` ("auto",
         "pallas", "xla") picks the Pallas kernels or their jnp references (rejection sampler,
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
@@ -65,11 +71,15 @@ class Engine:
         self.state, self.draft_cache = self._fresh_state()
         self._slots: list[Sequence | None] = [None] * config.max_batch
         self._slot_of: dict[int, int] = {}  # request id -> slot
+        self._pending: dict[int, PendingPrompt] = {}  # slot -> prompt still being prefilled, oldest first
         self._next_id = 0
+        self.prefill_rows = max(1, (prefill_budget or self.exe.prefill_chunk) // self.exe.prefill_chunk)
         start = time.perf_counter()
         self.exe.compile(self.state, self.draft_cache)
-        log.info("compiled %d executables in %.1f s", 2 + len(self.exe.step), time.perf_counter() - start)
-        self.selector: AdaptiveWidth | None = None
+        log.info("compiled %d executables (batch buckets %s) in %.1f s", self.exe.count, list(config.buckets),
+                 time.perf_counter() - start)
+        self.selector: AdaptiveWidth | None = None  # the largest bucket's; `selectors` has every bucket's
+        self.selectors: dict[int, AdaptiveWidth] = {}
         self.width_policy = self._width_policy(width_policy, widths)
         self.last_step: StepRecord | None = None
         self._log = LogCounters()
@@ -103,15 +113,16 @@ class Engine:
             return lambda confidence: width
         if set(widths) != set(range(gamma + 1)):
             raise EngineError(f"adaptive width needs every width 0..{gamma} compiled, got {widths}")
-        verify_costs, draft_cost = self._measure_costs()
-        self.selector = AdaptiveWidth(verify_costs, draft_cost, gamma)
+        self.selectors = {n: AdaptiveWidth(*self._measure_costs(n), gamma) for n in self.config.buckets}
+        self.selector = self.selectors[max(self.selectors)]
         return self.selector
 
     def _fresh_state(self):
         """Empty decode state and draft cache (None without a drafter) for every slot."""
         draft_cache = None
         if self.model.config.dspark is not None:
-            draft_cache = dspark.init_draft_cache(self.model.config, self.config.max_batch, self.model.dtype)
+            draft_cache = self.model.on_devices(
+                dspark.init_draft_cache(self.model.config, self.config.max_batch, self.model.dtype))
         return self.model.init_state(self.config), draft_cache
 
     def reset(self) -> list[Delta]:
@@ -122,42 +133,25 @@ class Engine:
                   for seq in self._slots if seq is not None]
         self._slots = [None] * self.config.max_batch
         self._slot_of.clear()
+        self._pending.clear()
         self.state, self.draft_cache = self._fresh_state()
         return failed
 
-    def _measure_costs(self) -> tuple[list[float], float]:
-        """(V(0..gamma), D) for the selector: a step[k] call drafts and verifies, so it costs
-        S(k) = D + V(k) as a whole; D is S(0) less a plain decode call (the same verification without
-        the draft), and V(k) = S(k) - D. The selector's E(k) / (D + V(k)) is then E(k) / S(k)."""
-        measured = self.measure_call_costs()
+    def _measure_costs(self, bucket: int) -> tuple[list[float], float]:
+        """(V(0..gamma), D) of a batch bucket for the selector: a step[k] call drafts and verifies,
+        so it costs S(k) = D + V(k) as a whole; D is S(0) less a plain decode call (the same
+        verification without the draft), and V(k) = S(k) - D. E(k) / (D + V(k)) is then E(k) / S(k)."""
+        measured = self.measure_call_costs(bucket)
         step = [measured[f"step{k}"] for k in sorted(self.exe.step)]
         draft = max(step[0] - measured["decode"], 0.0)
         return [s - draft for s in step], draft
 
-    def measure_call_costs(self) -> dict[str, float]:
-        """Seconds per synchronised call of `decode` and of each step[k] ("step{k}"), every slot
-        active, each call on emptied state (`jdspark.engine.costs`: median of `profile_runs`, cached
-        unless `reprofile`); runs before any request is admitted."""
-        active = np.ones(self.config.max_batch, bool)
-        slots = self._slot_inputs(np.zeros(self.config.max_batch, np.int32), active)
-        calls = {"decode": self.exe.decode, **{f"step{k}": self.exe.step[k] for k in sorted(self.exe.step)}}
-
-        def run(label):
-            out, self.state, self.draft_cache = calls[label](self.exe.params.arrays, self.state, self.draft_cache,
-                                                             slots)
-            jax.block_until_ready(out)
-
-        def reset():
-            self.state = state.reset_slots(self.state, active)
-            self.draft_cache = dspark.reset_draft_slots(self.draft_cache, active)
-            jax.block_until_ready((self.state, self.draft_cache))
-
-        key = costs.cost_key(self.model.config.to_dict(), str(self.model.dtype), dataclasses.asdict(self.config))
-        cache_dir = Path(self.options.cost_cache_dir) if self.options.cost_cache_dir else None
-        measured = costs.load_or_measure(key, run, list(calls), self.options.profile_runs, cache_dir,
-                                         self.options.reprofile, reset)
-        reset()
-        return measured
+    def measure_call_costs(self, bucket: int | None = None) -> dict[str, float]:
+        """Seconds per synchronised call of `decode` and of each step[k] ("step{k}") of a batch
+        bucket (default the largest), every row active at full width, each call on emptied state
+        (`costs.measure_bucket`: median of `profile_runs`, cached unless `reprofile`); runs before
+        any request is admitted."""
+        return costs.measure_bucket(self, bucket or max(self.config.buckets))
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, prompt_ids, params: SamplingParams) -> Delta:
@@ -166,8 +160,19 @@ class Engine:
         return self.add_many([(prompt_ids, params)])[0]
 
     def add_many(self, requests: list[tuple[object, SamplingParams]]) -> list[Delta]:
-        """Admit several requests at once (their prompts are prefilled together); returns each
-        one's first Delta. Every request is checked before any is admitted."""
+        """Admit several requests and prefill them now, together (running requests wait); returns
+        each one's first Delta. Every request is checked before any is admitted."""
+        ids = self.admit(requests)
+        deltas: dict[int, Delta] = {}
+        while any(self._slot_of.get(rid) in self._pending for rid in ids):
+            mine = [b for b in self._pending if self._slots[b].request_id in ids]
+            deltas.update(self._prefill_call(mine[:max(self.config.buckets)]))
+        return [deltas[rid] for rid in ids]
+
+    def admit(self, requests: list[tuple[object, SamplingParams]]) -> list[int]:
+        """Admit requests into free slots without prefilling them: the coming `step`s prefill
+        their prompts (`prefill_budget` tokens per step, running requests decoding meanwhile) and
+        return each one's first Delta with the step that finishes its prompt. Their request ids."""
         prompts = [self.check_prompt(ids, params) for ids, params in requests]
         for _, params in requests:
             if params.stop and self.tokenizer is None:
@@ -176,49 +181,41 @@ class Engine:
         if len(free) < len(requests):
             raise CapacityError(f"{len(requests)} request(s) but only {len(free)} of {self.config.max_batch} "
                                 "slots are free")
-        slots = free[:len(requests)]
-        for b, ids, (_, params) in zip(slots, prompts, requests):
-            self._admit(b, len(ids), params)
-        first, invalid = self._prefill(slots, prompts)
-        deltas = []
-        for b in slots:
-            seq = self._slots[b]
-            seq.stats.time_to_first_token_s = time.perf_counter() - seq.started
-            deltas.append(self._emit(b, [int(first[b])], bool(invalid[b])))
-        return deltas
+        return [self._admit(b, ids, params) for b, ids, (_, params) in zip(free, prompts, requests)]
 
-    def _admit(self, b: int, prompt_len: int, params: SamplingParams) -> None:
+    def _admit(self, b: int, prompt: np.ndarray, params: SamplingParams) -> int:
         seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(2 ** 32))
         rid, self._next_id = self._next_id, self._next_id + 1
-        self._slots[b] = Sequence(rid, prompt_len, params, seed=seed, gamma=self.config.gamma,
+        self._slots[b] = Sequence(rid, len(prompt), params, seed=seed, gamma=self.config.gamma,
                                   eos_token_id=self.model.config.eos_token_id, tokenizer=self.tokenizer,
                                   breaker=self._new_breaker())
         self._slot_of[rid] = b
+        self._pending[b] = PendingPrompt(prompt)
+        return rid
 
-    def _prefill(self, slots: list[int], prompts: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-        """Prefill the prompts into their slots in chunks (other slots idle); each slot's first token,
-        and whether any of its chunks came back invalid (non-finite logits)."""
-        chunk, batch = self.exe.prefill_chunk, self.config.max_batch
-        first, invalid = np.zeros(batch, np.int32), np.zeros(batch, bool)
-        sampling = self._slot_inputs(np.zeros(batch, np.int32), np.zeros(batch, bool))
-        for start in range(0, max(len(p) for p in prompts), chunk):
-            batch_ids = np.zeros((batch, chunk), np.int32)
-            n_valid = np.zeros(batch, np.int32)
-            reset = np.zeros(batch, bool)
-            for b, ids in zip(slots, prompts):
-                piece = ids[start:start + chunk]
-                batch_ids[b, :len(piece)] = piece
-                n_valid[b], reset[b] = len(piece), start == 0
-            token, self.state, self.draft_cache = self.exe.prefill(self.exe.params.arrays, self.state,
-                                                                   self.draft_cache, batch_ids, n_valid, reset,
-                                                                   sampling)
-            out = read_output(token, self.config.gamma)
-            for b, ids in zip(slots, prompts):
-                if start < len(ids):
-                    invalid[b] |= out.invalid[b]
-                if start < len(ids) <= start + chunk:  # this chunk held the prompt's last token
-                    first[b] = out.token[b]
-        return first, invalid
+    def _prefill_call(self, live: list[int]) -> dict[int, Delta]:
+        """One prefill call: the next chunk of each of these slots' prompts, in the smallest bucket
+        that holds them. A prompt that ends in it gets its first token (its first Delta)."""
+        bucket = self.config.bucket(len(live))
+        rows = call_slots(live, bucket, self.config.max_batch)
+        ids, n_valid, reset = prefill_inputs(rows, self._pending, self.exe.prefill_chunk)
+        out, self.state, self.draft_cache = self.exe.buckets[bucket].prefill(
+            self.exe.params.arrays, self.state, self.draft_cache, ids, n_valid, reset,
+            call_inputs(rows, self._slots, set()))
+        out = read_output(out, self.config.gamma)
+        deltas = {}
+        for i, b in enumerate(rows.tolist()):
+            pending = self._pending.get(b) if b in live else None
+            if pending is None:
+                continue
+            pending.done += int(n_valid[i])
+            pending.invalid |= bool(out.invalid[i])
+            if pending.done == len(pending.ids):
+                del self._pending[b]
+                seq = self._slots[b]
+                seq.stats.time_to_first_token_s = time.perf_counter() - seq.started
+                deltas[seq.request_id] = self._emit(b, [int(out.token[i])], pending.invalid)
+        return deltas
 
     def check_prompt(self, prompt_ids, params: SamplingParams) -> np.ndarray:
         """The prompt as int32 ids, or a typed EngineError (`request.check_prompt`). Reads only the
@@ -235,6 +232,7 @@ class Engine:
         b = self._slot_of.pop(request_id, None)
         if b is not None:
             self._slots[b] = None
+            self._pending.pop(b, None)
 
     def complete(self, first: list[Delta]) -> list[Completion]:
         """Step until the requests of these first Deltas (from `add` / `add_many`) finish; their
@@ -290,52 +288,60 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> dict[int, Delta]:
-        """One draft + verify (one executable call) for every running request; returns each one's
-        Delta by request id. Finished requests' slots are free afterwards.
+        """One step: a prefill call for the prompts still coming in (`prefill_budget` tokens), then
+        one draft + verify call for every running request. Returns each request's Delta by request
+        id (a request whose prompt ended here gets its first). Finished requests' slots are free
+        afterwards; `last_step` is the verify call's record (None when only a prefill ran).
 
-        The width comes from confidences the host already holds (the previous step's), so the
-        choice never waits on the device and never sees the block it applies to. Speculation is
-        skipped (a plain decode step, no drafting) when every running request's breaker is cooling
-        down.
+        Widths come from confidences the host already holds (the previous step's), so the choice
+        never waits on the device and never sees the block it applies to. Speculation is skipped
+        (a plain decode call, no drafting) when every running request's breaker is cooling down.
         """
-        active = [b for b, seq in enumerate(self._slots) if seq is not None]
-        if not active:
-            return {}
+        self.last_step = None
+        running = [b for b, seq in enumerate(self._slots) if seq is not None and b not in self._pending]
+        deltas = self._prefill_call(list(self._pending)[:self.prefill_rows]) if self._pending else {}
+        if running:
+            deltas.update(self._verify_call(running))
+        return deltas
+
+    def _verify_call(self, active: list[int]) -> dict[int, Delta]:
         started = time.perf_counter()
-        mask = np.zeros(self.config.max_batch, bool)
-        mask[active] = True
-        anchor = np.zeros(self.config.max_batch, np.int32)
-        for b in active:
-            anchor[b] = self._slots[b].anchor
+        bucket = self.config.bucket(len(active))
         stale = {b: self._slots[b].confidence for b in active}  # the previous step's: what the choice reads
-        width, call = self._choose(active, stale)
+        width, widths, call = self._choose(stale, bucket)
+        rows = call_slots(active, bucket, self.config.max_batch)
         out, self.state, self.draft_cache = call(self.exe.params.arrays, self.state, self.draft_cache,
-                                                 self._slot_inputs(anchor, mask))
+                                                 call_inputs(rows, self._slots, set(active), widths))
         n_acc, token, drafts, confidence, invalid = read_output(out, self.config.gamma)
+        row_of = {b: i for i, b in enumerate(rows.tolist())}
         sequences = {b: self._slots[b] for b in active}
         deltas = {}
         for b in active:
-            new = [*drafts[b, :n_acc[b]].tolist(), int(token[b])] if width else [int(token[b])]
-            deltas[sequences[b].request_id] = self._emit(b, new, bool(invalid[b]))
-        cost = self.cost_summary()
-        rows = tuple(RowRecord(seq.request_id, stale[b], int(n_acc[b]), deltas[seq.request_id].tokens)
-                     for b, seq in sequences.items())
-        record = StepRecord(width, time.perf_counter() - started, rows, cost["draft_cost_s"],
-                            None if cost["verify_costs_s"] is None else tuple(cost["verify_costs_s"]))
-        for (b, seq), row in zip(sequences.items(), rows):
-            seq.record(record, row, None if confidence is None else confidence[b])
+            i = row_of[b]
+            new = [*drafts[i, :n_acc[i]].tolist(), int(token[i])] if width else [int(token[i])]
+            deltas[sequences[b].request_id] = self._emit(b, new, bool(invalid[i]))
+        cost = self.cost_summary(bucket)
+        records = tuple(RowRecord(seq.request_id, stale[b], int(n_acc[row_of[b]]), deltas[seq.request_id].tokens,
+                                  widths.get(b, 0)) for b, seq in sequences.items())
+        record = StepRecord(width, time.perf_counter() - started, records, cost["draft_cost_s"],
+                            None if cost["verify_costs_s"] is None else tuple(cost["verify_costs_s"]), bucket)
+        for (b, seq), row in zip(sequences.items(), records):
+            seq.record(record, row, None if confidence is None else confidence[row_of[b]])
         self._publish(record)
         return deltas
 
-    def _choose(self, active: list[int], stale: dict[int, np.ndarray]):
-        """(width, executable) for this step: the widest any running request's policy chose."""
-        if not (self.speculative and any([self._slots[b].speculates() for b in active])):
-            return 0, self.exe.decode
-        width = max(self.width_policy(stale[b]) for b in active)
-        if width not in self.exe.step:
-            raise EngineError(f"the width policy chose k={width}, but only widths {sorted(self.exe.step)} "
-                              "were compiled")
-        return width, self.exe.step[width]
+    def _choose(self, stale: dict[int, np.ndarray], bucket: int):
+        """(executable width, {slot: width}, executable) for this step (`jdspark.engine.widths`)."""
+        speculating = {b: self._slots[b].speculates() for b in stale}
+        calls = self.exe.buckets[bucket]
+        if not (self.speculative and any(speculating.values())):
+            return 0, {}, calls.decode
+        adaptive = self.selector is not None and self.width_policy is self.selector
+        policy = self.selectors[bucket] if adaptive else self.width_policy
+        widths = row_widths(self.options.batch_widths, stale, speculating, policy,
+                            self.selectors.get(bucket) if adaptive else None)
+        width = executable_width(widths, calls.step)
+        return width, widths, calls.step[width]
 
     def _publish(self, record: StepRecord) -> None:
         """Hand the step's record to the readers outside the requests: the log line, recorders."""
@@ -347,10 +353,12 @@ class Engine:
             log.info("%s", self._log.summary())
             self._log = LogCounters()
 
-    def cost_summary(self) -> dict:
-        """D and V(k) (seconds) the width policy in use reads; None when it is no AdaptiveWidth
-        (a fixed width, or a policy of the caller's)."""
+    def cost_summary(self, bucket: int | None = None) -> dict:
+        """D and V(k) (seconds) the width policy in use reads at a batch bucket (default the
+        largest); None when it is no AdaptiveWidth (a fixed width, or a policy of the caller's)."""
         policy = self.width_policy
+        if policy is self.selector and self.selector is not None:
+            policy = self.selectors[bucket or max(self.selectors)]
         if not isinstance(policy, AdaptiveWidth):
             return {"draft_cost_s": None, "verify_costs_s": None}
         return {"draft_cost_s": policy.draft_cost, "verify_costs_s": policy.verify_costs.tolist()}
@@ -370,18 +378,3 @@ class Engine:
             self._slots[b] = None
             del self._slot_of[delta.request_id]
         return delta
-
-    def _slot_inputs(self, anchor: np.ndarray, active: np.ndarray) -> np.ndarray:
-        """Every per-slot input of a call (`executables.slot_inputs`); idle slots get greedy
-        defaults. The counter makes every call's noise fresh (it counts the request's own steps, so
-        its noise does not depend on other requests)."""
-        n = self.config.max_batch
-        temperature, top_k, top_p = np.zeros(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32)
-        seed, counter = np.zeros(n, np.uint32), np.zeros(n, np.int32)
-        for b, seq in enumerate(self._slots):
-            if seq is not None:
-                p = seq.params
-                temperature[b], top_k[b], top_p[b] = p.temperature, p.top_k, p.top_p
-                seed[b], counter[b] = seq.seed, seq.steps
-        return slot_inputs(anchor=anchor, active=active, temperature=temperature, top_k=top_k, top_p=top_p,
-                           seed=seed, counter=counter)

@@ -5,13 +5,21 @@
 - decode: one plain target step (no drafting): the width-0 verification, which emits one token;
 - step[k] for k = 0..gamma: one DSpark proposal (gamma tokens, their distributions q, confidences)
   and, in the same executable, the target extend over [anchor, first k drafts], exact rejection
-  sampling, commit of the accepted prefix + 1 in the target state and the committed rows'
-  features pushed into the drafter's context. Width 0 drafts too: its confidences choose the next
-  step's width.
+  sampling with each row at its own width <= k (the `width` slot input), commit of the accepted
+  prefix + 1 in the target state and the committed rows' features pushed into the drafter's
+  context. Width 0 drafts too: its confidences choose the next step's width.
+
+Batch buckets: each of these exists once per batch size n in `EngineConfig.buckets`. A call's n
+rows name their state slots (the `slot` input); the executable gathers those rows of the one
+full-size decode state and draft cache, runs on them and scatters them back (in place: both are
+donated). The largest bucket covers every slot in order and skips the gather. Why a gather rather
+than compacting the slots: requests finish in any order, and moving a finished request's
+neighbour would copy its whole state anyway; the gather copies only the n rows a step runs, so a
+lone request on a 16-slot engine pays for one row, and the state stays one array per buffer.
 
 One executable per engine step, one small array in and one out: each call costs host time on its
 own (argument handling, launch), and each device-to-host read waits for the device. Per-slot
-inputs go in as `slot_inputs` (int32 [B, 7], floats bit-cast), results come back as one int32
+inputs go in as `slot_inputs` (int32 [n, 9], floats bit-cast), results come back as one int32
 array: per slot n_accepted, the emitted token, the invalid flag (1: the slot's logits, temperature
 or draft probabilities were not finite; its token is -1 and it must end with an error), then for
 step[k] the gamma drafted tokens and the gamma confidences (float32 bits); `read_output` splits it
@@ -24,15 +32,17 @@ race and, through the model graph (`hyper.with_implementation`), the mHC Sinkhor
 Every function takes the parameters as an argument (never baked in as constants; on the GPU packed
 into a few buffers, `jdspark.engine.packed`, since each argument buffer costs host time per call),
 donates the decode state and the draft cache, and draws its randomness on the device from per-slot
-(seed, counter) keys, so a request's samples depend only on its own seed and step (and on the
-width its batch verifies: widths are batch-wide today). All noise comes from
-`sampling.exponential_noise` / `sampling.uniform_noise`.
+(seed, counter) keys, so a request's samples depend only on its own seed, step and width (the
+uniforms are drawn gamma-long and sliced, so the executable's width does not change them). All
+noise comes from `sampling.exponential_noise` / `sampling.uniform_noise`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import jax
@@ -52,7 +62,8 @@ from pallas_kernels import resolve_implementation
 _PREFILL, _DRAFT, _VERIFY = 1, 2, 3  # key purposes: independent streams per kind of draw
 # Per-slot inputs of every call, in column order, with the dtype each is bit-cast from (active: 0/1).
 SLOT_FIELDS = {"anchor": jnp.int32, "active": jnp.int32, "temperature": jnp.float32, "top_k": jnp.int32,
-               "top_p": jnp.float32, "seed": jnp.uint32, "counter": jnp.int32}
+               "top_p": jnp.float32, "seed": jnp.uint32, "counter": jnp.int32, "slot": jnp.int32,
+               "width": jnp.int32}
 
 
 @struct.dataclass
@@ -64,6 +75,16 @@ class SlotSampling:
     top_p: jax.Array  # f32, 1 = off
     seed: jax.Array  # u32
     counter: jax.Array  # i32: the slot's step number, so every call draws fresh noise
+
+
+class Rows(NamedTuple):
+    """A call's rows on the device: which state slot each is, and its per-row inputs ([n] each)."""
+
+    slot: jax.Array  # i32: the decode-state slot the row reads and writes
+    anchor: jax.Array  # i32: the last emitted token
+    active: jax.Array  # bool: the row runs (False: padding, its slot is left as it was)
+    width: jax.Array  # i32: drafts this row verifies (clipped to the executable's width)
+    sampling: SlotSampling
 
 
 class StepOutput(NamedTuple):
@@ -78,16 +99,30 @@ class StepOutput(NamedTuple):
 
 
 def slot_inputs(**fields) -> np.ndarray:
-    """Every per-slot input of a call (the SLOT_FIELDS, each [B]) as one int32 [B, 7] host array."""
+    """Every per-row input of a call (the SLOT_FIELDS, each [n]) as one int32 [n, 9] host array."""
     return np.stack([np.asarray(fields[name], dtype).view(np.int32) for name, dtype in SLOT_FIELDS.items()], axis=1)
 
 
-def unpack_slots(slots: jax.Array) -> tuple[jax.Array, jax.Array, SlotSampling]:
-    """slot_inputs on the device -> (anchor [B], active [B] bool, SlotSampling)."""
+def unpack_slots(slots: jax.Array) -> Rows:
+    """slot_inputs on the device -> Rows."""
     column = {name: jax.lax.bitcast_convert_type(slots[:, i], dtype)
               for i, (name, dtype) in enumerate(SLOT_FIELDS.items())}
     sampling = SlotSampling(**{name: column[name] for name in ("temperature", "top_k", "top_p", "seed", "counter")})
-    return column["anchor"], column["active"] != 0, sampling
+    return Rows(column["slot"], column["anchor"], column["active"] != 0, column["width"], sampling)
+
+
+def _gather(tree, rows: Rows, batch: int):
+    """The rows' slots of a full-batch pytree (the whole tree when the rows are every slot)."""
+    if tree is None or rows.slot.shape[0] == batch:
+        return tree
+    return jax.tree.map(lambda a: a[rows.slot], tree)
+
+
+def _scatter(tree, part, rows: Rows, batch: int):
+    """`part` written back into the rows' slots of the full-batch `tree` (in place when donated)."""
+    if tree is None or rows.slot.shape[0] == batch:
+        return part
+    return jax.tree.map(lambda a, p: a.at[rows.slot].set(p), tree, part)
 
 
 def read_output(out, gamma: int) -> StepOutput:
@@ -128,8 +163,26 @@ def _exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jax.vmap(lambda k: exponential_noise(k, shape))(keys)
 
 
+@dataclasses.dataclass
+class Bucket:
+    """The executables of one batch size."""
+
+    prefill: jax.stages.Compiled | None = None
+    decode: jax.stages.Compiled | None = None
+    step: dict[int, jax.stages.Compiled] = dataclasses.field(default_factory=dict)
+
+
+def compile_all(lowered: dict) -> dict:
+    """Compile lowered programs in parallel (XLA compiles outside the GIL): start-up on a many-core
+    host is the longest compilation, not the sum."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
+        futures = {key: pool.submit(program.compile) for key, program in lowered.items()}
+    return {key: future.result() for key, future in futures.items()}
+
+
 class Executables:
-    """AOT-compiled prefill, decode and step[k] for one model, engine config and prefill chunk."""
+    """AOT-compiled prefill, decode and step[k] per batch bucket, for one model, engine config and
+    prefill chunk."""
 
     def __init__(self, model: Model, engine: EngineConfig, prefill_chunk: int, implementation: str,
                  widths: tuple[int, ...], pack_params: bool):
@@ -146,9 +199,28 @@ class Executables:
         self.feature_layers = self.dspark.target_layer_ids if self.dspark else ()
         self.prefill_chunk = prefill_chunk
         self.widths = widths
-        self.prefill = None
-        self.decode = None
-        self.step: dict[int, jax.stages.Compiled] = {}
+        self.buckets = {n: Bucket() for n in engine.buckets}
+
+    @property
+    def largest(self) -> Bucket:
+        """The bucket of every slot (what benchmarks of a full batch call)."""
+        return self.buckets[max(self.buckets)]
+
+    @property
+    def prefill(self):
+        return self.largest.prefill
+
+    @property
+    def decode(self):
+        return self.largest.decode
+
+    @property
+    def step(self) -> dict[int, jax.stages.Compiled]:
+        return self.largest.step
+
+    @property
+    def count(self) -> int:
+        return sum(2 + len(b.step) for b in self.buckets.values())
 
     def compile(self, decode, draft_cache) -> None:
         """Lower and compile every executable for these (example) arguments' shapes.
@@ -164,25 +236,38 @@ class Executables:
 
     def _compile(self, decode, draft_cache) -> None:
         params = self.params.arrays
-        b = decode.batch
-        ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
-        counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
-        slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)
-        self.prefill = jax.jit(self._prefill, donate_argnums=(1, 2)).lower(
-            params, decode, draft_cache, ids, counts, flags, slots).compile()
-        self.decode = jax.jit(self._decode, donate_argnums=(1, 2)).lower(params, decode, draft_cache, slots).compile()
-        for k in self.widths:
-            self.step[k] = jax.jit(self.step_function(k), donate_argnums=(1, 2)).lower(
-                params, decode, draft_cache, slots).compile()
+        # Outputs keep the inputs' layout (on a mesh too), so a compiled step never sees another one.
+        def layout(tree):
+            return jax.tree.map(lambda a: a.sharding, tree)
+
+        kept = dict(donate_argnums=(1, 2), out_shardings=(decode.length.sharding, layout(decode), layout(draft_cache)))
+        lowered = {}
+        for b in self.buckets:
+            ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
+            counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
+            slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)
+            lowered[b, "prefill"] = jax.jit(self._prefill, **kept).lower(
+                params, decode, draft_cache, ids, counts, flags, slots)
+            lowered[b, "decode"] = jax.jit(self._decode, **kept).lower(params, decode, draft_cache, slots)
+            for k in self.widths:
+                lowered[b, k] = jax.jit(self.step_function(k), **kept).lower(
+                    params, decode, draft_cache, slots)
+        for (b, name), compiled in compile_all(lowered).items():
+            if name in ("prefill", "decode"):
+                setattr(self.buckets[b], name, compiled)
+            else:
+                self.buckets[b].step[name] = compiled
 
     def module(self, arrays):
         """The model module over one call's parameter arrays (`params.arrays`), inside a trace."""
         return nnx.merge(self.graphdef, self.params.unpack(arrays))
 
-    def _prefill(self, params, decode, draft_cache, ids, n_valid, reset, slots):
+    def _prefill(self, params, full_state, full_cache, ids, n_valid, reset, slots):
         model = self.module(params)
-        _, _, sampling = unpack_slots(slots)
-        decode = state.reset_slots(decode, reset)
+        rows = unpack_slots(slots)
+        sampling, batch = rows.sampling, full_state.batch
+        decode = state.reset_slots(_gather(full_state, rows, batch), reset)
+        draft_cache = _gather(full_cache, rows, batch)
         logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
         if draft_cache is not None:
             draft_cache = dspark.push_context(model, dspark.reset_draft_slots(draft_cache, reset), features, n_valid)
@@ -192,25 +277,29 @@ class Executables:
         verdict = rejection_sample(last, jnp.zeros((b, 0, v), jnp.float32), jnp.zeros((b, 0), jnp.int32),
                                    jnp.zeros((b, 0), jnp.float32), noise, sampling.temperature, sampling.top_k,
                                    sampling.top_p, implementation=self.implementation)  # width 0: a draw from p
-        return pack_output(verdict), decode, draft_cache
+        return (pack_output(verdict), _scatter(full_state, decode, rows, batch),
+                _scatter(full_cache, draft_cache, rows, batch))
 
-    def _decode(self, params, decode, draft_cache, slots):
-        anchor, active, sampling = unpack_slots(slots)
-        b = anchor.shape[0]
+    def _decode(self, params, full_state, full_cache, slots):
+        rows, batch = unpack_slots(slots), full_state.batch
+        b = rows.anchor.shape[0]
         no_drafts = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, self.config.vocab_size), jnp.float32)
-        verdict, decode, draft_cache = self.verify(self.module(params), decode, draft_cache, anchor, active,
-                                                   sampling, *no_drafts)
-        return pack_output(verdict), decode, draft_cache
+        verdict, decode, draft_cache = self.verify(self.module(params), _gather(full_state, rows, batch),
+                                                   _gather(full_cache, rows, batch), rows, *no_drafts)
+        return (pack_output(verdict), _scatter(full_state, decode, rows, batch),
+                _scatter(full_cache, draft_cache, rows, batch))
 
     def step_function(self, k: int):
-        """The (uncompiled) step[k]: propose gamma drafts, verify the first k."""
-        def step(params, decode, draft_cache, slots):
+        """The (uncompiled) step[k]: propose gamma drafts, verify each row's first min(width, k)."""
+        def step(params, full_state, full_cache, slots):
             model = self.module(params)
-            anchor, active, sampling = unpack_slots(slots)
-            proposal = self.propose(model, draft_cache, anchor, sampling)
-            verdict, decode, draft_cache = self.verify(model, decode, draft_cache, anchor, active, sampling,
-                                                       proposal.tokens[:, :k], proposal.q[:, :k])
-            return pack_output(verdict, proposal.tokens, proposal.confidence), decode, draft_cache
+            rows, batch = unpack_slots(slots), full_state.batch
+            decode, draft_cache = _gather(full_state, rows, batch), _gather(full_cache, rows, batch)
+            proposal = self.propose(model, draft_cache, rows.anchor, rows.sampling)
+            verdict, decode, draft_cache = self.verify(model, decode, draft_cache, rows, proposal.tokens[:, :k],
+                                                       proposal.q[:, :k])
+            return (pack_output(verdict, proposal.tokens, proposal.confidence),
+                    _scatter(full_state, decode, rows, batch), _scatter(full_cache, draft_cache, rows, batch))
         return step
 
     def propose(self, model, draft_cache, anchor, sampling: SlotSampling) -> dspark.Proposal:
@@ -218,18 +307,20 @@ class Executables:
         noise = _exponentials(_keys(sampling, _DRAFT), (self.gamma, self.config.vocab_size))
         return dspark.propose(model, draft_cache, anchor, sampling.temperature, sampling.top_k, sampling.top_p, noise)
 
-    def verify(self, model, decode, draft_cache, anchor, active, sampling: SlotSampling, drafts, q):
-        """Target extend over [anchor, drafts], exact rejection sampling, commit, drafter context.
-        -> (Verdict, decode, draft_cache)."""
+    def verify(self, model, decode, draft_cache, rows: Rows, drafts, q):
+        """Target extend over [anchor, drafts] (each row's first width + 1 count), exact rejection
+        sampling at each row's width, commit, drafter context. -> (Verdict, decode, draft_cache)."""
         k = drafts.shape[1]
-        ids = jnp.concatenate([anchor[:, None], drafts], axis=1)
-        logits, features, decode = model.extend(ids, decode, jnp.where(active, k + 1, 0), self.feature_layers)
+        sampling, width = rows.sampling, jnp.clip(rows.width, 0, k)
+        ids = jnp.concatenate([rows.anchor[:, None], drafts], axis=1)
+        logits, features, decode = model.extend(ids, decode, jnp.where(rows.active, width + 1, 0),
+                                                self.feature_layers)
         keys = _keys(sampling, _VERIFY)
-        uniforms = jax.vmap(lambda key: uniform_noise(jax.random.fold_in(key, 0), (k,)))(keys)
+        uniforms = jax.vmap(lambda key: uniform_noise(jax.random.fold_in(key, 0), (self.gamma,)))(keys)[:, :k]
         noise = jax.vmap(lambda key: exponential_noise(jax.random.fold_in(key, 1), (self.config.vocab_size,)))(keys)
         verdict = rejection_sample(logits, q, drafts, uniforms, noise, sampling.temperature, sampling.top_k,
-                                   sampling.top_p, implementation=self.implementation)
-        n_keep = jnp.where(active, verdict.n_accepted + 1, 0)
+                                   sampling.top_p, width, implementation=self.implementation)
+        n_keep = jnp.where(rows.active, verdict.n_accepted + 1, 0)
         decode = state.commit(decode, n_keep)
         if draft_cache is not None:
             draft_cache = dspark.push_context(model, draft_cache, features, n_keep)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 WidthPolicy = Callable[[np.ndarray], int]  # stale confidences [gamma] of one request -> width k
+BATCH_WIDTHS = ("per_request", "padded", "budget")  # how a batch's rows get widths: jdspark.engine.widths
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,3 +26,8 @@ class SpecOptions:
     cost_cache_dir: str | None = None
     reprofile: bool = False
     log_every: int = 0  # steps between engine log lines (0: never)
+    batch_widths: str = "per_request"
+
+    def __post_init__(self):
+        if self.batch_widths not in BATCH_WIDTHS:
+            raise ValueError(f"batch_widths={self.batch_widths!r}: use one of {', '.join(BATCH_WIDTHS)}")

@@ -42,8 +42,8 @@ class Sequence:
         """What the engine learned of this request in a step (before its tokens are emitted)."""
         self.steps += 1
         self.stats.record(step, row)
-        if step.width and self.breaker is not None:
-            self.breaker.record(row.n_accepted, step.width)
+        if row.width and self.breaker is not None:
+            self.breaker.record(row.n_accepted, row.width)
             self.stats.fallback_trips = self.breaker.trips
         if confidence is not None:
             self.confidence = confidence

@@ -20,20 +20,28 @@ class RowRecord:
     stale_confidence: np.ndarray  # [gamma]: what the width choice read (the previous proposal's)
     n_accepted: int  # drafts accepted (0 when the step verified none)
     emitted: tuple[int, ...]  # tokens the request received, after its stop conditions
+    width: int = 0  # drafts this request verified (its own width; at most the step's)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    width: int  # drafts verified per request (0: a plain decode step, or width 0)
-    seconds: float  # host wall time of the whole step
+    width: int  # the executable's width: the widest any row verified (0: a plain decode step, or width 0)
+    seconds: float  # host wall time of the verify call
     rows: tuple[RowRecord, ...]
     draft_cost_s: float | None  # D the width selector used (None: fixed width)
     verify_costs_s: tuple[float, ...] | None  # V(0..gamma) the selector used
+    bucket: int = 0  # the batch bucket the call ran in
+
+    @property
+    def drafted(self) -> int:
+        """Drafts verified in this step, over all its rows."""
+        return sum(r.width for r in self.rows)
 
     def as_dict(self) -> dict:
-        return {"width": self.width, "seconds": self.seconds,
+        return {"width": self.width, "bucket": self.bucket, "seconds": self.seconds,
                 "rows": [{"request_id": r.request_id, "stale_confidence": r.stale_confidence.tolist(),
-                          "n_accepted": r.n_accepted, "emitted": list(r.emitted)} for r in self.rows]}
+                          "n_accepted": r.n_accepted, "width": r.width, "emitted": list(r.emitted)}
+                         for r in self.rows]}
 
 
 @dataclasses.dataclass
@@ -76,8 +84,8 @@ class CompletionStats:
     def record(self, step: StepRecord, row: RowRecord) -> None:
         self.steps += 1
         self.emitted_by_steps += row.n_accepted + 1
-        self.widths[step.width] += 1
-        for i in range(step.width):
+        self.widths[row.width] += 1
+        for i in range(row.width):
             self.verified_at[i] += 1
             self.accepted_at[i] += i < row.n_accepted
         self.draft_cost_s = step.draft_cost_s
@@ -104,7 +112,7 @@ class LogCounters:
         self.steps += 1
         self.tokens += sum(len(r.emitted) for r in step.rows)
         self.seconds += step.seconds
-        self.drafted += step.width * len(step.rows)
+        self.drafted += step.drafted
         self.accepted += sum(r.n_accepted for r in step.rows)
         self.widths[step.width] = self.widths.get(step.width, 0) + 1
         self.last = step

@@ -93,7 +93,7 @@ def init_state(config: DSV4Config, engine: EngineConfig, dtype) -> DecodeState:
             compressor=compressor(ratio, config.head_dim) if kind != "window" else None,
             indexer=compressor(CSA_RATIO, config.index_head_dim) if kind == "csa" else None))
     zeros = jnp.zeros((b,), jnp.int32)
-    return DecodeState(layers=tuple(layers), length=zeros, written=zeros)
+    return DecodeState(layers=tuple(layers), length=zeros, written=jnp.zeros((b,), jnp.int32))  # distinct: both are donated
 
 
 def commit(state: DecodeState, n_keep: jax.Array) -> DecodeState:

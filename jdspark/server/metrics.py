@@ -50,7 +50,7 @@ class Metrics:
             return
         accepted = [row.n_accepted for row in step.rows]
         self.num_drafts.inc(len(accepted))
-        self.num_draft_tokens.inc(step.width * len(accepted))
+        self.num_draft_tokens.inc(step.drafted)
         self.num_accepted_tokens.inc(sum(accepted))
         for i in range(max(accepted, default=0)):
             self.accepted_per_pos.labels(position=str(i)).inc(sum(n > i for n in accepted))
