@@ -37,6 +37,8 @@ def _generator(args, max_batch: int = 1):
     from jdspark.engine.engine import SpecOptions
     from jdspark.engine.executables import enable_compile_cache
     from jdspark.generator import Generator
+    from jdspark.parallel import distributed
+    distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
     model = _model_dir(args)
     enable_compile_cache()
     width = None if args.width == "adaptive" else int(args.width)
@@ -44,7 +46,9 @@ def _generator(args, max_batch: int = 1):
                           fallback_min_drafted=args.fallback_min_drafted, fallback_cooldown=args.fallback_steps,
                           reprofile=args.reprofile, log_every=args.log_every)
     return Generator.from_pretrained(model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
-                                     max_seq_len=args.max_seq_len, max_batch=max_batch, options=options)
+                                     max_seq_len=args.max_seq_len, max_batch=max_batch, options=options,
+                                     tensor_parallel_size=args.tensor_parallel_size,
+                                     expert_parallel_size=args.expert_parallel_size)
 
 
 def _prompt_and_params(args):
@@ -56,12 +60,17 @@ def _prompt_and_params(args):
 
 
 def _generate(args) -> int:
+    import jax
     prompt, params = _prompt_and_params(args)
     generator = _generator(args)
+    show = jax.process_index() == 0  # every process runs the same steps; process 0 prints them
     run = generator.run(prompt, params)
     for delta in run:
-        print(delta, end="", flush=True)
+        if show:
+            print(delta, end="", flush=True)
     completion = run.completion
+    if not show:
+        return 0
     print("" if completion.text is not None else ",".join(map(str, completion.token_ids)))
     if args.stats:
         print(json.dumps(completion.stats.as_dict(), indent=1), file=sys.stderr)
@@ -83,11 +92,15 @@ def _serve(args) -> int:
     import logging
     from pathlib import Path
 
+    import jax
     import uvicorn
 
     from jdspark.server.app import create_app
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     generator = _generator(args, max_batch=args.max_running)
+    if jax.process_count() > 1:
+        raise ValueError("serve runs in one process (it can use every GPU of its host: --tp / --ep); across "
+                         "processes the other processes would need the scheduler's requests, which is not built")
     if generator.tokenizer is None:
         raise ValueError(f"{_model_dir(args)} has no tokenizer.json; the server needs one to read and write text")
     name = args.served_model_name or Path(_model_dir(args)).name
@@ -122,6 +135,18 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fallback-steps", type=int, default=64)
     p.add_argument("--reprofile", action="store_true", help="measure V(k) again instead of using the cache")
     p.add_argument("--log-every", type=int, default=0, help="engine log line every N steps")
+    _add_parallel_options(p)
+
+
+def _add_parallel_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1,
+                   help="devices the attention heads, output groups, vocabulary and expert width are split over")
+    p.add_argument("--expert-parallel-size", "--ep", type=int, default=1,
+                   help="devices the routed experts are split over (tp x ep devices in all)")
+    p.add_argument("--coordinator-address", help="HOST:PORT of process 0, to run as one of several processes "
+                                                 "(jax.distributed; default $JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, help="processes in all (default $JAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, help="this process's id, 0..num_processes-1 (default $JAX_PROCESS_ID)")
 
 
 def _convert(args) -> int:

@@ -13,6 +13,7 @@ from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.engine.errors import EngineError
 from jdspark.engine.request import Completion, SamplingParams
 from jdspark.model.model import Model
+from jdspark.parallel.mesh import make_mesh
 from jdspark.tokenizer.tokenizer import Tokenizer
 
 
@@ -40,11 +41,15 @@ class Generator:
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, speculative: bool = True, gamma: int | None = None,
-                        dtype: str = "bfloat16", max_seq_len: int = 4096, **engine_options) -> "Generator":
+                        dtype: str = "bfloat16", max_seq_len: int = 4096, tensor_parallel_size: int = 1,
+                        expert_parallel_size: int = 1, **engine_options) -> "Generator":
         """Load a checkpoint directory (config.json, safetensors, optional tokenizer.json); without
-        a path, the embedded default model (`jdspark.assets`)."""
+        a path, the embedded default model (`jdspark.assets`). With tensor_parallel_size x
+        expert_parallel_size > 1 the model is sharded over that many devices (`jdspark.parallel`:
+        heads, groups, vocabulary and expert width over tensor, routed experts over expert)."""
+        mesh = make_mesh(tensor_parallel_size, expert_parallel_size)
         path = default_model_dir() if path is None else path
-        model = load_model(path, dtype=dtype)
+        model = load_model(path, dtype=dtype, mesh=mesh)
         tokenizer_file = Path(path) / "tokenizer.json"
         tokenizer = None
         if tokenizer_file.exists():
