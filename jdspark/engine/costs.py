@@ -26,6 +26,7 @@ import numpy as np
 from jdspark.drafter import dspark
 from jdspark.engine.executables import slot_inputs
 from jdspark.model import state
+from jdspark.parallel import distributed
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +64,15 @@ def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path
                     reset=lambda: None, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """{label: seconds} from the cache file of `key` when it holds these labels, else measured and stored."""
     path = (cache_dir or default_cache_dir()) / f"{key}.json"
-    if path.exists() and not reprofile:
+    # Several processes run every call together, so all measure (none reads a cache it alone may
+    # have) and all take process 0's figures: every process then chooses the same widths.
+    if path.exists() and not reprofile and jax.process_count() == 1:
         data = json.loads(path.read_text())
         if data.get("labels") == list(labels):
             costs = dict(zip(data["labels"], data["costs_s"]))
             log.info("costs from %s: %s", path, _fmt(costs))
             return costs
-    costs = dict(zip(labels, measure(run, labels, runs, reset, clock)))
+    costs = dict(zip(labels, distributed.from_process_0(measure(run, labels, runs, reset, clock))))
     log.info("profiled costs (median of %d runs): %s", runs, _fmt(costs))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"labels": list(labels), "costs_s": list(costs.values()), "runs": runs}, indent=1))
@@ -101,7 +104,9 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
         engine.draft_cache = dspark.reset_draft_slots(engine.draft_cache, active)
         jax.block_until_ready((engine.state, engine.draft_cache))
 
-    key = cost_key(engine.model.config.to_dict(), str(engine.model.dtype), {**dataclasses.asdict(config), "bucket": n})
+    mesh = {"mesh": dict(engine.model.mesh.shape)} if engine.model.mesh is not None else {}  # other executables
+    key = cost_key(engine.model.config.to_dict(), str(engine.model.dtype), {**dataclasses.asdict(config), "bucket": n,
+                                                                           **mesh})
     options = engine.options
     cache_dir = Path(options.cost_cache_dir) if options.cost_cache_dir else None
     measured = load_or_measure(key, run, list(calls), options.profile_runs, cache_dir, options.reprofile, reset)
