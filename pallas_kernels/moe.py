@@ -53,17 +53,18 @@ class Tiles:
     step_fp4: int = 256
     num_warps: int = 4
     num_stages: int = 2
-    decode: str = "select"  # E2M1 codes by float selects ("select") or from float32 bit patterns ("bits")
-    form: str = "dot"  # "dot": rows padded to 16, tl.dot; "gemv": per-row products and sums (<= GEMV_MAX_ROWS rows)
+    decode: str = "select"  # the dot form's E2M1 decode: float selects ("select") or float32 bit patterns ("bits")
+    gemv_rows: int = 0  # calls of at most this many rows (<= GEMV_MAX_ROWS) take the gemv form, the rest tl.dot
 
     def step(self, fmt: str) -> int:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
 
 
 # The tiling `moe` uses unless given one: the fastest of bench_decode --sweep on the H200 (2026-12-01,
-# Flash dims, ds_fp4, R = 1 and 6: 0.44 / 1.64 ms per layer against 0.57 / 1.79 for num_stages=2).
-TILES = Tiles(num_stages=4)
-GEMV_MAX_ROWS = 8  # the gemv form unrolls its rows in the kernel; calls with more take the dot form
+# Flash dims, ds_fp4, one layer: the dot form at R = 6, 1.67 ms, against 1.71-2.43 for nine gemv
+# tilings; the gemv form at R = 1, 0.31 ms, against 0.45 for the dot form).
+TILES = Tiles(num_stages=4, gemv_rows=1)
+GEMV_MAX_ROWS = 8  # the gemv form unrolls its rows in the kernel
 MAX_ELEMENTS = 2 ** 31  # a stored array the kernels index must have int32 offsets
 
 
@@ -136,7 +137,7 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
     f = w1[0].shape[1]
     if not supported(fmt, d, f, r, tiles, w1[0].shape[0]):
         raise ValueError(f"moe kernel: unsupported sizes fmt={fmt} D={d} F={f} rows={r}; use ref_moe")
-    if tiles.form == "gemv" and r <= GEMV_MAX_ROWS:
+    if r <= min(tiles.gemv_rows, GEMV_MAX_ROWS):
         return _combine(_moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles), slot)
     dtype = x.dtype
     rp = max(16, 1 << (r - 1).bit_length())
@@ -328,8 +329,7 @@ def _gemv_partials(fmt, e, row0, c, act, w_refs, rows, dtype, tiles) -> list[jax
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
         b = packed_ref[e, w_rows, blocks, :].astype(jnp.int32) & 0xFF  # [out, nb, 16]
         s = _scale_f32(scale_ref[e, w_rows, blocks, 0])  # [out, nb]
-        e2m1 = _e2m1_bits if tiles.decode == "bits" else _e2m1
-        lo, hi = e2m1(b & 0xF), e2m1(b >> 4)
+        lo, hi = _e2m1_bits(b & 0xF), _e2m1_bits(b >> 4)  # bits: 0.31 against 0.45 ms by selects (R = 1)
         parts = []
         for i in range(rows):
             even, odd = act(i, blocks)  # [nb, 16] each

@@ -237,7 +237,7 @@ PATCHES["before"] = PATCHES["ref_moe"] + PATCHES["dequant_linear"]
 EXPERTS_IMPLEMENTATION = {"pallas": "pallas", "xla": "xla", "ref_moe": "xla", "before": "xla"}
 PATCHES["pallas"] = PATCHES["xla"] = []
 # "pallas_dot": the kernel's former default tiling (the dot form), to compare with the tiling in use.
-PATCHES["pallas_dot"] = [(moe_kernels, "TILES", moe_kernels.Tiles(num_stages=4))]
+PATCHES["pallas_dot"] = [(moe_kernels, "TILES", dataclasses.replace(moe_kernels.TILES, gemv_rows=0))]
 EXPERTS_IMPLEMENTATION["pallas_dot"] = "pallas"
 
 
@@ -341,12 +341,10 @@ def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[d
     return out, experts
 
 
-_GEMV = dict(form="gemv")
-SWEEP = [moe_kernels.Tiles(num_stages=4), moe_kernels.Tiles(num_stages=2, **_GEMV), moe_kernels.Tiles(num_stages=4, **_GEMV),
-         moe_kernels.Tiles(out=16, num_stages=3, **_GEMV), moe_kernels.Tiles(out=64, num_warps=8, num_stages=3, **_GEMV),
-         moe_kernels.Tiles(step_fp4=512, num_warps=8, num_stages=3, **_GEMV), moe_kernels.Tiles(num_stages=4, decode="bits", **_GEMV),
-         moe_kernels.Tiles(out=64, step_fp4=128, num_stages=4, decode="bits", **_GEMV),
-         moe_kernels.Tiles(out=16, step_fp4=512, num_stages=4, **_GEMV), moe_kernels.Tiles(out=128, step_fp4=128, num_warps=8, num_stages=3, **_GEMV)]
+_GEMV = dict(gemv_rows=moe_kernels.GEMV_MAX_ROWS)  # the gemv form at every row count the sweep times
+SWEEP = [moe_kernels.Tiles(num_stages=4), moe_kernels.Tiles(num_stages=4, **_GEMV), moe_kernels.Tiles(num_stages=2, **_GEMV),
+         moe_kernels.Tiles(out=16, num_stages=3, **_GEMV), moe_kernels.Tiles(out=64, step_fp4=128, num_stages=4, **_GEMV),
+         moe_kernels.Tiles(out=64, num_warps=8, num_stages=3, **_GEMV)]
 
 
 def _median_ms(fn, args, runs) -> float:
