@@ -140,7 +140,7 @@ class Experts(nnx.Module):
     def _sharded(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """Expert parallelism (shard_map): tokens and routing are replicated; each device holds
         E / ep experts (and F / tp of their width), computes its experts' contributions through the
-        gather path with the other experts' weights zeroed, sums the width pieces over `tensor`
+        gather path (routing weights of other devices' experts zeroed), sums the width pieces over `tensor`
         (fp32, before the rounding to x.dtype, as unsharded) and its experts over `expert`."""
         graphdef, params = nnx.split(self)
         n_local = self.n_experts // self.mesh.shape[EXPERT]

@@ -31,7 +31,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     if count < 1 or not 0 <= rank < count:
         raise ValueError(f"process_id={rank} with num_processes={count}: need num_processes >= 1 and "
                          f"0 <= process_id < num_processes (one distinct id per process)")
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if hasattr(jax.config, "jax_cpu_collectives_implementation"):  # CPU only; gloo is the default where present
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=address, num_processes=count, process_id=rank)
     return True
 

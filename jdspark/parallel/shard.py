@@ -11,7 +11,9 @@ from jax.sharding import Mesh
 from jdspark.model.model import Model
 from jdspark.model.moe import Experts
 from jdspark.parallel import rules
-from jdspark.parallel.mesh import make_mesh, place
+from jdspark.parallel.mesh import TENSOR, make_mesh, place
+
+QAT_BLOCK = 128  # the FP8 activation blocks of `Experts` under qat_sim, computed per device in shard_map
 
 
 def shard_model(model: Model, tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
@@ -28,6 +30,12 @@ def on_mesh(model: Model, mesh: Mesh) -> Model:
     if model.mesh is not None:
         raise ValueError("the model is already sharded; shard the unsharded model once")
     rules.check_config(model.config, mesh)
+    width = model.config.moe_intermediate_size // mesh.shape[TENSOR]
+    if model.qat_sim and width % QAT_BLOCK:
+        raise ValueError(f"qat_sim rounds the expert activations in blocks of {QAT_BLOCK}, but tensor_parallel_size="
+                         f"{mesh.shape[TENSOR]} leaves {width} of moe_intermediate_size="
+                         f"{model.config.moe_intermediate_size} per device; use a tensor_parallel_size that leaves "
+                         f"a multiple of {QAT_BLOCK}")
     params = jax.tree.map(place, model.params, rules.shardings(model.params, mesh))
     return Model(with_mesh(model.graphdef, params, mesh), params, mesh=mesh)
 

@@ -88,3 +88,11 @@ def test_distributed_flags_are_checked_before_jax_starts(monkeypatch):
     with pytest.raises(ValueError, match="num_processes is needed"):
         distributed.initialize("localhost:1234", process_id=0)
     assert distributed.from_process_0([1.5, 2.0]) == [1.5, 2.0]
+
+
+def test_qat_simulation_needs_whole_activation_blocks_per_device():
+    from jdspark.model.model import Model
+    from jdspark.parallel.shard import on_mesh
+    model = Model.random(tiny_config(num_hidden_layers=1, num_hash_layers=1, compress_ratios=(0, 0)), "float32", qat_sim=True)
+    with pytest.raises(ValueError, match="leaves 64 of moe_intermediate_size=128 per device"):
+        on_mesh(model, SizesOnly(tensor=2))
