@@ -12,6 +12,7 @@ checkpoint raises one clear `CheckpointError` and never yields a half-loaded mod
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import jax
@@ -26,6 +27,7 @@ from jdspark.checkpoint.formats import TensorSpec, config_with, detect_storage, 
 from jdspark.checkpoint.names import Piece, locate
 from jdspark.checkpoint.safetensors_io import CheckpointDir, CheckpointError
 from jdspark.config import DSV4Config
+from jdspark.experts import hybrid
 from jdspark.model.dequant import fp4_dequant, fp8_block_dequant
 from jdspark.model.model import Model
 from jdspark.model.quantized import Storage, abstract_model
@@ -33,6 +35,8 @@ from jdspark.parallel import rules
 from jdspark.parallel.mesh import place
 from jdspark.parallel.shard import on_mesh
 
+log = logging.getLogger(__name__)
+ON_HOST = "host"  # a leaf's placement: left in host memory (routed experts that go to host banks)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _DEQUANT = {"fp4": jax.jit(fp4_dequant, static_argnums=2), "fp8": jax.jit(fp8_block_dequant, static_argnums=2)}
 
@@ -47,13 +51,17 @@ def read_config(path: str | Path) -> DSV4Config:
 
 
 def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False, dequantize: bool = False,
-               progress: bool = True, mesh: Mesh | None = None) -> Model:
+               progress: bool = True, mesh: Mesh | None = None, gpu_memory: float | None = None,
+               routing_counts=None) -> Model:
     """Load a DeepSeek-V4 checkpoint directory. dtype: "bfloat16" (serving) or "float32" (parity).
     Quantized weights stay compact on the device and are dequantized inside the jitted forward;
     `dequantize=True` expands them to `dtype` at load instead (debugging). `qat_sim=True` builds the
     model with the reference's FP8 / FP4 QAT rounding simulated (spec §5.8; `Model.qat_sim`).
     `mesh` (`jdspark.parallel.mesh.make_mesh`): each parameter goes straight to its shards
-    (`jdspark.parallel.rules`), so no device ever holds the whole model."""
+    (`jdspark.parallel.rules`), so no device ever holds the whole model.
+    `gpu_memory` (bytes of weights on the one GPU): the routed experts beyond it live in host banks
+    and run on the CPU (`jdspark.experts.hybrid`; `routing_counts` [layers, experts] keep the hottest
+    on the GPU, else routing is taken as uniform); the placement is logged."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
     path = Path(path)
@@ -61,6 +69,9 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
         if dequantize:
             raise CheckpointError(f"{path}: a converted checkpoint restores its stored layout; "
                                   f"convert again with --dequantize instead")
+        if gpu_memory is not None:
+            raise CheckpointError(f"{path}: gpu_memory places experts while reading a safetensors checkpoint; "
+                                  "load the original checkpoint instead of the converted one")
         model = orbax_io.restore(path, dtype=dtype, qat_sim=qat_sim)
         return model if mesh is None else on_mesh(model, mesh)
     config = read_config(path)
@@ -78,6 +89,15 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
         rules.check_config(config, mesh)
         rules.check(state, mesh)
         placement = {leaf: NamedSharding(mesh, rules.spec_of(leaf)) for leaf in leaves}
+    hosted = None
+    if gpu_memory is not None:
+        if mesh is not None:
+            raise ValueError("gpu_memory (host experts next to one GPU) and mesh (sharding) do not combine: give one")
+        hosted, report = hybrid.plan_for(leaves, gpu_memory, top_k=config.num_experts_per_tok, counts=routing_counts)
+        log.info(report)
+        if progress:
+            tqdm.write(report)
+        placement = dict.fromkeys(hybrid.host_leaves(hosted, leaves), ON_HOST)
     values = _read(ckpt, plan, specs, leaves, config, progress, placement)
     for leaf, array in values.items():
         node = pure
@@ -85,6 +105,8 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
             node = node[key]
         node[leaf[-1]] = array
     nnx.replace_by_pure_dict(state, pure)
+    if hosted is not None:
+        return hybrid.with_host_experts(Model(graphdef, state), hosted.host_map())
     return Model(graphdef, state) if mesh is None else on_mesh(Model(graphdef, state), mesh)
 
 
@@ -161,17 +183,20 @@ class _Staging:
         return not any(self.left.values())
 
     def finish(self, leaf_path: tuple, config: DSV4Config, sharding=None) -> jax.Array:
-        """The parameter on the device, or laid out by `sharding` (its pieces only on their devices)."""
+        """The parameter on the device, or laid out by `sharding` (its pieces only on their devices),
+        or in host memory (`ON_HOST`)."""
         spec = self.specs[leaf_path]
         if spec.dequant:
             scale = self.parts[(*leaf_path[:-1], "scale")]
             array = _DEQUANT[spec.fmt](self.parts[leaf_path], scale, self.leaf.dtype)
-            return array if sharding is None else place(array, sharding)
+            return array if sharding is None or sharding is ON_HOST else place(array, sharding)
         array = np.asarray(self.parts[leaf_path])
         if leaf_path[-1] == "tid2eid" and (array.min() < 0 or array.max() >= config.n_routed_experts):
             raise CheckpointError(f"{spec.name()}: expert ids must lie in [0, {config.n_routed_experts}), "
                                   f"found {array.min()}..{array.max()}")
         array = array.astype(self.leaf.dtype, copy=False)
+        if sharding is ON_HOST:
+            return array
         if sharding is not None:
             return place(array, sharding)
         # device_put copies (jnp.asarray may alias host memory on the CPU: here, the mapped file)

@@ -31,6 +31,7 @@ from flax import nnx
 
 from jdspark.experts.banks import ExpertBank
 from jdspark.experts.cpu_gemv import host_callback
+from jdspark.experts.placement import Placement, plan_placement
 from jdspark.model.model import Model
 from jdspark.model.moe import Experts, MoE, expert_slots, routing_matrix, swiglu
 from pallas_kernels import interpret_mode
@@ -140,3 +141,39 @@ def host_banks(model: Model) -> dict[int, ExpertBank]:
     """main layer id -> the host bank of each hybrid layer of `model`."""
     return {i: layer.ffn.experts.bank for i, layer in enumerate(model.module().layers)
             if isinstance(layer.ffn.experts, HybridExperts)}
+
+
+def is_main_expert(path: tuple) -> bool:
+    """Whether the parameter at `path` is a routed-expert array of a main layer (what can move to the host)."""
+    return len(path) >= 5 and path[0] == "layers" and path[2:4] == ("ffn", "experts") and path[4] in ("w1", "w3", "w2")
+
+
+def plan_for(leaves: Mapping[tuple, jax.ShapeDtypeStruct], gpu_memory: float, *, top_k: int,
+             counts=None) -> tuple[Placement, str]:
+    """The placement of a model whose parameters are `leaves` (path -> shape) under `gpu_memory`
+    bytes of weights on the GPU, and its start-up report. Everything but the main layers' routed
+    experts stays on the GPU; the experts get what is left (`plan_placement`)."""
+    n_layers = 1 + max((p[1] for p in leaves if is_main_expert(p)), default=-1)
+    sizes = np.zeros((n_layers, 0), np.int64)
+    other = 0
+    for path, leaf in leaves.items():
+        nbytes = int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+        if not is_main_expert(path):
+            other += nbytes
+            continue
+        if sizes.shape[1] == 0:
+            sizes = np.zeros((n_layers, leaf.shape[0]), np.int64)
+        sizes[path[1]] += nbytes // leaf.shape[0]
+    if gpu_memory < other:
+        raise ValueError(f"gpu_memory={gpu_memory:.4g} bytes is less than the {other / 1e9:.3f} GB of weights that "
+                         f"are not routed experts (they stay on the GPU): raise it")
+    placement = plan_placement(sizes, gpu_memory - other, counts, top_k=top_k)
+    report = (f"placement: GPU {(other + placement.gpu_bytes) / 1e9:.2f} GB / host {placement.host_bytes / 1e9:.2f} GB, "
+              f"host share of routed uses {100 * placement.host_share:.1f}%; {placement.report()}")
+    return placement, report
+
+
+def host_leaves(placement: Placement, leaves) -> set[tuple]:
+    """The routed-expert parameters of the layers that hold host experts (read into host memory)."""
+    layers = set(placement.host_map())
+    return {p for p in leaves if is_main_expert(p) and p[1] in layers}

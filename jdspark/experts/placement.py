@@ -51,6 +51,11 @@ class Placement:
     def host_experts(self, layer: int) -> np.ndarray:
         return np.flatnonzero(~self.on_gpu[layer]).astype(np.int32)
 
+    def host_map(self) -> dict[int, list[int]]:
+        """model layer id -> its host experts, for the layers that have some (`with_host_experts`)."""
+        names = self.layer_ids or tuple(range(self.on_gpu.shape[0]))
+        return {names[i]: self.host_experts(i).tolist() for i in self.host_layers}
+
     def gpu_experts(self, layer: int) -> np.ndarray:
         return np.flatnonzero(self.on_gpu[layer]).astype(np.int32)
 
