@@ -16,7 +16,8 @@
 // weight is scaled and rounded to bf16 first, as the model's dequantization does.
 // Weight rows go through in groups (w1 and w3 of two features; four rows of w2) so each slice of
 // the inputs is read from L1 once per group: a row-at-a-time GEMV reads 4 B of fp32 input per
-// 0.5 B of fp4 weight. The SIMD path is compute-bound on AVX2 (about 5 GB/s of fp4 per core).
+// 0.5 B of fp4 weight. The SIMD path is compute-bound on AVX2 (about 5 GB/s of fp4 per core); ds_fp4
+// has an AVX-512 decoder (vpermps table, scales decoded 16 at a time), twice as fast on Zen 4.
 // Built at first use by jdspark/experts/cpu_gemv.py: g++ -O3 -march=native -fopenmp -shared.
 
 #include <cmath>
@@ -29,6 +30,11 @@
 #define JDS_AVX2 1
 #else
 #define JDS_AVX2 0
+#endif
+#if JDS_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define JDS_AVX512 1
+#else
+#define JDS_AVX512 0
 #endif
 
 namespace {
@@ -157,8 +163,49 @@ struct BlockBF16 {
   }
 };
 
+#if JDS_AVX512
+// ds_fp4 with AVX-512: vpermps with a 16-entry table decodes 16 codes per instruction straight to
+// E2M1 floats (it reads the low 4 bits of each index), so a 32-block costs one widening load, one
+// shift and two permutes, against pshufb + 4 widenings + 4 conversions on AVX2 (shuffle-port bound).
+template <int M, int NR>
+inline void dot_fp4_512(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out) {
+  const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, 0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  __m512 acc[M][NR];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
+  constexpr int CHUNK = 64;  // blocks whose scales are decoded ahead, 16 at a time (broadcast from memory below)
+  alignas(64) float sf[M][CHUNK];
+  for (int b0 = 0; b0 < K / 32; b0 += CHUNK) {
+    const int nb = K / 32 - b0 < CHUNK ? K / 32 - b0 : CHUNK;
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < nb; j += 16) {  // 2^(e - 127) is the float of bits e << 23 (e >= 1)
+        const uint8_t* sb = (const uint8_t*)s[m] + b0 + j;
+        const __m128i bytes = nb - j >= 16 ? _mm_loadu_si128((const __m128i*)sb) : _mm_maskz_loadu_epi8((1u << (nb - j)) - 1, sb);
+        _mm512_store_ps(sf[m] + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 23)));
+      }
+    for (int b = b0; b < b0 + nb; ++b) {
+      for (int m = 0; m < M; ++m) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w[m] + 16 * b)));
+        const __m512 even = _mm512_permutexvar_ps(q, lut), odd = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+        const __m512 sc = _mm512_set1_ps(sf[m][b - b0]);
+        for (int r = 0; r < NR; ++r) {  // inputs of a block: its 16 even elements, then its 16 odd ones
+          const float* x = xs[r] + 32 * b;
+          const __m512 t = _mm512_fmadd_ps(odd, _mm512_loadu_ps(x + 16), _mm512_mul_ps(even, _mm512_loadu_ps(x)));
+          acc[m][r] = _mm512_fmadd_ps(t, sc, acc[m][r]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < NR; ++r) out[m * NR + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+#endif
+
 template <class Dec, int M, int NR>
 inline void dot_multi(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out) {
+#if JDS_AVX512
+  if constexpr (std::is_same<Dec, BlockFP4>::value) return dot_fp4_512<M, NR>(w, s, K, xs, out);
+#endif
   constexpr bool ROUNDED = std::is_same<Dec, BlockFP8<true, true>>::value;
   __m256 acc[M][NR];
   for (int m = 0; m < M; ++m)
