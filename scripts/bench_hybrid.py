@@ -1,0 +1,132 @@
+"""One decode step of a Flash-dimension model with part of its routed experts in host banks.
+
+Builds the random model of `bench_decode.py` (weights drawn on the device, `--layers`, `--experts`,
+`--storage`), times `extend` at S rows with every expert on the device, then moves a fraction
+`--host-experts` of the experts of each of the first `--host-layers` layers to host banks
+(`jdspark.experts.hybrid.with_host_experts`) and times it again. Each host callback is timed from
+inside (the CPU GEMV and its plan) and counts the distinct host experts it read, so the host part
+is reported against its bytes at the host read bandwidth measured in the same run
+(`bench_bw.host_read`): `host_vs_read` = host ms / (bytes / read bandwidth), the issue's done-when
+asks <= 1.3. `round_trip_ms` = hybrid - all-device - host GEMV, per host layer: what a callback
+costs beyond its GEMV (transfers, synchronisation, the Python call).
+
+    PYTHONPATH=$PWD python scripts/bench_hybrid.py --layers 8 --host-experts 0.5 --rows 1 6 --json /tmp/h.json
+    PYTHONPATH=$PWD python scripts/bench_hybrid.py --preset tiny --layers 2 --rows 1 --runs 3   # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode import PRESETS, STORAGES, make_config, random_params, time_extend  # noqa: E402
+
+from jdspark.config import EngineConfig  # noqa: E402
+from jdspark.experts import bench_bw, cpu_gemv  # noqa: E402
+from jdspark.experts.hybrid import HybridExperts, with_host_experts  # noqa: E402
+from jdspark.model.model import Model  # noqa: E402
+
+
+class TimedCallback:
+    """A host callback that records (seconds, distinct host experts read) per call."""
+
+    def __init__(self, call, bank):
+        self.call, self.bank, self.calls = call, bank, []
+
+    def __call__(self, x, ids, weights):
+        start = time.perf_counter()
+        y = self.call(x, ids, weights)
+        held = self.bank.slot_of[np.asarray(ids).reshape(-1)]
+        self.calls.append((time.perf_counter() - start, len(np.unique(held[held >= 0]))))
+        return y
+
+
+def hybrid_params(model: Model, fraction: float, n_layers: int, seed: int):
+    """(graphdef, params, timers) of `model` with `fraction` of each of its first n_layers layers'
+    experts (random ones) in host banks, each callback timed."""
+    e = model.config.n_routed_experts
+    rng = np.random.default_rng(seed)
+    host = {layer: np.sort(rng.choice(e, max(1, round(fraction * e)), replace=False)).tolist()
+            for layer in range(n_layers)}
+    module = with_host_experts(model, host).module()
+    timers = []
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, HybridExperts):
+            node.host_forward = TimedCallback(node.host_forward, node.bank)
+            timers.append(node.host_forward)
+    graphdef, params = nnx.split(module)
+    return graphdef, params, timers
+
+
+def measure(args) -> dict:
+    config = make_config(args.preset, args.layers, args.experts, args.storage)
+    dtype = jax.numpy.dtype(args.dtype)
+    graphdef, params = random_params(config, dtype, STORAGES[args.storage])
+    engine = EngineConfig(max_seq_len=args.context + 16, gamma=5, max_batch=1)
+    n_host = min(args.host_layers or config.num_hidden_layers, config.num_hidden_layers)
+    threads = args.threads or cpu_gemv.default_threads()
+    read = bench_bw.host_read(args.read_mb << 20, threads, 5)
+    out = {"config": dict(preset=args.preset, layers=config.num_hidden_layers, experts=config.n_routed_experts,
+                          storage=args.storage, host_experts=args.host_experts, host_layers=n_host,
+                          context=args.context, threads=threads, device=str(jax.devices()[0].device_kind)),
+           "host_read_GBps": read["GBps"], "rows": []}
+    device_ms = {rows: time_extend(graphdef, params, config, engine, dtype, 1, rows, args.context, args.runs)[0]
+                 for rows in args.rows}
+    h_graphdef, h_params, timers = hybrid_params(Model(graphdef, params), args.host_experts, n_host, args.seed)
+    expert_bytes = timers[0].bank.weight_nbytes
+    for rows in args.rows:
+        for t in timers:
+            t.calls.clear()
+        hybrid_ms = time_extend(h_graphdef, h_params, config, engine, dtype, 1, rows, args.context, args.runs)[0]
+        calls = [c for t in timers for c in t.calls]
+        host_ms = statistics.median(s for s, _ in calls) * 1e3 * n_host
+        host_bytes = statistics.mean(n for _, n in calls) * expert_bytes * n_host
+        floor_ms = host_bytes / (read["GBps"] * 1e9) * 1e3
+        out["rows"].append(dict(rows=rows, device_ms=device_ms[rows], hybrid_ms=hybrid_ms, host_gemv_ms=host_ms,
+                                host_MB=host_bytes / 1e6, host_GBps=host_bytes / host_ms / 1e6,
+                                host_vs_read=host_ms / floor_ms,
+                                round_trip_ms=(hybrid_ms - device_ms[rows] - host_ms) / n_host))
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="flash")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=None)
+    ap.add_argument("--storage", choices=sorted(STORAGES), default="fp8+fp4")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--host-experts", type=float, default=0.5, help="share of a host layer's experts on the host")
+    ap.add_argument("--host-layers", type=int, default=None, help="layers with host experts (default: all)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 6])
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--read-mb", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not 0 < args.host_experts <= 1:
+        ap.error(f"--host-experts {args.host_experts}: expected a share in (0, 1]")
+    res = measure(args)
+    print(f"{res['config']}\nhost read {res['host_read_GBps']:.1f} GB/s")
+    print("rows  device ms  hybrid ms  host GEMV ms  host MB  host GB/s  host/read-floor  round trip ms/layer")
+    for r in res["rows"]:
+        print(f"{r['rows']:4d} {r['device_ms']:10.2f} {r['hybrid_ms']:10.2f} {r['host_gemv_ms']:13.2f} "
+              f"{r['host_MB']:8.1f} {r['host_GBps']:10.1f} {r['host_vs_read']:16.2f} {r['round_trip_ms']:20.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+    return res
+
+
+if __name__ == "__main__":
+    main()
