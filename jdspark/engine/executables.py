@@ -111,14 +111,14 @@ def unpack_slots(slots: jax.Array) -> Rows:
     return Rows(column["slot"], column["anchor"], column["active"] != 0, column["width"], sampling)
 
 
-def _gather(tree, rows: Rows, batch: int):
+def take_rows(tree, rows: Rows, batch: int):
     """The rows' slots of a full-batch pytree (the whole tree when the rows are every slot)."""
     if tree is None or rows.slot.shape[0] == batch:
         return tree
     return jax.tree.map(lambda a: a[rows.slot], tree)
 
 
-def _scatter(tree, part, rows: Rows, batch: int):
+def put_rows(tree, part, rows: Rows, batch: int):
     """`part` written back into the rows' slots of the full-batch `tree` (in place when donated)."""
     if tree is None or rows.slot.shape[0] == batch:
         return part
@@ -266,8 +266,8 @@ class Executables:
         model = self.module(params)
         rows = unpack_slots(slots)
         sampling, batch = rows.sampling, full_state.batch
-        decode = state.reset_slots(_gather(full_state, rows, batch), reset)
-        draft_cache = _gather(full_cache, rows, batch)
+        decode = state.reset_slots(take_rows(full_state, rows, batch), reset)
+        draft_cache = take_rows(full_cache, rows, batch)
         logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
         if draft_cache is not None:
             draft_cache = dspark.push_context(model, dspark.reset_draft_slots(draft_cache, reset), features, n_valid)
@@ -277,29 +277,29 @@ class Executables:
         verdict = rejection_sample(last, jnp.zeros((b, 0, v), jnp.float32), jnp.zeros((b, 0), jnp.int32),
                                    jnp.zeros((b, 0), jnp.float32), noise, sampling.temperature, sampling.top_k,
                                    sampling.top_p, implementation=self.implementation)  # width 0: a draw from p
-        return (pack_output(verdict), _scatter(full_state, decode, rows, batch),
-                _scatter(full_cache, draft_cache, rows, batch))
+        return (pack_output(verdict), put_rows(full_state, decode, rows, batch),
+                put_rows(full_cache, draft_cache, rows, batch))
 
     def _decode(self, params, full_state, full_cache, slots):
         rows, batch = unpack_slots(slots), full_state.batch
         b = rows.anchor.shape[0]
         no_drafts = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, self.config.vocab_size), jnp.float32)
-        verdict, decode, draft_cache = self.verify(self.module(params), _gather(full_state, rows, batch),
-                                                   _gather(full_cache, rows, batch), rows, *no_drafts)
-        return (pack_output(verdict), _scatter(full_state, decode, rows, batch),
-                _scatter(full_cache, draft_cache, rows, batch))
+        verdict, decode, draft_cache = self.verify(self.module(params), take_rows(full_state, rows, batch),
+                                                   take_rows(full_cache, rows, batch), rows, *no_drafts)
+        return (pack_output(verdict), put_rows(full_state, decode, rows, batch),
+                put_rows(full_cache, draft_cache, rows, batch))
 
     def step_function(self, k: int):
         """The (uncompiled) step[k]: propose gamma drafts, verify each row's first min(width, k)."""
         def step(params, full_state, full_cache, slots):
             model = self.module(params)
             rows, batch = unpack_slots(slots), full_state.batch
-            decode, draft_cache = _gather(full_state, rows, batch), _gather(full_cache, rows, batch)
+            decode, draft_cache = take_rows(full_state, rows, batch), take_rows(full_cache, rows, batch)
             proposal = self.propose(model, draft_cache, rows.anchor, rows.sampling)
             verdict, decode, draft_cache = self.verify(model, decode, draft_cache, rows, proposal.tokens[:, :k],
                                                        proposal.q[:, :k])
             return (pack_output(verdict, proposal.tokens, proposal.confidence),
-                    _scatter(full_state, decode, rows, batch), _scatter(full_cache, draft_cache, rows, batch))
+                    put_rows(full_state, decode, rows, batch), put_rows(full_cache, draft_cache, rows, batch))
         return step
 
     def propose(self, model, draft_cache, anchor, sampling: SlotSampling) -> dspark.Proposal:

@@ -1,8 +1,9 @@
 """Continuous batching: one thread owns the Engine; requests join and leave between steps.
 
 Each loop iteration: drop requests whose client went away, admit queued requests into free slots
-(`add_many`: their prompts are prefilled together, each with its own sampling, seed and stop
-conditions), run one engine step for every running request, and hand each request its Delta — the
+(`Engine.admit`: no device work; the engine's steps prefill their prompts a budget of tokens at a
+time while the running requests keep decoding, and a request's first Delta comes with the step
+that ends its prompt), run one engine step, and hand each request its Delta — the
 engine has already detokenized it and decided whether the request ended — through its asyncio
 queue with `loop.call_soon_threadsafe`. An exception inside the engine fails the requests it was
 running, resets the engine's device state and the loop goes on.
@@ -140,7 +141,8 @@ class Scheduler:
                 self._admit()
                 if self._running:
                     deltas = self.engine.step()
-                    self.metrics.record_step(self.engine.last_step)
+                    if self.engine.last_step is not None:  # None: the step only prefilled
+                        self.metrics.record_step(self.engine.last_step)
                     self._deliver_all(deltas)
             except Exception:  # an engine failure: fail what it was running, keep serving
                 log.exception("engine step failed; failing %d running request(s)", len(self._running))
@@ -164,25 +166,23 @@ class Scheduler:
         admitted = self._add(requests)
         with self._cond:
             self._admitting.clear()
-            for r, delta in admitted:
-                self._running[delta.request_id] = r
-                r.request_id = delta.request_id
+            for r, request_id in admitted:
+                self._running[request_id] = r
+                r.request_id = request_id
             self.metrics.running.set(len(self._running))
         self.metrics.prompt_tokens.inc(sum(len(r.ids) for r, _ in admitted))
-        for r, delta in admitted:
-            self._deliver(r, delta)
 
-    def _add(self, requests: list[Request]) -> list[tuple[Request, Delta]]:
+    def _add(self, requests: list[Request]) -> list[tuple[Request, int]]:
         """Admit the requests together; if one of them cannot run, each alone, so only it fails."""
         if not requests:
             return []
         try:
-            return list(zip(requests, self.engine.add_many([(r.ids, r.params) for r in requests])))
+            return list(zip(requests, self.engine.admit([(r.ids, r.params) for r in requests])))
         except EngineError:
             admitted = []
             for r in requests:
                 try:
-                    admitted.append((r, self.engine.add(r.ids, r.params)))
+                    admitted.append((r, *self.engine.admit([(r.ids, r.params)])))
                 except EngineError as e:
                     self.metrics.requests.labels(finished_reason="error").inc()
                     r.post(Update(error=str(e)))

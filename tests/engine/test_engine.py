@@ -58,7 +58,8 @@ def test_packed_parameters_decode_what_unpacked_ones_do(model, engine, greedy_re
     platform's default; the other layout is built here."""
     leaves = len(jax.tree.leaves(model.params))
     session_packed = len(engine.exe.params.arrays) < leaves
-    other = Engine(model, EngineConfig(max_seq_len=96, gamma=5, max_batch=2), prefill_chunk=16, widths=(5,),
+    other = Engine(model, EngineConfig(max_seq_len=96, gamma=5, max_batch=2, batch_buckets=(2,)), prefill_chunk=16,
+                   widths=(5,),
                    options=SpecOptions(width=5), pack_params=not session_packed)
     assert (len(other.exe.params.arrays) < leaves) != session_packed
     for width in (None, 5):
@@ -69,13 +70,14 @@ def scripted_step(exe, k: int):
     """A test double of step[k]: the drafter's proposal (its q and confidences), but the drafted
     tokens [B, gamma] come in as a fifth argument; verification, commit and the drafter context are
     the engine's own (`Executables.verify`), and the output is packed as step[k]'s."""
-    def step(params, decode, cache, slots, tokens):
+    def step(params, full_state, full_cache, slots, tokens):
         model = exe.module(params)
-        anchor, active, sampling = executables.unpack_slots(slots)
-        proposal = exe.propose(model, cache, anchor, sampling)
-        verdict, decode, cache = exe.verify(model, decode, cache, anchor, active, sampling, tokens[:, :k],
-                                            proposal.q[:, :k])
-        return executables.pack_output(verdict, tokens, proposal.confidence), decode, cache
+        rows, batch = executables.unpack_slots(slots), full_state.batch
+        decode, cache = executables.take_rows(full_state, rows, batch), executables.take_rows(full_cache, rows, batch)
+        proposal = exe.propose(model, cache, rows.anchor, rows.sampling)
+        verdict, decode, cache = exe.verify(model, decode, cache, rows, tokens[:, :k], proposal.q[:, :k])
+        return (executables.pack_output(verdict, tokens, proposal.confidence),
+                executables.put_rows(full_state, decode, rows, batch), executables.put_rows(full_cache, cache, rows, batch))
     return jax.jit(step, donate_argnums=(1, 2))
 
 
@@ -92,9 +94,9 @@ def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greed
         bad = rng.integers(0, 7)  # 5 or 6: all correct
         if bad < 5:
             tokens[bad] = (tokens[bad] + 1) % 16
-        return scripted(params, decode, cache, slots, np.stack([tokens, tokens]))
+        return scripted(params, decode, cache, slots, np.tile(tokens, (len(slots), 1)))
 
-    monkeypatch.setitem(engine.exe.step, 5, scripted_call)
+    monkeypatch.setitem(engine.exe.buckets[1].step, 5, scripted_call)  # a lone request runs bucket 1
     with engine.record_steps() as records:
         slot = run(engine, PROMPT, GREEDY, 5)
     assert slot.token_ids == greedy_reference

@@ -28,12 +28,14 @@ def test_slot_inputs_unpack_exactly_on_the_device():
     top_p = np.array([0.9, 1.0, np.nextafter(np.float32(1), np.float32(0))], np.float32)
     seed = np.array([2 ** 32 - 1, 0, 2 ** 31], np.uint32)
     counter = np.array([0, 5, 123456], np.int32)
+    slot, width = np.array([3, 0, 15], np.int32), np.array([5, 0, 2], np.int32)
     packed = executables.slot_inputs(anchor=anchor, active=active, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, seed=seed, counter=counter)
+                                     top_p=top_p, seed=seed, counter=counter, slot=slot, width=width)
     assert packed.dtype == np.int32 and packed.shape == (3, len(executables.SLOT_FIELDS))
-    got_anchor, got_active, sampling = jax.jit(executables.unpack_slots)(packed)
-    np.testing.assert_array_equal(got_anchor, anchor)
-    np.testing.assert_array_equal(got_active, active)
+    rows = jax.jit(executables.unpack_slots)(packed)
+    sampling = rows.sampling
+    for got, want in ((rows.anchor, anchor), (rows.active, active), (rows.slot, slot), (rows.width, width)):
+        np.testing.assert_array_equal(got, want)
     for name, want in [("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed),
                        ("counter", counter)]:
         got = np.asarray(getattr(sampling, name))
@@ -68,7 +70,8 @@ def test_non_finite_logits_come_back_as_the_invalid_flag(spec_engine):
     b = engine.config.max_batch
     poisoned = jax.tree.map(lambda a: a * jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else a, exe.params.arrays)
     slots = executables.slot_inputs(anchor=np.full(b, 4), active=np.ones(b, bool), temperature=np.ones(b),
-                                    top_k=np.zeros(b), top_p=np.ones(b), seed=np.arange(b), counter=np.zeros(b))
+                                    top_k=np.zeros(b), top_p=np.ones(b), seed=np.arange(b), counter=np.zeros(b),
+                                    slot=np.arange(b), width=np.full(b, 3))
     ids = np.full((b, exe.prefill_chunk), 5, np.int32)
     n_valid, reset = np.full(b, 3, np.int32), np.ones(b, bool)
     try:

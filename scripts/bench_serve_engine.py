@@ -1,0 +1,141 @@
+"""Serving load on the engine itself (no HTTP: the GPU machine has no fastapi / uvicorn), the way
+the server's engine thread drives it: `--concurrency` closed-loop clients, each request admitted
+with `Engine.admit` (its prompt prefilled over the coming steps while the others decode) and a new
+one admitted as soon as one finishes. For each speculation mode, on one compiled engine
+(`Engine.set_policy`):
+
+- none:        target-only decoding;
+- fixed5:      every request at width 5;
+- padded:      adaptive widths, the batch at the widest any request chose (the old engine);
+- per_request: adaptive widths, each request at its own in one verify call;
+- budget:      Algorithm 1 over stale confidences with the bucket's measured costs.
+
+Reports output tokens/s and p50 / p90 / p99 of time to first token and inter-token latency (gaps
+between a request's token-bearing steps) per (mode, concurrency), and the engine's start-up.
+
+    python scripts/bench_serve_engine.py --concurrency 1 4 16 64 --requests 64 --max-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+
+MODES = ("none", "fixed5", "padded", "per_request", "budget")
+PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
+                "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"", "for i in range(10):", "with open(path) as f:",
+                "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
+
+
+def build(args):
+    """(engine, prompts as ids, seconds to load + compile + profile)."""
+    from jdspark.assets import default_model_dir
+    from jdspark.checkpoint.loader import load_model
+    from jdspark.config import EngineConfig
+    from jdspark.engine.engine import Engine
+    from jdspark.engine.executables import enable_compile_cache
+    from jdspark.engine.options import SpecOptions
+    from jdspark.tokenizer.tokenizer import Tokenizer
+    enable_compile_cache()
+    start = time.perf_counter()
+    path = Path(args.model or default_model_dir())
+    model = load_model(path, dtype=args.dtype)
+    tokenizer = Tokenizer(path / "tokenizer.json", model.config.bos_token_id, model.config.eos_token_id)
+    config = EngineConfig(max_seq_len=args.max_seq_len, gamma=model.config.dspark.block_size,
+                          max_batch=args.max_running)
+    engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, options=SpecOptions())
+    prompts = [np.asarray(tokenizer.encode(t), np.int32) for t in PROMPT_TEXTS]
+    return engine, prompts, time.perf_counter() - start
+
+
+def set_mode(engine, mode: str) -> None:
+    options = engine.options
+    if mode == "none":
+        engine.set_policy(speculative=False)
+        return
+    batch_widths = {"fixed5": "per_request", "padded": "padded", "per_request": "per_request", "budget": "budget"}
+    engine.set_policy(speculative=True, options=dataclasses.replace(options, batch_widths=batch_widths[mode]),
+                      width_policy=(lambda confidence: 5) if mode == "fixed5" else engine.selector)
+
+
+def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) -> dict:
+    """Closed loop: `concurrency` requests in flight until `args.requests` have finished."""
+    from jdspark.engine.request import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
+    started, times, done, next_index = {}, {}, [], 0
+
+    def admit(n):
+        nonlocal next_index
+        batch = [(prompts[(next_index + i) % len(prompts)], params) for i in range(n)]
+        now = clock()
+        for rid in engine.admit(batch):
+            started[rid], times[rid] = now, []
+        next_index += n
+
+    begin = clock()
+    admit(min(concurrency, args.requests))
+    tokens = 0
+    while engine.running:
+        deltas = engine.step()
+        now = clock()
+        finished = 0
+        for rid, delta in deltas.items():
+            if delta.tokens:
+                times[rid].append(now)
+                tokens += len(delta.tokens)
+            if delta.final:
+                done.append(rid)
+                finished += 1
+        admit(min(finished, args.requests - next_index))
+    wall = clock() - begin
+    ttft = [times[r][0] - started[r] for r in done]
+    itl = [gap for r in done for gap in np.diff(times[r]).tolist()]
+
+    def pct(values):
+        return {f"p{q}": float(np.percentile(values, q)) * 1e3 for q in (50, 90, 99)} if values else {}
+    return {"concurrency": concurrency, "requests": len(done), "tokens_per_s": tokens / wall,
+            "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--max-running", type=int, help="engine slots (default: the largest concurrency)")
+    p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--requests", type=int, default=64, help="requests per (mode, concurrency)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args(argv)
+    args.max_running = args.max_running or max(args.concurrency)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    engine, prompts, startup = build(args)
+    print(f"start-up (load + compile + costs): {startup:.1f} s, buckets {list(engine.config.buckets)}", flush=True)
+    results = []
+    for concurrency in args.concurrency:
+        for mode in args.modes:
+            set_mode(engine, mode)
+            run_level(engine, prompts, concurrency, argparse.Namespace(**{**vars(args), "requests": concurrency}))
+            level = {"mode": mode, **run_level(engine, prompts, concurrency, args)}  # after a warm-up round
+            results.append(level)
+            print(f"c={concurrency:3d} {mode:12s} {level['tokens_per_s']:9.1f} tok/s  "
+                  f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "
+                  f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms",
+                  flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""Batch buckets, per-request widths and prefill spread over steps, on one 16-slot engine compiled
+for buckets 1 and 16 and widths 2 and 5 (a row's width rounds up to the executable that holds it):
+a lone request runs the bucket-1 executables and emits what it emits in a full batch next to rows
+of other widths and sampling parameters; a prompt admitted while others run is prefilled a chunk
+per step while they keep decoding; nothing compiles after warm-up."""
+
+import numpy as np
+import pytest
+
+from jdspark.config import EngineConfig
+from jdspark.engine.engine import Engine
+from jdspark.engine.request import SamplingParams
+
+pytestmark = pytest.mark.slow  # compiles its own 16-slot engine
+
+PROMPTS = [np.array([5, 9, 2, 14, 7], np.int32), np.array([3, 4, 5, 6, 7, 8, 9, 10, 11, 12], np.int32),
+           np.array([7], np.int32), np.arange(2, 16, dtype=np.int32)]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+LONG = np.tile(np.arange(2, 12, dtype=np.int32), 4)  # 40 tokens: 5 chunks of 8
+
+
+def own_width(confidence) -> int:
+    """Each request its own width, from its own stale confidences (0..5)."""
+    return min(5, int(confidence[0] * 6))
+
+
+@pytest.fixture(scope="module")
+def engine(spec_model):
+    return Engine(spec_model, EngineConfig(max_seq_len=96, gamma=5, max_batch=16, batch_buckets=(1, 16)),
+                  prefill_chunk=8, widths=(2, 5), width_policy=own_width)
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """Each prompt's greedy tokens, target-only, one request at a time."""
+    engine.set_policy(speculative=False)
+    out = [engine.complete([engine.add(p, GREEDY)])[0].token_ids for p in PROMPTS]
+    engine.set_policy(speculative=True)
+    return out
+
+
+def test_a_lone_request_runs_the_bucket_1_executables(engine, alone):
+    with engine.record_steps() as records:
+        got = engine.complete([engine.add(PROMPTS[0], GREEDY)])[0].token_ids
+    assert got == alone[0]
+    assert {r.bucket for r in records} == {1} and {r.width for r in records} <= {2, 5}
+
+
+def test_greedy_rows_in_a_full_batch_of_mixed_widths_and_sampling_emit_what_they_emit_alone(engine, alone):
+    sampled = [SamplingParams(max_tokens=24, temperature=t, top_k=k, top_p=p, seed=i, ignore_eos=True)
+               for i, (t, k, p) in enumerate([(1.0, 0, 1.0), (0.7, 5, 0.9), (1.3, 0, 0.8)] * 4)]
+    requests = [(p, GREEDY) for p in PROMPTS] + [(PROMPTS[i % 4], s) for i, s in enumerate(sampled)]
+    with engine.record_steps() as records:
+        done = engine.complete(engine.add_many(requests))
+    assert [c.token_ids for c in done[:4]] == alone
+    assert records[0].bucket == 16
+    assert any(len({row.width for row in step.rows}) > 1 for step in records)  # rows of different widths
+
+
+def test_a_new_prompt_is_prefilled_a_chunk_per_step_while_others_decode(engine, alone):
+    reference = engine.complete([engine.add(LONG, GREEDY)])[0].token_ids
+    running = engine.add(PROMPTS[1], GREEDY)
+    got = {running.request_id: list(running.tokens)}
+    new = engine.admit([(LONG, GREEDY)])[0]
+    steps_to_first = 0
+    while new not in got:
+        deltas = engine.step()
+        assert running.request_id in deltas  # it decoded in every step of the prefill
+        steps_to_first += 1
+        for rid, d in deltas.items():
+            got.setdefault(rid, []).extend(d.tokens)
+    assert steps_to_first == len(LONG) // 8
+    while engine.running:
+        for rid, d in engine.step().items():
+            got[rid].extend(d.tokens)
+    assert got[running.request_id] == alone[1] and got[new] == reference
+
+
+def test_no_compilation_after_warm_up_as_requests_join_and_leave(engine, alone, compile_counter):
+    before = compile_counter.count
+    first = engine.add(PROMPTS[3], SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True))
+    engine.admit([(p, SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True))
+                  for i, p in enumerate(PROMPTS * 3)])
+    engine.set_policy(speculative=False)
+    for _ in range(3):
+        engine.step()
+    engine.set_policy(speculative=True)
+    while engine.running:
+        engine.step()
+    assert first.request_id not in engine.running
+    assert compile_counter.count == before
