@@ -69,3 +69,11 @@ def test_nothing_compiles_after_warm_up(speculative, target_only, compile_counte
         for prompt in PROMPTS:
             generate_to_end(engine, prompt, SamplingParams(temperature=0.8, max_tokens=12, seed=1))
     assert compile_counter.count == before
+
+
+def test_packed_parameters_on_the_mesh_decode_the_same(sharded, target_only):
+    """The GPU default: small replicated parameters packed per (dtype, sharding); sharded ones stay apart."""
+    packed = Engine(sharded, ENGINE, prefill_chunk=16, speculative=False, pack_params=True)
+    assert len(packed.exe.params.arrays) < len(jax.tree.leaves(sharded.params))
+    assert generate_to_end(packed, PROMPTS[0], GREEDY).token_ids == generate_to_end(target_only, PROMPTS[0],
+                                                                                   GREEDY).token_ids
