@@ -8,7 +8,8 @@ inside (the CPU GEMV and its plan) and counts the distinct host experts it read,
 is reported against its bytes at the host read bandwidth measured in the same run
 (`bench_bw.host_read`): `host_vs_read` = host ms / (bytes / read bandwidth), the issue's done-when
 asks <= 1.3. `round_trip_ms` = hybrid - all-device - host GEMV, per host layer: what a callback
-costs beyond its GEMV (transfers, synchronisation, the Python call).
+costs beyond its GEMV (transfers, synchronisation, the Python call); `empty_callback_ms` is the same
+for a callback that does nothing, in a chain of small products.
 
     PYTHONPATH=$PWD python scripts/bench_hybrid.py --layers 8 --host-experts 0.5 --rows 1 6 --json /tmp/h.json
     PYTHONPATH=$PWD python scripts/bench_hybrid.py --preset tiny --layers 2 --rows 1 --runs 3   # CPU smoke test
@@ -67,6 +68,33 @@ def hybrid_params(model: Model, fraction: float, n_layers: int, seed: int):
     return graphdef, params, timers
 
 
+def callback_round_trip_ms(layers: int = 8, runs: int = 20) -> float:
+    """ms per pure_callback that does nothing, in a chain of `layers` [1, 4096] x [4096, 4096] bf16
+    products each followed by one (against the same chain without them)."""
+    w = jax.random.normal(jax.random.key(0), (4096, 4096), jax.numpy.bfloat16) * 0.01
+    x = jax.numpy.ones((1, 4096), jax.numpy.bfloat16)
+
+    def chain(callback):
+        def f(x, w):
+            for _ in range(layers):
+                x = x @ w
+                if callback:
+                    x = jax.pure_callback(lambda a: np.asarray(a), jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+            return x
+        return jax.jit(f)
+
+    times = []
+    for fn in (chain(False), chain(True)):
+        fn(x, w).block_until_ready()
+        calls = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            fn(x, w).block_until_ready()
+            calls.append(time.perf_counter() - start)
+        times.append(statistics.median(calls))
+    return (times[1] - times[0]) / layers * 1e3
+
+
 def measure(args) -> dict:
     config = make_config(args.preset, args.layers, args.experts, args.storage)
     dtype = jax.numpy.dtype(args.dtype)
@@ -78,7 +106,7 @@ def measure(args) -> dict:
     out = {"config": dict(preset=args.preset, layers=config.num_hidden_layers, experts=config.n_routed_experts,
                           storage=args.storage, host_experts=args.host_experts, host_layers=n_host,
                           context=args.context, threads=threads, device=str(jax.devices()[0].device_kind)),
-           "host_read_GBps": read["GBps"], "rows": []}
+           "host_read_GBps": read["GBps"], "empty_callback_ms": callback_round_trip_ms(), "rows": []}
     device_ms = {rows: time_extend(graphdef, params, config, engine, dtype, 1, rows, args.context, args.runs)[0]
                  for rows in args.rows}
     h_graphdef, h_params, timers = hybrid_params(Model(graphdef, params), args.host_experts, n_host, args.seed)
@@ -118,7 +146,8 @@ def main(argv=None) -> dict:
     if not 0 < args.host_experts <= 1:
         ap.error(f"--host-experts {args.host_experts}: expected a share in (0, 1]")
     res = measure(args)
-    print(f"{res['config']}\nhost read {res['host_read_GBps']:.1f} GB/s")
+    print(f"{res['config']}\nhost read {res['host_read_GBps']:.1f} GB/s, an empty callback "
+          f"{res['empty_callback_ms']:.3f} ms")
     print("rows  device ms  hybrid ms  host GEMV ms  host MB  host GB/s  host/read-floor  round trip ms/layer")
     for r in res["rows"]:
         print(f"{r['rows']:4d} {r['device_ms']:10.2f} {r['hybrid_ms']:10.2f} {r['host_gemv_ms']:13.2f} "
