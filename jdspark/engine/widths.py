@@ -1,0 +1,49 @@
+"""How one step's rows get their widths (`SpecOptions.batch_widths`).
+
+- "per_request": each request its own width from its own stale confidences (its width policy);
+  the step runs the narrowest compiled executable that holds the widest, and every row verifies
+  at its own width. A request's tokens then depend only on its own confidences and noise, not on
+  its batch-mates.
+- "padded": every row at the widest width any request chose (the engine before per-request
+  widths; kept for comparison).
+- "budget": the multi-request budget (Algorithm 1 over stale confidences,
+  `speculative.budget`) priced with this batch bucket's measured D and V(k).
+
+All three read only stale confidences, so the choice never sees the block it applies to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jdspark.engine.errors import EngineError
+from jdspark.engine.options import WidthPolicy
+from jdspark.speculative.budget import allocate_widths, padded_cost
+from jdspark.speculative.selector import AdaptiveWidth
+
+
+def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, bool], policy: WidthPolicy,
+               costs: AdaptiveWidth | None) -> dict[int, int]:
+    """{slot: drafts to verify} for the step's rows (a row whose breaker is cooling down: 0)."""
+    rows = [b for b in stale if speculating[b]]
+    if mode == "budget":
+        if costs is None:
+            raise EngineError("batch_widths='budget' prices widths with the measured costs: use adaptive widths "
+                              "(SpecOptions(width=None)), or batch_widths='per_request'")
+        chosen = allocate_widths(np.stack([stale[b] for b in rows]), padded_cost(costs.draft_cost, costs.verify_costs))
+        widths = dict(zip(rows, chosen.tolist()))
+    else:
+        widths = {b: int(policy(stale[b])) for b in rows}
+    if mode == "padded":
+        widest = max(widths.values())
+        return {b: widest for b in stale}
+    return {b: widths.get(b, 0) for b in stale}
+
+
+def executable_width(widths: dict[int, int], compiled) -> int:
+    """The narrowest compiled step width that holds every row's width."""
+    widest = max(widths.values(), default=0)
+    fitting = [k for k in compiled if k >= widest]
+    if not fitting:
+        raise EngineError(f"the width policy chose k={widest}, but only widths {sorted(compiled)} were compiled")
+    return min(fitting)
