@@ -34,18 +34,14 @@ def make_mesh(tensor_parallel_size: int = 1, expert_parallel_size: int = 1, devi
     return Mesh(grid, AXES)
 
 
-def axis_size(mesh: Mesh | None, axis: str) -> int:
-    return 1 if mesh is None else mesh.shape[axis]
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
 def place(array, sharding: jax.sharding.Sharding) -> jax.Array:
     """`array` (numpy or a jax array; the same value in every process) laid out by `sharding`:
-    every addressable device gets its piece, so this works with devices of other processes in the
-    mesh, where `jax.device_put` of a whole array would not."""
+    each of this process's devices gets its piece (`jax.make_array_from_callback`), so a mesh may
+    span processes."""
     if isinstance(array, jax.Array) and array.sharding == sharding:
         return array
     host = np.asarray(array)  # copied per piece below: `array` may map a checkpoint file

@@ -108,10 +108,8 @@ def _block(weight, dim: int) -> int:
     return FP8_BLOCK
 
 
-def check_config(config, mesh: Mesh | None) -> None:
+def check_config(config, mesh: Mesh) -> None:
     """The structural conditions, named by config field: ValueError before anything is placed."""
-    if mesh is None:
-        return
     tp, ep = mesh.shape[TENSOR], mesh.shape[EXPERT]
     needs = [("num_attention_heads", config.num_attention_heads, tp, "query heads are split over tensor"),
              ("o_groups", config.o_groups, tp, "the grouped output projection is split by group"),
