@@ -17,13 +17,13 @@ read once for all the rows that selected it; threads run over (expert, output ti
 suits one `jax.pure_callback` per MoE layer: (x, ids, weights) -> y, the bank bound beforehand.
 
 Two implementations of the same plan: a C++ kernel (`_kernel.cc`, AVX2/F16C/FMA decoding in
-registers, ds_fp4 with AVX-512 where built for it, OpenMP threads; built with g++ -march=native at first use into a cache folder,
-$JDSPARK_CACHE or ~/.cache/jdspark) and a numba one (`prange`, table decoding). `jdspark bench bw`
+registers, ds_fp4 with AVX-512 where built for it, OpenMP threads; built with g++ -march=native at
+first use into a cache folder, $JDSPARK_CACHE or ~/.cache/jdspark) and a numba one (`prange`, table decoding). `jdspark bench bw`
 times both. The C++ kernel is the default (`backend="cpp"`): on the 2-core AMD EPYC (Zen 4)
 development machine, D 4096 / F 2048, rows 1, one thread, it read 3.2 GB/s of ds_fp4, 4.8 GB/s of
 FP8 and 10.7 GB/s of bf16 experts against numba's 0.9, 0.9 and 0.8 GB/s (before the AVX-512 ds_fp4
-decoder, which doubled its fp4 rate there; docs/BENCHMARKS.md has the H200 host's). On that machine it is
-compute-bound (about 15 G fp4 weights/s per core from L2) while one core streams ~20-30 GB/s.
+decoder, which doubled its fp4 rate there; docs/BENCHMARKS.md has the H200 host's). On that machine
+it is compute-bound (about 15 G fp4 weights/s per core from L2) while one core streams ~20-30 GB/s.
 """
 
 from __future__ import annotations

@@ -168,7 +168,8 @@ def plan_for(leaves: Mapping[tuple, jax.ShapeDtypeStruct], gpu_memory: float, *,
         raise ValueError(f"gpu_memory={gpu_memory:.4g} bytes is less than the {other / 1e9:.3f} GB of weights that "
                          f"are not routed experts (they stay on the GPU): raise it")
     placement = plan_placement(sizes, gpu_memory - other, counts, top_k=top_k)
-    report = (f"placement: GPU {(other + placement.gpu_bytes) / 1e9:.2f} GB / host {placement.host_bytes / 1e9:.2f} GB, "
+    gpu_gb, host_gb = (other + placement.gpu_bytes) / 1e9, placement.host_bytes / 1e9
+    report = (f"placement: GPU {gpu_gb:.2f} GB / host {host_gb:.2f} GB, "
               f"host share of routed uses {100 * placement.host_share:.1f}%; {placement.report()}")
     return placement, report
 
