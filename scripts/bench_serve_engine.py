@@ -48,7 +48,7 @@ def build(args):
     model = load_model(path, dtype=args.dtype)
     tokenizer = Tokenizer(path / "tokenizer.json", model.config.bos_token_id, model.config.eos_token_id)
     config = EngineConfig(max_seq_len=args.max_seq_len, gamma=model.config.dspark.block_size,
-                          max_batch=args.max_running)
+                          max_batch=args.max_running, batch_buckets=tuple(args.buckets))
     engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, options=SpecOptions())
     prompts = [np.asarray(tokenizer.encode(t), np.int32) for t in PROMPT_TEXTS]
     return engine, prompts, time.perf_counter() - start
@@ -110,6 +110,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--max-running", type=int, help="engine slots (default: the largest concurrency)")
     p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--buckets", type=int, nargs="*", default=[], help="batch buckets (default 1, 2, 4, ... max)")
+    p.add_argument("--startup-only", action="store_true", help="build the engine, report start-up, exit")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--requests", type=int, default=64, help="requests per (mode, concurrency)")
@@ -121,12 +123,15 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     engine, prompts, startup = build(args)
     print(f"start-up (load + compile + costs): {startup:.1f} s, buckets {list(engine.config.buckets)}", flush=True)
+    if args.startup_only:
+        return 0
     results = []
     for concurrency in args.concurrency:
         for mode in args.modes:
             set_mode(engine, mode)
             run_level(engine, prompts, concurrency, argparse.Namespace(**{**vars(args), "requests": concurrency}))
-            level = {"mode": mode, **run_level(engine, prompts, concurrency, args)}  # after a warm-up round
+            level_args = argparse.Namespace(**{**vars(args), "requests": max(args.requests, concurrency)})
+            level = {"mode": mode, **run_level(engine, prompts, concurrency, level_args)}  # after a warm-up round
             results.append(level)
             print(f"c={concurrency:3d} {mode:12s} {level['tokens_per_s']:9.1f} tok/s  "
                   f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "

@@ -76,11 +76,13 @@ class Engine:
         self.prefill_rows = max(1, (prefill_budget or self.exe.prefill_chunk) // self.exe.prefill_chunk)
         start = time.perf_counter()
         self.exe.compile(self.state, self.draft_cache)
-        log.info("compiled %d executables (batch buckets %s) in %.1f s", self.exe.count, list(config.buckets),
-                 time.perf_counter() - start)
+        log.info("compiled %d executables (batch buckets %s) in %.1f s, %.1f s of it tracing and lowering",
+                 self.exe.count, list(config.buckets), time.perf_counter() - start, self.exe.lower_seconds)
         self.selector: AdaptiveWidth | None = None  # the largest bucket's; `selectors` has every bucket's
         self.selectors: dict[int, AdaptiveWidth] = {}
         self.width_policy = self._width_policy(width_policy, widths)
+        log.info("engine ready in %.1f s (compile cache %s)", time.perf_counter() - start,
+                 jax.config.jax_compilation_cache_dir or "off")
         self.last_step: StepRecord | None = None
         self._log = LogCounters()
         self._recorders: list[list[StepRecord]] = []

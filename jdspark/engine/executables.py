@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -200,6 +201,7 @@ class Executables:
         self.prefill_chunk = prefill_chunk
         self.widths = widths
         self.buckets = {n: Bucket() for n in engine.buckets}
+        self.lower_seconds = 0.0
 
     @property
     def largest(self) -> Bucket:
@@ -241,7 +243,7 @@ class Executables:
             return jax.tree.map(lambda a: a.sharding, tree)
 
         kept = dict(donate_argnums=(1, 2), out_shardings=(decode.length.sharding, layout(decode), layout(draft_cache)))
-        lowered = {}
+        lowered, start = {}, time.perf_counter()
         for b in self.buckets:
             ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
             counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
@@ -252,6 +254,7 @@ class Executables:
             for k in self.widths:
                 lowered[b, k] = jax.jit(self.step_function(k), **kept).lower(
                     params, decode, draft_cache, slots)
+        self.lower_seconds = time.perf_counter() - start  # tracing + lowering: serial, in Python
         for (b, name), compiled in compile_all(lowered).items():
             if name in ("prefill", "decode"):
                 setattr(self.buckets[b], name, compiled)
