@@ -14,7 +14,8 @@ class EngineConfig:
     `max_seq_len` bounds prompt + generated tokens per slot; `gamma` is the DSpark block size, so one
     verification writes up to gamma + 1 rows ahead of the committed frontier; `max_batch` is the
     number of sequence slots. `batch_buckets` are the batch sizes the engine compiles executables
-    for (each step runs the smallest that holds its requests); empty: 1, 2, 4, ... and max_batch.
+    for (each step runs the smallest that holds its requests); empty: 1, 4, 16, ... and max_batch
+    (powers of 4, not 2: every bucket is a full set of executables, and start-up grows with them).
     """
 
     max_seq_len: int = 4096
@@ -39,7 +40,7 @@ class EngineConfig:
         """The compiled batch sizes, ascending (the last is max_batch)."""
         if self.batch_buckets:
             return tuple(sorted(set(self.batch_buckets)))
-        powers = [1 << i for i in range(self.max_batch.bit_length()) if 1 << i < self.max_batch]
+        powers = [4 ** i for i in range(self.max_batch.bit_length()) if 4 ** i < self.max_batch]
         return (*powers, self.max_batch)
 
     def bucket(self, n: int) -> int:

@@ -113,8 +113,9 @@ class Engine:
             if width not in widths:
                 raise EngineError(f"width={width}: must be one of the compiled widths {sorted(widths)}")
             return lambda confidence: width
-        if set(widths) != set(range(gamma + 1)):
-            raise EngineError(f"adaptive width needs every width 0..{gamma} compiled, got {widths}")
+        if gamma not in widths:
+            raise EngineError(f"adaptive width needs width gamma={gamma} compiled (every width rounds up to a "
+                              f"compiled one), got {widths}")
         self.selectors = {n: AdaptiveWidth(*self._measure_costs(n), gamma) for n in self.config.buckets}
         self.selector = self.selectors[max(self.selectors)]
         return self.selector
@@ -142,9 +143,10 @@ class Engine:
     def _measure_costs(self, bucket: int) -> tuple[list[float], float]:
         """(V(0..gamma), D) of a batch bucket for the selector: a step[k] call drafts and verifies,
         so it costs S(k) = D + V(k) as a whole; D is S(0) less a plain decode call (the same
-        verification without the draft), and V(k) = S(k) - D. E(k) / (D + V(k)) is then E(k) / S(k)."""
+        verification without the draft), and V(k) = S(k) - D. E(k) / (D + V(k)) is then E(k) / S(k).
+        A width that is not compiled runs in the next compiled one's executable and costs its S."""
         measured = self.measure_call_costs(bucket)
-        step = [measured[f"step{k}"] for k in sorted(self.exe.step)]
+        step = [measured[f"step{executable_width({0: k}, self.exe.step)}"] for k in range(self.config.gamma + 1)]
         draft = max(step[0] - measured["decode"], 0.0)
         return [s - draft for s in step], draft
 
