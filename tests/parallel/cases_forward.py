@@ -13,7 +13,7 @@ from jdspark.parallel.shard import shard_model
 from tests.parallel.configs import PARALLEL_CONFIG, QUANTIZED_CONFIG
 
 MESHES = [(2, 1), (4, 1), (8, 1), (1, 2), (1, 4), (1, 8), (2, 4)]  # (tensor, expert)
-FEATURES = (1, 2)
+FEATURES = (0, 1)
 IDS = np.random.default_rng(0).integers(0, PARALLEL_CONFIG.vocab_size, (2, 24))
 
 

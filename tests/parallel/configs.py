@@ -7,7 +7,7 @@ from jdspark.config import tiny_dspark_config
 from jdspark.config.base import QuantConfig
 
 PARALLEL_CONFIG = tiny_dspark_config(
-    vocab_size=512, hidden_size=128, num_hidden_layers=3, compress_ratios=(0, 4, 16, 0, 0), num_hash_layers=1,
+    vocab_size=512, hidden_size=128, num_hidden_layers=2, compress_ratios=(4, 16, 0, 0), num_hash_layers=1,
     num_attention_heads=8, o_groups=8, o_lora_rank=128, moe_intermediate_size=1024,
-    extra=dict(dspark_block_size=5, dspark_noise_token_id=3, dspark_target_layer_ids=[1, 2], dspark_markov_rank=16))
+    extra=dict(dspark_block_size=5, dspark_noise_token_id=3, dspark_target_layer_ids=[0, 1], dspark_markov_rank=16))
 QUANTIZED_CONFIG = PARALLEL_CONFIG.replace(expert_dtype="fp4", quantization=QuantConfig())
