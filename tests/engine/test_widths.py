@@ -1,0 +1,58 @@
+"""How a step's rows get their widths (`engine/widths.py`) and which batch buckets a config
+compiles: pure functions, no engine."""
+
+import numpy as np
+import pytest
+
+from jdspark.config import ConfigError, EngineConfig
+from jdspark.engine.errors import EngineError
+from jdspark.engine.options import SpecOptions
+from jdspark.engine.widths import executable_width, row_widths
+from jdspark.speculative.selector import AdaptiveWidth
+
+STALE = {0: np.array([0.9, 0.9, 0.9]), 3: np.array([0.2, 0.5, 0.5]), 5: np.array([1.0, 1.0, 0.1])}
+SPECULATING = {0: True, 3: True, 5: False}  # slot 5's breaker is cooling down
+
+
+def own_width(confidence):
+    return int(confidence[0] * 3)
+
+
+def test_per_request_rows_keep_their_own_widths_and_a_cooling_row_verifies_none():
+    assert row_widths("per_request", STALE, SPECULATING, own_width, None) == {0: 2, 3: 0, 5: 0}
+
+
+def test_padded_rows_all_verify_the_widest_choice():
+    assert row_widths("padded", STALE, SPECULATING, own_width, None) == {0: 2, 3: 2, 5: 2}
+
+
+def test_the_budget_spends_drafts_on_the_confident_request():
+    costs = AdaptiveWidth([1.0, 1.05, 1.1, 1.15], 0.1, gamma=3)
+    widths = row_widths("budget", STALE, SPECULATING, own_width, costs)
+    assert widths[5] == 0 and widths[0] >= widths[3] and widths[0] > 0
+    with pytest.raises(EngineError, match="batch_widths='budget'.*adaptive widths"):
+        row_widths("budget", STALE, SPECULATING, own_width, None)
+
+
+def test_a_width_runs_in_the_narrowest_compiled_executable_that_holds_it():
+    assert executable_width({0: 1, 1: 3}, {0: None, 2: None, 5: None}) == 5
+    assert executable_width({0: 0, 1: 2}, {0: None, 2: None, 5: None}) == 2
+    with pytest.raises(EngineError, match="chose k=4, but only widths \\[1, 2\\]"):
+        executable_width({0: 4}, {1: None, 2: None})
+
+
+def test_batch_buckets_default_to_powers_of_4_up_to_max_batch_and_are_checked():
+    assert EngineConfig(max_batch=1).buckets == (1,)
+    assert EngineConfig(max_batch=16).buckets == (1, 4, 16)
+    assert EngineConfig(max_batch=20).buckets == (1, 4, 16, 20)
+    config = EngineConfig(max_batch=8, batch_buckets=(8, 2))
+    assert config.buckets == (2, 8) and config.bucket(1) == 2 and config.bucket(3) == 8
+    with pytest.raises(ConfigError, match="batch_buckets=\\(1, 4\\).*max_batch itself"):
+        EngineConfig(max_batch=8, batch_buckets=(1, 4))
+    with pytest.raises(ConfigError, match="batch_buckets=\\(0, 8\\)"):
+        EngineConfig(max_batch=8, batch_buckets=(0, 8))
+
+
+def test_an_unknown_batch_widths_mode_is_refused():
+    with pytest.raises(ValueError, match="batch_widths='ragged': use one of per_request, padded, budget"):
+        SpecOptions(batch_widths="ragged")
