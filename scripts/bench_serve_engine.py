@@ -49,7 +49,10 @@ def build(args):
     tokenizer = Tokenizer(path / "tokenizer.json", model.config.bos_token_id, model.config.eos_token_id)
     config = EngineConfig(max_seq_len=args.max_seq_len, gamma=model.config.dspark.block_size,
                           max_batch=args.max_running, batch_buckets=tuple(args.buckets))
-    engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, options=SpecOptions())
+    widths = tuple(args.widths) or None
+    options = SpecOptions(width=max(widths)) if widths else SpecOptions()  # a subset: no cost profile
+    engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, options=options,
+                    widths=widths)
     prompts = [np.asarray(tokenizer.encode(t), np.int32) for t in PROMPT_TEXTS]
     return engine, prompts, time.perf_counter() - start
 
@@ -111,6 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-running", type=int, help="engine slots (default: the largest concurrency)")
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--buckets", type=int, nargs="*", default=[], help="batch buckets (default 1, 2, 4, ... max)")
+    p.add_argument("--widths", type=int, nargs="*", default=[],
+                   help="compile only these step widths (modes none and fixed5 only; default 0..gamma)")
     p.add_argument("--startup-only", action="store_true", help="build the engine, report start-up, exit")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -120,6 +125,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     args.max_running = args.max_running or max(args.concurrency)
+    if args.widths and not set(args.modes) <= {"none", "fixed5"}:
+        p.error("--widths compiles a subset without the adaptive selector: use --modes none fixed5")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     engine, prompts, startup = build(args)
     print(f"start-up (load + compile + costs): {startup:.1f} s, buckets {list(engine.config.buckets)}", flush=True)
