@@ -113,9 +113,12 @@ def unpack_slots(slots: jax.Array) -> Rows:
 
 
 def take_rows(tree, rows: Rows, batch: int):
-    """The rows' slots of a full-batch pytree (the whole tree when the rows are every slot)."""
+    """The rows' slots of a full-batch pytree (the whole tree when the rows are every slot). One row
+    is a dynamic slice, which XLA updates in place on every backend."""
     if tree is None or rows.slot.shape[0] == batch:
         return tree
+    if rows.slot.shape[0] == 1:
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, rows.slot[0], 1), tree)
     return jax.tree.map(lambda a: a[rows.slot], tree)
 
 
@@ -123,6 +126,8 @@ def put_rows(tree, part, rows: Rows, batch: int):
     """`part` written back into the rows' slots of the full-batch `tree` (in place when donated)."""
     if tree is None or rows.slot.shape[0] == batch:
         return part
+    if rows.slot.shape[0] == 1:
+        return jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, rows.slot[0], 0), tree, part)
     return jax.tree.map(lambda a, p: a.at[rows.slot].set(p), tree, part)
 
 
