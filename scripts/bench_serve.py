@@ -9,6 +9,8 @@ many in flight; no new request after `--max-seconds`), each with `ignore_eos` so
 generates exactly `--max-tokens` tokens, and reports requests/s, output tokens/s and p50/p90/p99 of
 time to first token, inter-token latency (gaps between streamed chunks: a chunk is a whole accepted
 block under speculation) and end-to-end latency. Loopback only: it refuses any other host.
+The engine itself under the same kind of load, per speculation mode (none, fixed k = 5, padded,
+per-request and budget widths) and without HTTP: `scripts/bench_serve_engine.py`.
 """
 
 from __future__ import annotations
