@@ -5,7 +5,7 @@ Writes into the output directory: `trace/` (a jax.profiler trace for TensorBoard
 stats) and `profile.png` (V(k) and D, E(k)/(D+V(k)) for the observed mean confidence profile, and
 acceptance by draft position).
 
-`gpu_kernels` / `busy_us` read the device side of a trace for the benchmark scripts.
+`gpu_kernels` / `gpu_kernel_events` / `busy_us` read the device side of a trace for the benchmark scripts.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ def plot(report: dict, path: Path) -> None:
 def gpu_kernels(fn: Callable[[], object]) -> list[tuple[float, float, str]]:
     """(start us, duration us, name) of every kernel on the GPU streams while fn() runs under
     jax.profiler, sorted by start; empty without a GPU. fn must block until its work is done."""
+    return [(k["ts"], k["dur"], k["name"]) for k in gpu_kernel_events(fn)]
+
+
+def gpu_kernel_events(fn: Callable[[], object]) -> list[dict]:
+    """`gpu_kernels` as trace events: ts, dur (us), name and args (e.g. the HLO op a kernel runs)."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             fn()
@@ -78,8 +83,9 @@ def gpu_kernels(fn: Callable[[], object]) -> list[tuple[float, float, str]]:
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            and "GPU" in e["args"].get("name", "")}
-    return sorted((e["ts"], e["dur"], e["name"]) for e in events if e.get("ph") == "X" and e["pid"] in gpu
-                  and threads.get((e["pid"], e.get("tid")), "").startswith("Stream"))
+    return sorted(({"ts": e["ts"], "dur": e["dur"], "name": e["name"], "args": e.get("args", {})} for e in events
+                   if e.get("ph") == "X" and e["pid"] in gpu
+                   and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")), key=lambda k: k["ts"])
 
 
 def busy_us(kernels: list[tuple[float, float, str]]) -> float:

@@ -57,6 +57,7 @@ from jdspark.model.dequant import (E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_
 from jdspark.model.moe import Experts, expert_slots, routed_slots, swiglu
 from jdspark.model.quant_sim import fp8_sim
 from jdspark.model.quantized import FP8Linear, Storage, abstract_model, is_expert
+from jdspark.profile import gpu_kernel_events
 from pallas_kernels import moe as moe_kernels
 
 PRESETS = {"tiny": tiny_config, "flash": flash_config, "pro": pro_config}
@@ -458,24 +459,6 @@ def hlo_scopes(hlo_text: str) -> dict[str, str]:
     return out
 
 
-def trace_kernels(fn) -> list[dict]:
-    """Every kernel on the GPU streams while fn() runs under jax.profiler: ts, dur (us), name, args."""
-    import gzip
-    import tempfile
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            fn()
-        path = next(Path(trace_dir).rglob("*.trace.json.gz"))
-        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
-    threads = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in e["args"].get("name", "")}
-    return sorted(({"ts": e["ts"], "dur": e["dur"], "name": e["name"], "args": e.get("args", {})} for e in events
-                   if e.get("ph") == "X" and e["pid"] in gpu
-                   and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")), key=lambda k: k["ts"])
-
-
 def kernel_scope(kernel: dict, scopes: dict[str, str]) -> str:
     args = kernel["args"]
     for key in ("hlo_op", "long_name", "name"):
@@ -525,7 +508,7 @@ def profile_row(graphdef, params, config, decode, batch, rows, context) -> dict:
         compiled = fn.lower(params, decode, ids, n_valid).compile()
     call = lambda: compiled(params, decode, ids, n_valid).block_until_ready()
     wall_ms = _median_ms(lambda: compiled(params, decode, ids, n_valid), (), 10)
-    kernels = trace_kernels(call)
+    kernels = gpu_kernel_events(call)
     by_name: dict[str, list[float]] = {}
     for k in kernels:
         by_name.setdefault(k["name"], []).append(k["dur"])
@@ -535,13 +518,18 @@ def profile_row(graphdef, params, config, decode, batch, rows, context) -> dict:
     return {"top": top[:40], **sublayer_split(kernels, hlo_scopes(compiled.as_text()), wall_ms)}
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def model_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options that choose the random model (also read by scripts/bench_hybrid.py)."""
     ap.add_argument("--preset", choices=sorted(PRESETS), default="flash")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--experts", type=int, default=None)
     ap.add_argument("--storage", choices=sorted(STORAGES), default="fp8+fp4")
     ap.add_argument("--dtype", default="bfloat16")
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = model_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--context", type=int, nargs="+", default=[4096])

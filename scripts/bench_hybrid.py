@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import PRESETS, STORAGES, make_config, random_params, time_extend  # noqa: E402
+from bench_decode import STORAGES, make_config, model_arguments, random_params, time_extend  # noqa: E402
 
 from jdspark.config import EngineConfig  # noqa: E402
 from jdspark.experts import bench_bw, cpu_gemv  # noqa: E402
@@ -127,12 +127,7 @@ def measure(args) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="flash")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=None)
-    ap.add_argument("--storage", choices=sorted(STORAGES), default="fp8+fp4")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap = model_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--host-experts", type=float, default=0.5, help="share of a host layer's experts on the host")
     ap.add_argument("--host-layers", type=int, default=None, help="layers with host experts (default: all)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 6])
