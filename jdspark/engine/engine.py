@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 
 NON_FINITE = ("the model produced non-finite logits or draft probabilities for this request (NaN or inf); "
               "it was stopped instead of emitting a token drawn from them")
+
+
 class Engine:
     """Slots of running requests over one decode state. Faces hand it prompts and read `Delta`s:
     `add` / `add_many` admit (and prefill), `step` advances every running request, `cancel` drops
