@@ -33,7 +33,7 @@ from jdspark.experts.banks import ExpertBank
 from jdspark.experts.cpu_gemv import host_callback
 from jdspark.experts.placement import Placement, plan_placement
 from jdspark.model.model import Model
-from jdspark.model.moe import Experts, MoE, expert_slots, routing_matrix, swiglu
+from jdspark.model.moe import Experts, MoE, expert_slots, routing_matrix, sum_expert_outputs
 from pallas_kernels import interpret_mode
 from pallas_kernels import moe as moe_kernels
 
@@ -84,12 +84,7 @@ class HybridExperts(Experts):
         if self._kernel(fmt, x.shape[0], x.shape[-1], w1[0].shape[1]):
             return moe_kernels.moe(x, local, dense, slot, w1, w3, w2, fmt=fmt, limit=self.limit,
                                    interpret=interpret_mode())
-        dtype = x.dtype
-        gate = jnp.einsum("nd,efd->nef", x, self.w1.take(local, dtype), preferred_element_type=jnp.float32)
-        up = jnp.einsum("nd,efd->nef", x, self.w3.take(local, dtype), preferred_element_type=jnp.float32)
-        h = (swiglu(gate.astype(dtype), up.astype(dtype), self.limit) * dense[..., None]).astype(dtype)
-        out = jnp.einsum("nef,edf->ned", h, self.w2.take(local, dtype), preferred_element_type=jnp.float32)
-        return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
+        return sum_expert_outputs(self._outputs(x, local, dense), x.dtype)
 
 
 def _subset(weights, ids: np.ndarray):

@@ -123,7 +123,7 @@ class Experts(nnx.Module):
         if self._kernel(fmt, x.shape[0], x.shape[-1], w1[0].shape[1]):
             return moe_kernels.moe(x, experts, dense, slot, w1, w3, w2, fmt=fmt, limit=self.limit,
                                    interpret=interpret_mode())
-        return _sum_experts(self._outputs(x, experts, dense), x.dtype)
+        return sum_expert_outputs(self._outputs(x, experts, dense), x.dtype)
 
     def _outputs(self, x: jax.Array, experts: jax.Array, dense: jax.Array) -> jax.Array:
         """Each gathered expert's weighted output, fp32 [N, M, D] (before the rounding to x.dtype)."""
@@ -152,7 +152,7 @@ class Experts(nnx.Module):
             experts, slot = expert_slots(jnp.where(mine, own, 0), n_local)
             dense = routing_matrix(jnp.where(mine, weights, 0.0), slot, experts.shape[0])
             out = jax.lax.psum(module._outputs(x, experts, dense), TENSOR)
-            return jax.lax.psum(_sum_experts(out, x.dtype), EXPERT)
+            return jax.lax.psum(sum_expert_outputs(out, x.dtype), EXPERT)
 
         replicated = PartitionSpec()
         return jax.shard_map(local, mesh=self.mesh, in_specs=(rules.specs(params, ("experts",)), replicated,
@@ -160,7 +160,7 @@ class Experts(nnx.Module):
                              out_specs=replicated)(params, x, weights, idx)
 
 
-def _sum_experts(out: jax.Array, dtype) -> jax.Array:
+def sum_expert_outputs(out: jax.Array, dtype) -> jax.Array:
     """[N, M, D] fp32 -> [N, D]: each expert's output rounded to the model dtype, summed in fp32 (the reference)."""
     return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
 
