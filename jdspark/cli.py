@@ -8,6 +8,8 @@ import sys
 
 import numpy as np
 
+from jdspark.engine.options import BATCH_WIDTHS
+
 
 def _info(args) -> int:
     from jdspark.checkpoint.loader import read_config
@@ -33,6 +35,10 @@ def _model_dir(args) -> str:
     return args.model if args.model is not None else str(default_model_dir())
 
 
+def _int_list(text: str | None) -> tuple[int, ...] | None:
+    return None if text is None else tuple(int(t) for t in text.split(","))
+
+
 def _generator(args, max_batch: int = 1):
     from jdspark.engine.engine import SpecOptions
     from jdspark.engine.executables import enable_compile_cache
@@ -44,9 +50,11 @@ def _generator(args, max_batch: int = 1):
     width = None if args.width == "adaptive" else int(args.width)
     options = SpecOptions(width=width, fallback_threshold=args.fallback_acceptance,
                           fallback_min_drafted=args.fallback_min_drafted, fallback_cooldown=args.fallback_steps,
-                          reprofile=args.reprofile, log_every=args.log_every)
+                          reprofile=args.reprofile, log_every=args.log_every, batch_widths=args.batch_widths)
     return Generator.from_pretrained(model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
                                      max_seq_len=args.max_seq_len, max_batch=max_batch, options=options,
+                                     widths=_int_list(args.widths), batch_buckets=_int_list(args.batch_buckets) or (),
+                                     prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                                      tensor_parallel_size=args.tensor_parallel_size,
                                      expert_parallel_size=args.expert_parallel_size)
 
@@ -129,6 +137,16 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="DSpark speculative decoding (--no-speculative: target only)")
     p.add_argument("--gamma", type=int, help="draft block size (default: the drafter's)")
     p.add_argument("--width", default="adaptive", help="verify width 0..gamma, or 'adaptive' (default)")
+    p.add_argument("--widths", help="comma-separated widths to compile, e.g. 0,2,5 (default: 0..gamma for the "
+                                    "adaptive width, the fixed --width alone; a row's width rounds up to one)")
+    p.add_argument("--batch-widths", default="per_request", choices=BATCH_WIDTHS,
+                   help="how a batch's rows get widths: their own (per_request), the batch's largest (padded), "
+                        "or within the step's token budget (budget)")
+    p.add_argument("--batch-buckets", help="comma-separated batch sizes to compile, the largest the slot count "
+                                           "(default: powers of 4 below it, and it)")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens one prefill row takes per call")
+    p.add_argument("--prefill-budget", type=int,
+                   help="prompt tokens one step prefills, whole chunks (default: one chunk)")
     p.add_argument("--fallback-acceptance", type=float, default=0.0,
                    help="acceptance breaker threshold in (0, 1]; 0 disables (reference starting point: 0.60)")
     p.add_argument("--fallback-min-drafted", type=int, default=32)

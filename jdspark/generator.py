@@ -27,16 +27,20 @@ class Generator:
 
     @classmethod
     def from_model(cls, model: Model, tokenizer: Tokenizer | None = None, *, speculative: bool = True,
-                   gamma: int | None = None, max_seq_len: int = 4096, max_batch: int = 1, prefill_chunk: int = 256,
+                   gamma: int | None = None, max_seq_len: int = 4096, max_batch: int = 1,
+                   batch_buckets: tuple[int, ...] = (), prefill_chunk: int = 256, prefill_budget: int | None = None,
                    options: SpecOptions = SpecOptions(), implementation: str = "auto",
                    widths: tuple[int, ...] | None = None) -> "Generator":
-        """Compile an engine for `model` (`widths` to verify; default every width 0..gamma when
-        speculative)."""
+        """Compile an engine for `model`. `widths` to verify: default every width 0..gamma for the
+        adaptive width, the one width of a fixed `options.width`; `batch_buckets` and
+        `prefill_budget` as in `EngineConfig` and `Engine`."""
         if gamma is None:
             gamma = model.config.dspark.block_size if model.config.dspark else 5
-        config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch)
+        if widths is None and speculative and options.width is not None:
+            widths = (options.width,)
+        config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch, batch_buckets=batch_buckets)
         engine = Engine(model, config, tokenizer=tokenizer, speculative=speculative, prefill_chunk=prefill_chunk,
-                        options=options, implementation=implementation, widths=widths)
+                        prefill_budget=prefill_budget, options=options, implementation=implementation, widths=widths)
         return cls(engine)
 
     @classmethod

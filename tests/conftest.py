@@ -77,9 +77,10 @@ def spec_model():
 
 @pytest.fixture(scope="session")
 def spec_engine(spec_model, char_tokenizer):
-    """Two slots, every width compiled once for the session, the character tokenizer; users set
-    `speculative` and `width_policy` and finish or cancel their requests."""
-    return Engine(spec_model, EngineConfig(max_seq_len=256, gamma=5, max_batch=2), prefill_chunk=16,
+    """Two slots in one batch bucket, every width compiled once for the session, the character
+    tokenizer; users set `speculative` and `width_policy` and finish or cancel their requests.
+    (Each bucket is a full set of executables; tests/engine/test_buckets.py tests buckets.)"""
+    return Engine(spec_model, EngineConfig(max_seq_len=256, gamma=5, max_batch=2, batch_buckets=(2,)), prefill_chunk=16,
                   tokenizer=char_tokenizer)
 
 
@@ -88,8 +89,8 @@ def target_engine(spec_model):
     """SPEC_CONFIG's target alone: two slots, no tokenizer, speculative=False, so only prefill and
     decode are compiled (a fraction of `spec_engine`'s start-up). For tests of what does not need
     the drafter; users finish or cancel their requests."""
-    return Engine(spec_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=2), prefill_chunk=16,
-                  speculative=False)
+    return Engine(spec_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=2, batch_buckets=(2,)),
+                  prefill_chunk=16, speculative=False)
 
 
 @pytest.fixture(scope="session")

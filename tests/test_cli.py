@@ -21,6 +21,16 @@ def test_generate_errors_exit_2(spec_checkpoint, capsys, monkeypatch, tmp_path):
     assert "pass --model PATH" in capsys.readouterr().err
 
 
+def test_engine_options_are_checked_before_compiling(spec_checkpoint, capsys):
+    common = ["generate", "--model", str(spec_checkpoint), "--dtype", "float32", "--max-seq-len", "64", "x"]
+    assert main([*common, "--widths", "2,7"]) == 2
+    assert "widths=(2, 7): each must be in 0..gamma=5" in capsys.readouterr().err
+    assert main([*common, "--width", "3", "--widths", "2,5"]) == 2
+    assert "width=3: must be one of the compiled widths [2, 5]" in capsys.readouterr().err
+    assert main([*common, "--batch-buckets", "1,2"]) == 2  # generate runs one slot
+    assert "batch_buckets=(1, 2): each must be an integer in 1..max_batch=1" in capsys.readouterr().err
+
+
 def test_serve_errors_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("jdspark.assets.DEFAULT_MODEL", str(tmp_path / "absent"))
     assert main(["serve"]) == 2  # the default --model is the embedded one

@@ -62,7 +62,7 @@ class Engine:
         "pallas", "xla") picks the Pallas kernels or their jnp references (rejection sampler,
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
         buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU."""
-        widths = self._check_setup(model, config, speculative, widths)
+        widths = self._check_setup(model, config, speculative, widths, options.width)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
         self.tokenizer = tokenizer
         self._new_breaker()  # validates the fallback options before anything is compiled
@@ -90,8 +90,9 @@ class Engine:
         self._recorders: list[list[StepRecord]] = []
 
     @staticmethod
-    def _check_setup(model: Model, config: EngineConfig, speculative: bool, widths) -> tuple[int, ...]:
-        """The widths to compile, after checking the model can speculate at them."""
+    def _check_setup(model: Model, config: EngineConfig, speculative: bool, widths, width) -> tuple[int, ...]:
+        """The widths to compile, after checking the model can speculate at them (and at the fixed
+        `width`, if any) — before anything compiles."""
         if speculative and model.config.dspark is None:
             raise EngineError("speculative=True needs a checkpoint with a DSpark drafter (dspark_* config keys and "
                               "mtp.* drafter tensors); this one has none: use speculative=False")
@@ -104,6 +105,8 @@ class Engine:
         bad = [k for k in widths if not 0 <= k <= config.gamma or (k and not speculative)]
         if bad or not widths:
             raise EngineError(f"widths={widths}: each must be in 0..gamma={config.gamma} (only 0 without speculation)")
+        if speculative and width is not None and width not in widths:
+            raise EngineError(f"width={width}: must be one of the compiled widths {sorted(widths)}")
         return tuple(widths)
 
     def _width_policy(self, policy: WidthPolicy | None, widths: tuple[int, ...]) -> WidthPolicy:
@@ -112,8 +115,6 @@ class Engine:
         if policy is not None or not self.speculative:
             return policy or (lambda confidence: gamma)
         if width is not None:
-            if width not in widths:
-                raise EngineError(f"width={width}: must be one of the compiled widths {sorted(widths)}")
             return lambda confidence: width
         if gamma not in widths:
             raise EngineError(f"adaptive width needs width gamma={gamma} compiled (every width rounds up to a "

@@ -96,7 +96,7 @@ def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greed
             tokens[bad] = (tokens[bad] + 1) % 16
         return scripted(params, decode, cache, slots, np.tile(tokens, (len(slots), 1)))
 
-    monkeypatch.setitem(engine.exe.buckets[1].step, 5, scripted_call)  # a lone request runs bucket 1
+    monkeypatch.setitem(engine.exe.buckets[2].step, 5, scripted_call)  # the engine's one bucket
     with engine.record_steps() as records:
         slot = run(engine, PROMPT, GREEDY, 5)
     assert slot.token_ids == greedy_reference
