@@ -75,6 +75,14 @@ def _dot(fmt, u8, u16, f32, slot, off_w, off_s, row, K, xv, round_w, wtmp, fbuf,
     return acc
 
 
+@njit(cache=True)
+def _scratch(n):
+    """One thread's buffers: n words for a row of decoded weights, and a float32 with its bits
+    (the bf16 rounding reads a float's bits through them)."""
+    fbuf = np.empty(1, np.float32)
+    return np.empty(n, np.uint32), fbuf, fbuf.view(np.uint32)
+
+
 @njit(parallel=True, cache=True)
 def _forward(fmt, u8, u16, f32, off, D, F, x, uniq_slot, pstart, pair_row, pair_w, pair_out, covered,
              h, out, y, limit, rnd, tile_f, tile_d):
@@ -84,9 +92,7 @@ def _forward(fmt, u8, u16, f32, off, D, F, x, uniq_slot, pstart, pair_row, pair_
     for item in prange(nu * nft):
         u, ft = item // nft, item % nft
         slot = uniq_slot[u]
-        wtmp = np.empty(max(D, F), np.uint32)
-        fbuf = np.empty(1, np.float32)
-        ubuf = fbuf.view(np.uint32)
+        wtmp, fbuf, ubuf = _scratch(max(D, F))
         for f in range(ft * tile_f, min(F, (ft + 1) * tile_f)):
             for p in range(pstart[u], pstart[u + 1]):
                 xv = x[pair_row[p]]
@@ -103,9 +109,7 @@ def _forward(fmt, u8, u16, f32, off, D, F, x, uniq_slot, pstart, pair_row, pair_
     for item in prange(nu * ndt):
         u, dt = item // ndt, item % ndt
         slot = uniq_slot[u]
-        wtmp = np.empty(max(D, F), np.uint32)
-        fbuf = np.empty(1, np.float32)
-        ubuf = fbuf.view(np.uint32)
+        wtmp, fbuf, ubuf = _scratch(max(D, F))
         for d in range(dt * tile_d, min(D, (dt + 1) * tile_d)):
             for p in range(pstart[u], pstart[u + 1]):
                 o = _dot(fmt, u8, u16, f32, slot, off[2], off[5], d, F, h[p], round_w, wtmp, fbuf, ubuf)
