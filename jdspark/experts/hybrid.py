@@ -33,9 +33,7 @@ from jdspark.experts.banks import ExpertBank
 from jdspark.experts.cpu_gemv import host_callback
 from jdspark.experts.placement import Placement, plan_placement
 from jdspark.model.model import Model
-from jdspark.model.moe import Experts, MoE, expert_slots, routing_matrix, sum_expert_outputs
-from pallas_kernels import interpret_mode
-from pallas_kernels import moe as moe_kernels
+from jdspark.model.moe import Experts, MoE, expert_slots, routing_matrix
 
 
 class HybridExperts(Experts):
@@ -75,16 +73,7 @@ class HybridExperts(Experts):
             return y
         experts, slot = expert_slots(idx, self.n_experts)
         dense = jnp.where(self.on_host[...][experts][None], 0.0, routing_matrix(weights, slot, experts.shape[0]))
-        return self._device(x, self.local[...][experts], dense, slot) + y
-
-    def _device(self, x: jax.Array, local: jax.Array, dense: jax.Array, slot: jax.Array) -> jax.Array:
-        """`Experts.__call__` after its slots: the device experts `local` [M] weighted by dense [N, M]."""
-        fmt, w1 = self.w1.stored()
-        (_, w3), (_, w2) = self.w3.stored(), self.w2.stored()
-        if self._kernel(fmt, x.shape[0], x.shape[-1], w1[0].shape[1]):
-            return moe_kernels.moe(x, local, dense, slot, w1, w3, w2, fmt=fmt, limit=self.limit,
-                                   interpret=interpret_mode())
-        return sum_expert_outputs(self._outputs(x, local, dense), x.dtype)
+        return self._selected(x, self.local[...][experts], dense, slot) + y
 
 
 def _subset(weights, ids: np.ndarray):

@@ -84,43 +84,45 @@ def _scratch(n):
 
 
 @njit(parallel=True, cache=True)
-def _forward(fmt, u8, u16, f32, off, D, F, x, uniq_slot, pstart, pair_row, pair_w, pair_out, covered,
-             h, out, y, limit, rnd, tile_f, tile_d):
-    nu = uniq_slot.shape[0]
+def _phase(down, fmt, u8, u16, f32, off, D, F, x, uniq_slot, pstart, pair_row, pair_w, pair_out, h, out,
+           limit, rnd, tile):
+    """One GEMV phase, threads over (expert, tile of output rows): gate and up into h [pairs, F],
+    or (`down`) h through w2 into out [rows x k, D]."""
+    n_rows = D if down else F
     round_w = rnd and fmt == FP8_F32
-    nft = (F + tile_f - 1) // tile_f
-    for item in prange(nu * nft):
-        u, ft = item // nft, item % nft
+    n_tiles = (n_rows + tile - 1) // tile
+    for item in prange(uniq_slot.shape[0] * n_tiles):
+        u, t = item // n_tiles, item % n_tiles
         slot = uniq_slot[u]
         wtmp, fbuf, ubuf = _scratch(max(D, F))
-        for f in range(ft * tile_f, min(F, (ft + 1) * tile_f)):
+        for row in range(t * tile, min(n_rows, (t + 1) * tile)):
             for p in range(pstart[u], pstart[u + 1]):
+                if down:
+                    o = _dot(fmt, u8, u16, f32, slot, off[2], off[5], row, F, h[p], round_w, wtmp, fbuf, ubuf)
+                    out[pair_out[p], row] = _bf16(o, fbuf, ubuf) if rnd else o
+                    continue
                 xv = x[pair_row[p]]
-                g = _dot(fmt, u8, u16, f32, slot, off[0], off[3], f, D, xv, round_w, wtmp, fbuf, ubuf)
-                up = _dot(fmt, u8, u16, f32, slot, off[1], off[4], f, D, xv, round_w, wtmp, fbuf, ubuf)
+                g = _dot(fmt, u8, u16, f32, slot, off[0], off[3], row, D, xv, round_w, wtmp, fbuf, ubuf)
+                up = _dot(fmt, u8, u16, f32, slot, off[1], off[4], row, D, xv, round_w, wtmp, fbuf, ubuf)
                 if rnd:
                     g, up = _bf16(g, fbuf, ubuf), _bf16(up, fbuf, ubuf)
                 if limit > 0:
                     g = min(g, limit)
                     up = min(max(up, -limit), limit)
                 v = g / (np.float32(1.0) + np.exp(-g)) * up * pair_w[p]
-                h[p, f] = _bf16(v, fbuf, ubuf) if rnd else v
-    ndt = (D + tile_d - 1) // tile_d
-    for item in prange(nu * ndt):
-        u, dt = item // ndt, item % ndt
-        slot = uniq_slot[u]
-        wtmp, fbuf, ubuf = _scratch(max(D, F))
-        for d in range(dt * tile_d, min(D, (dt + 1) * tile_d)):
-            for p in range(pstart[u], pstart[u + 1]):
-                o = _dot(fmt, u8, u16, f32, slot, off[2], off[5], d, F, h[p], round_w, wtmp, fbuf, ubuf)
-                out[pair_out[p], d] = _bf16(o, fbuf, ubuf) if rnd else o
+                h[p, row] = _bf16(v, fbuf, ubuf) if rnd else v
+
+
+@njit(parallel=True, cache=True)
+def _sum_pairs(out, covered, y):
+    """y[r] = the sum of row r's covered expert outputs."""
     r_, k_ = y.shape[0], covered.shape[0] // y.shape[0]
     for r in prange(r_):
-        for d in range(D):
+        for d in range(y.shape[1]):
             y[r, d] = 0.0
         for k in range(k_):
             if covered[r * k_ + k]:
-                for d in range(D):
+                for d in range(y.shape[1]):
                     y[r, d] += out[r * k_ + k, d]
 
 
@@ -137,7 +139,9 @@ def forward(bank, x: np.ndarray, plan, limit: float, round_bf16: bool, threads: 
     u8 = bank.data
     h = np.zeros((plan.n_pairs, f), np.float32)
     out = np.zeros((r * plan.k, d), np.float32)
-    _forward(fmt, u8, u8.view(np.uint16), u8.view(np.float32), off, d, f, x, plan.uniq_slot, plan.pstart,
-             plan.pair_row, plan.pair_w, plan.pair_out, plan.covered, h, out, y, np.float32(limit),
-             bool(round_bf16), *tiles)
+    args = (fmt, u8, u8.view(np.uint16), u8.view(np.float32), off, d, f, x, plan.uniq_slot, plan.pstart,
+            plan.pair_row, plan.pair_w, plan.pair_out, h, out, np.float32(limit), bool(round_bf16))
+    _phase(False, *args, tiles[0])
+    _phase(True, *args, tiles[1])
+    _sum_pairs(out, plan.covered, y)
     return y

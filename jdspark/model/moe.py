@@ -117,7 +117,11 @@ class Experts(nnx.Module):
         if self.mesh is not None:
             return self._sharded(x, weights, idx)
         experts, slot = expert_slots(idx, self.n_experts)
-        dense = routing_matrix(weights, slot, experts.shape[0])
+        return self._selected(x, experts, routing_matrix(weights, slot, experts.shape[0]), slot)
+
+    def _selected(self, x: jax.Array, experts: jax.Array, dense: jax.Array, slot: jax.Array) -> jax.Array:
+        """The weighted sum of `experts` [M] (bank indices) by dense [N, M]: the MoE kernel where it
+        applies, else the gathered einsums."""
         fmt, w1 = self.w1.stored()
         (_, w3), (_, w2) = self.w3.stored(), self.w2.stored()
         if self._kernel(fmt, x.shape[0], x.shape[-1], w1[0].shape[1]):
