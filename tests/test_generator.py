@@ -67,7 +67,7 @@ def test_token_ids_without_tokenizer_and_clear_errors(target_engine):
 
 def test_from_pretrained_loads_drafter_and_tokenizer(spec_checkpoint):
     gen = Generator.from_pretrained(spec_checkpoint, dtype="float32", max_seq_len=256, max_batch=2,
-                                    prefill_chunk=16)
+                                    batch_buckets=(2,), prefill_chunk=16)  # spec_engine's shapes: cached
     assert gen.tokenizer is not None and sorted(gen.engine.exe.step) == [0, 1, 2, 3, 4, 5]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     speculative = gen.generate("hello", params)

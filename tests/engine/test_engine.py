@@ -158,8 +158,8 @@ def test_non_finite_logits_end_the_request_with_an_error(spec_model):
     session's target_engine, so its executables come from the compile cache."""
     poisoned = Model(spec_model.graphdef, jax.tree.map(
         lambda a: a * np.nan if np.issubdtype(a.dtype, np.floating) else a, spec_model.params))
-    engine = Engine(poisoned, EngineConfig(max_seq_len=64, gamma=5, max_batch=2), prefill_chunk=16,
-                    speculative=False)
+    engine = Engine(poisoned, EngineConfig(max_seq_len=64, gamma=5, max_batch=2, batch_buckets=(2,)),
+                    prefill_chunk=16, speculative=False)
     delta = engine.add(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=0))
     assert delta.final and delta.finish_reason == "error" and "non-finite" in delta.error
     assert delta.tokens == () and delta.completion.token_ids == []

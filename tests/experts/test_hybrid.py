@@ -108,7 +108,8 @@ def test_engine_greedy_tokens_equal_and_nothing_recompiles(compile_counter):
     hybrid = with_host_experts(model, {0: [0, 3, 6], 2: [1, 2]})
     prompt = np.array([5, 9, 2, 14, 7, 7, 1, 12], np.int32)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    config = EngineConfig(max_seq_len=64, gamma=5, max_batch=1)  # one bucket: one set of executables
+    # One bucket (one set of executables); target_engine's shapes, so the target-only run is cached.
+    config = EngineConfig(max_seq_len=64, gamma=5, max_batch=2, batch_buckets=(2,))
     want = generate_to_end(Engine(model, config, prefill_chunk=16, speculative=False), prompt, greedy).token_ids
     engine = Engine(hybrid, config, prefill_chunk=16, widths=(2,), width_policy=lambda confidence: 2)
     counts = []
