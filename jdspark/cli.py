@@ -35,8 +35,12 @@ def _model_dir(args) -> str:
     return args.model if args.model is not None else str(default_model_dir())
 
 
-def _int_list(text: str | None) -> tuple[int, ...] | None:
-    return None if text is None else tuple(int(t) for t in text.split(","))
+def _int_list(text: str) -> tuple[int, ...]:
+    """An option's comma-separated integers (argparse names the option when they are not)."""
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,4,16") from None
 
 
 def _generator(args, max_batch: int = 1):
@@ -53,7 +57,7 @@ def _generator(args, max_batch: int = 1):
                           reprofile=args.reprofile, log_every=args.log_every, batch_widths=args.batch_widths)
     return Generator.from_pretrained(model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
                                      max_seq_len=args.max_seq_len, max_batch=max_batch, options=options,
-                                     widths=_int_list(args.widths), batch_buckets=_int_list(args.batch_buckets) or (),
+                                     widths=args.widths, batch_buckets=args.batch_buckets or (),
                                      prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                                      tensor_parallel_size=args.tensor_parallel_size,
                                      expert_parallel_size=args.expert_parallel_size)
@@ -137,12 +141,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="DSpark speculative decoding (--no-speculative: target only)")
     p.add_argument("--gamma", type=int, help="draft block size (default: the drafter's)")
     p.add_argument("--width", default="adaptive", help="verify width 0..gamma, or 'adaptive' (default)")
-    p.add_argument("--widths", help="comma-separated widths to compile, e.g. 0,2,5 (default: 0..gamma for the "
+    p.add_argument("--widths", type=_int_list, help="comma-separated widths to compile, e.g. 0,2,5 (default: 0..gamma for the "
                                     "adaptive width, the fixed --width alone; a row's width rounds up to one)")
     p.add_argument("--batch-widths", default="per_request", choices=BATCH_WIDTHS,
                    help="how a batch's rows get widths: their own (per_request), the batch's largest (padded), "
                         "or within the step's token budget (budget)")
-    p.add_argument("--batch-buckets", help="comma-separated batch sizes to compile, the largest the slot count "
+    p.add_argument("--batch-buckets", type=_int_list, help="comma-separated batch sizes to compile, the largest the slot count "
                                            "(default: powers of 4 below it, and it)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens one prefill row takes per call")
     p.add_argument("--prefill-budget", type=int,
