@@ -35,8 +35,8 @@ def test_the_embedded_model_is_a_dsv4_with_a_drafter_and_a_tokenizer(shipped):
 @pytest.mark.slow  # two engines of the shipped model compiled
 def test_greedy_speculative_equals_greedy_target_only_on_the_shipped_model(shipped):
     model, tokenizer = shipped
-    gen = Generator.from_model(model, tokenizer, max_seq_len=96, prefill_chunk=32, options=SpecOptions(width=5),
-                               widths=(5,))  # speculative=False below: the plain `decode` executable
+    gen = Generator.from_model(model, tokenizer, max_seq_len=96, prefill_chunk=32, options=SpecOptions(width=5))
+    assert sorted(gen.engine.exe.step) == [5]  # a fixed width compiles that width alone (and the plain decode)
     for prompt in PROMPTS:
         gen.engine.set_policy(speculative=False)
         expected = gen.generate(prompt, GREEDY)
