@@ -53,8 +53,11 @@ def plot(report: dict, path: Path) -> None:
             c = np.mean(stale, axis=0) if stale else np.ones(len(widths) - 1)
             expected = 1 + np.concatenate([[0.0], np.cumsum(np.cumprod(c))])
             ax_tput.plot(widths, expected / (d + np.array(v)) / 1e3, "o-")
+        ax_cost.legend()
+    else:  # a fixed width or a caller's policy: the engine measured no costs
+        ax_cost.text(0.5, 0.5, "no measured costs\n(the width policy is not adaptive)", ha="center", va="center",
+                     transform=ax_cost.transAxes)
     ax_cost.set(xlabel="width k", ylabel="ms", title="measured costs")
-    ax_cost.legend()
     ax_tput.set(xlabel="width k", ylabel="E(k) / (D + V(k))  [tokens / ms]", title="selector objective (mean conf.)")
     ax_acc.bar(np.arange(1, len(stats["acceptance"]) + 1), stats["acceptance"], label="acceptance")
     ax_acc.bar(widths + 0.3, np.array(stats["widths"]) / max(1, sum(stats["widths"])), width=0.3,
