@@ -68,14 +68,15 @@ class Engine:
         self._new_breaker()  # validates the fallback options before anything is compiled
         on_gpu = jax.default_backend() == "gpu"
         pack_params = on_gpu if pack_params is None else pack_params
-        self.exe = Executables(model, config, min(prefill_chunk, config.max_seq_len), implementation,
-                               widths if speculative else (), pack_params)
+        chunk = min(prefill_chunk, config.max_seq_len)
+        self.prefill_rows = max(1, (prefill_budget or chunk) // chunk)
+        self.exe = Executables(model, config, chunk, implementation, widths if speculative else (), pack_params,
+                               config.prefill_buckets(self.prefill_rows))
         self.state, self.draft_cache = self._fresh_state()
         self._slots: list[Sequence | None] = [None] * config.max_batch
         self._slot_of: dict[int, int] = {}  # request id -> slot
         self._pending: dict[int, PendingPrompt] = {}  # slot -> prompt still being prefilled, oldest first
         self._next_id = 0
-        self.prefill_rows = max(1, (prefill_budget or self.exe.prefill_chunk) // self.exe.prefill_chunk)
         start = time.perf_counter()
         self.exe.compile(self.state, self.draft_cache)
         log.info("compiled %d executables (batch buckets %s) in %.1f s, %.1f s of it tracing and lowering",
@@ -203,7 +204,7 @@ class Engine:
     def _prefill_call(self, live: list[int]) -> dict[int, Delta]:
         """One prefill call: the next chunk of each of these slots' prompts, in the smallest bucket
         that holds them. A prompt that ends in it gets its first token (its first Delta)."""
-        bucket = self.config.bucket(len(live))
+        bucket = self.exe.prefill_bucket(len(live))
         rows = call_slots(live, bucket, self.config.max_batch)
         ids, n_valid, reset = prefill_inputs(rows, self._pending, self.exe.prefill_chunk)
         out, self.state, self.draft_cache = self.exe.buckets[bucket].prefill(

@@ -9,7 +9,8 @@
   prefix + 1 in the target state and the committed rows' features pushed into the drafter's
   context. Width 0 drafts too: its confidences choose the next step's width.
 
-Batch buckets: each of these exists once per batch size n in `EngineConfig.buckets`. A call's n
+Batch buckets: each of these exists once per batch size n in `EngineConfig.buckets` (prefill only
+in the buckets a prefill call can use, `EngineConfig.prefill_buckets`). A call's n
 rows name their state slots (the `slot` input); the executable gathers those rows of the one
 full-size decode state and draft cache, runs on them and scatters them back (in place: both are
 donated). The largest bucket covers every slot in order and skips the gather. Why a gather rather
@@ -191,9 +192,10 @@ class Executables:
     prefill chunk."""
 
     def __init__(self, model: Model, engine: EngineConfig, prefill_chunk: int, implementation: str,
-                 widths: tuple[int, ...], pack_params: bool):
+                 widths: tuple[int, ...], pack_params: bool, prefill_buckets: tuple[int, ...] | None = None):
         """`widths`: the step[k] to compile (empty: a target-only engine, prefill and decode only);
-        `implementation`: "auto", "pallas" or "xla" for every kernel (ValueError otherwise)."""
+        `implementation`: "auto", "pallas" or "xla" for every kernel (ValueError otherwise);
+        `prefill_buckets`: the buckets that get a prefill (default all; the largest always)."""
         resolve_implementation(implementation)  # validates it before anything is compiled
         self.implementation = implementation
         self.graphdef = hyper.with_implementation(model.graphdef, model.params, implementation)
@@ -206,6 +208,7 @@ class Executables:
         self.prefill_chunk = prefill_chunk
         self.widths = widths
         self.buckets = {n: Bucket() for n in engine.buckets}
+        self.prefill_buckets = tuple(sorted({*(prefill_buckets or engine.buckets), engine.max_batch}))
         self.lower_seconds = 0.0
 
     @property
@@ -227,7 +230,11 @@ class Executables:
 
     @property
     def count(self) -> int:
-        return sum(2 + len(b.step) for b in self.buckets.values())
+        return len(self.prefill_buckets) + sum(1 + len(b.step) for b in self.buckets.values())
+
+    def prefill_bucket(self, n: int) -> int:
+        """The smallest bucket with a prefill that holds n rows."""
+        return next(b for b in self.prefill_buckets if b >= n)
 
     def compile(self, decode, draft_cache) -> None:
         """Lower and compile every executable for these (example) arguments' shapes.
@@ -253,8 +260,9 @@ class Executables:
             ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
             counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
             slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)
-            lowered[b, "prefill"] = jax.jit(self._prefill, **kept).lower(
-                params, decode, draft_cache, ids, counts, flags, slots)
+            if b in self.prefill_buckets:
+                lowered[b, "prefill"] = jax.jit(self._prefill, **kept).lower(
+                    params, decode, draft_cache, ids, counts, flags, slots)
             lowered[b, "decode"] = jax.jit(self._decode, **kept).lower(params, decode, draft_cache, slots)
             for k in self.widths:
                 lowered[b, k] = jax.jit(self.step_function(k), **kept).lower(

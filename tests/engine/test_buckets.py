@@ -1,8 +1,9 @@
 """Batch buckets, per-request widths and prefill spread over steps, on one 16-slot engine compiled
-for buckets 1 and 16 and widths 2 and 5 (a row's width rounds up to the executable that holds it):
-a lone request runs the bucket-1 executables and emits what it emits in a full batch next to rows
-of other widths and sampling parameters; a prompt admitted while others run is prefilled a chunk
-per step while they keep decoding; nothing compiles after warm-up."""
+for buckets 1, 4 and 16 and widths 2 and 5 (a row's width rounds up to the executable that holds
+it): a lone request runs the bucket-1 executables and emits what it emits in a full batch next to
+rows of other widths and sampling parameters; a prompt admitted while others run is prefilled a
+chunk per step while they keep decoding; bucket 4 has no prefill (no call could use it); nothing
+compiles after warm-up."""
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ def own_width(confidence) -> int:
 
 @pytest.fixture(scope="module")
 def engine(spec_model):
-    return Engine(spec_model, EngineConfig(max_seq_len=96, gamma=5, max_batch=16, batch_buckets=(1, 16)),
+    return Engine(spec_model, EngineConfig(max_seq_len=96, gamma=5, max_batch=16, batch_buckets=(1, 4, 16)),
                   prefill_chunk=8, widths=(2, 5), width_policy=own_width)
 
 
@@ -77,6 +78,10 @@ def test_a_new_prompt_is_prefilled_a_chunk_per_step_while_others_decode(engine, 
 
 
 def test_no_compilation_after_warm_up_as_requests_join_and_leave(engine, alone, compile_counter):
+    """13 requests, then fewer and fewer: steps in buckets 16, 4 and 1, prompts prefilled in
+    bucket 1 (a step prefills one chunk) while the others decode."""
+    assert engine.exe.prefill_buckets == (1, 16) and engine.exe.buckets[4].prefill is None
+    assert engine.exe.count == 2 + 3 * 3  # 2 prefills; decode, step[2], step[5] per bucket
     before = compile_counter.count
     first = engine.add(PROMPTS[3], SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True))
     engine.admit([(p, SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True))
@@ -85,9 +90,11 @@ def test_no_compilation_after_warm_up_as_requests_join_and_leave(engine, alone, 
     for _ in range(3):
         engine.step()
     engine.set_policy(speculative=True)
-    while engine.running:
-        engine.step()
+    with engine.record_steps() as records:
+        while engine.running:
+            engine.step()
     assert first.request_id not in engine.running
+    assert {r.bucket for r in records} >= {4, 1}
     assert compile_counter.count == before
 
 

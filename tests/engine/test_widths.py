@@ -56,3 +56,15 @@ def test_batch_buckets_default_to_powers_of_4_up_to_max_batch_and_are_checked():
 def test_an_unknown_batch_widths_mode_is_refused():
     with pytest.raises(ValueError, match="batch_widths='ragged': use one of per_request, padded, budget"):
         SpecOptions(batch_widths="ragged")
+
+
+def test_prefill_is_compiled_only_in_the_buckets_a_prefill_call_can_use():
+    """A step prefills at most `prefill_rows` prompts (the smallest bucket that holds them) and
+    `add_many` every new one at once (the largest bucket): the buckets between get no prefill."""
+    config = EngineConfig(max_batch=64)
+    assert config.buckets == (1, 4, 16, 64)
+    assert config.prefill_buckets(1) == (1, 64)
+    assert config.prefill_buckets(3) == (1, 4, 64)
+    assert config.prefill_buckets(16) == (1, 4, 16, 64)
+    assert config.prefill_buckets(100) == (1, 4, 16, 64)
+    assert EngineConfig(max_batch=8, batch_buckets=(2, 8)).prefill_buckets(1) == (2, 8)
