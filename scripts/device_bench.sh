@@ -84,7 +84,7 @@ for part in "$@"; do
         -k "greedy or lossless" 2>&1 | tail -5 | tee "$OUT/engine_gpu_tests.log" ;;
     gpu-tests)  # every gpu-marked test (the kernels compiled, the engine's precision) and greedy equality on the
       # shipped model; tests/server is left out: the GPU machine has no FastAPI
-      timeout 200 python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu tests/pallas_kernels tests/engine \
+      timeout 360 python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu tests/pallas_kernels tests/engine \
         tests/test_profile.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
       timeout 120 python3 -m pytest -q -W ignore -p no:cacheprovider tests/test_assets.py -k greedy 2>&1 | tail -5 \
         | tee -a "$OUT/gpu_tests.log" ;;
