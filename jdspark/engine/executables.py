@@ -16,7 +16,8 @@ full-size decode state and draft cache, runs on them and scatters them back (in 
 donated). The largest bucket covers every slot in order and skips the gather. Why a gather rather
 than compacting the slots: requests finish in any order, and moving a finished request's
 neighbour would copy its whole state anyway; the gather copies only the n rows a step runs, so a
-lone request on a 16-slot engine pays for one row, and the state stays one array per buffer.
+lone request on a 16-slot engine computes one row, and the state stays one array per buffer (XLA
+still copies some full buffers around the write-back: `take_rows`).
 
 One executable per engine step, one small array in and one out: each call costs host time on its
 own (argument handling, launch), and each device-to-host read waits for the device. Per-slot
@@ -115,7 +116,9 @@ def unpack_slots(slots: jax.Array) -> Rows:
 
 def take_rows(tree, rows: Rows, batch: int):
     """The rows' slots of a full-batch pytree (the whole tree when the rows are every slot). One row
-    is a dynamic slice, which XLA updates in place on every backend."""
+    is a dynamic slice. XLA on the CPU still copies whole state buffers around the write-back (the
+    compressed entries in small buckets; docs/BENCHMARKS.md, serving): the open part of making a
+    lone request on many slots as cheap as on one."""
     if tree is None or rows.slot.shape[0] == batch:
         return tree
     if rows.slot.shape[0] == 1:
