@@ -106,6 +106,20 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
 
 
+def print_medians(results: list[dict]) -> None:
+    """Per (concurrency, mode): the median tok/s over the rounds, every round's, and the ratio to the
+    better of none and fixed5 at that concurrency."""
+    runs: dict[tuple[int, str], list[float]] = {}
+    for level in results:
+        runs.setdefault((level["concurrency"], level["mode"]), []).append(level["tokens_per_s"])
+    print("| concurrency | mode | median tok/s | rounds | / max(none, fixed5) |\n|---:|---|---:|---|---:|")
+    for (concurrency, mode), values in runs.items():
+        best = max(float(np.median(runs.get((concurrency, m), [np.nan]))) for m in ("none", "fixed5"))
+        median = float(np.median(values))
+        print(f"| {concurrency} | {mode} | {median:.1f} | {', '.join(f'{v:.0f}' for v in values)} | "
+              f"{median / best:.2f} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
@@ -122,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=64, help="requests per (mode, concurrency)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--rounds", type=int, default=1, help="repeats of every (concurrency, mode), interleaved")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     args.max_running = args.max_running or max(args.concurrency)
@@ -129,23 +144,30 @@ def main(argv=None) -> int:
         p.error("--widths compiles a subset without the adaptive selector: use --modes none fixed5")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     engine, prompts, startup = build(args)
-    print(f"start-up (load + compile + costs): {startup:.1f} s, buckets {list(engine.config.buckets)}", flush=True)
+    print(f"start-up (load + compile + costs): {startup:.1f} s, buckets {list(engine.config.buckets)}, "
+          f"{engine.exe.count} executables, {engine.exe.loaded} loaded from disk", flush=True)
     if args.startup_only:
+        if args.out:
+            Path(args.out).write_text(json.dumps({"startup_s": startup, "executables": engine.exe.count,
+                                                  "loaded": engine.exe.loaded}, indent=1))
         return 0
     results = []
     for concurrency in args.concurrency:
-        for mode in args.modes:
-            set_mode(engine, mode)
-            run_level(engine, prompts, concurrency, argparse.Namespace(**{**vars(args), "requests": concurrency}))
-            level_args = argparse.Namespace(**{**vars(args), "requests": max(args.requests, concurrency)})
-            level = {"mode": mode, **run_level(engine, prompts, concurrency, level_args)}  # after a warm-up round
-            results.append(level)
-            print(f"c={concurrency:3d} {mode:12s} {level['tokens_per_s']:9.1f} tok/s  "
-                  f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "
-                  f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms",
-                  flush=True)
-    if args.out:
-        Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))
+        for round_ in range(args.rounds):  # rounds interleave the modes, so drift hits them alike
+            for mode in args.modes:
+                set_mode(engine, mode)
+                if round_ == 0:  # a warm-up round first
+                    run_level(engine, prompts, concurrency, argparse.Namespace(**{**vars(args), "requests": concurrency}))
+                level_args = argparse.Namespace(**{**vars(args), "requests": max(args.requests, concurrency)})
+                level = {"mode": mode, "round": round_, **run_level(engine, prompts, concurrency, level_args)}
+                results.append(level)
+                print(f"round {round_} c={concurrency:3d} {mode:12s} {level['tokens_per_s']:9.1f} tok/s  "
+                      f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "
+                      f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms",
+                      flush=True)
+            if args.out:  # after every level, so a run cut short keeps what it measured
+                Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))
+    print_medians(results)
     return 0
 
 

@@ -14,6 +14,9 @@
 #   bash scripts/device_bench.sh drafter eval     (train the embedded drafter further, then measure it)
 #   bash scripts/device_bench.sh sampler adaptive serve
 #   bash scripts/device_bench.sh step             (D, V(k), step wall vs device busy time, kernel counts)
+#   bash scripts/device_bench.sh startup serve-engine   (issue 26: start-up cold / warm, then the
+#       speculation modes under load; SERVE_ARGS, CONCURRENCY, REQUESTS, ROUNDS, STARTUP_SECONDS,
+#       SERVE_SECONDS)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jdspark-out}; WORK=${WORK:-/tmp/jdspark-work}; mkdir -p "$OUT" "$WORK"
@@ -86,6 +89,8 @@ for part in "$@"; do
       # shipped model; tests/server is left out: the GPU machine has no FastAPI
       timeout 360 python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu tests/pallas_kernels tests/engine \
         tests/test_profile.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+      timeout 120 python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_exe_cache.py 2>&1 | tail -5 \
+        | tee -a "$OUT/gpu_tests.log"
       timeout 120 python3 -m pytest -q -W ignore -p no:cacheprovider tests/test_assets.py -k greedy 2>&1 | tail -5 \
         | tee -a "$OUT/gpu_tests.log" ;;
     decode)  # decode at Flash dimensions (8 layers, 256 experts, FP8 + ds_fp4): the kernel vs the XLA gather vs before
@@ -95,6 +100,18 @@ for part in "$@"; do
     bw)  # the host expert pool's bandwidths on this host (16 cores): host read, PCIe, CPU and GPU expert GEMV
       timeout 150 python3 -m jdspark.cli bench bw --json "$OUT/bench_bw.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench_bw.log" ;;
+    startup)  # issue 26: the embedded engine's start-up on a fresh cache (cold), then in a second process (warm)
+      rm -rf "$WORK/serve-cache"
+      for run in cold warm; do
+        JDSPARK_CACHE=$WORK/serve-cache timeout ${STARTUP_SECONDS:-330} python3 scripts/bench_serve_engine.py \
+          --startup-only ${SERVE_ARGS:---max-running 64} --out "$OUT/startup_$run.json" 2>&1 | grep -v Warning \
+          | tee "$OUT/startup_$run.log"
+      done ;;
+    serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
+      JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-400} python3 scripts/bench_serve_engine.py \
+        ${SERVE_ARGS:---max-running 64} --concurrency ${CONCURRENCY:-1 4 16 64} --requests ${REQUESTS:-32} \
+        --rounds ${ROUNDS:-3} --out "$OUT/bench_serve_engine_${CONCURRENCY:-all}.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/bench_serve_engine_${CONCURRENCY:-all}.log" ;;
     *)
       echo "unknown part: $part" ;;
   esac

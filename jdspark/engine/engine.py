@@ -79,8 +79,9 @@ class Engine:
         self._next_id = 0
         start = time.perf_counter()
         self.exe.compile(self.state, self.draft_cache)
-        log.info("compiled %d executables (batch buckets %s) in %.1f s, %.1f s of it tracing and lowering",
-                 self.exe.count, list(config.buckets), time.perf_counter() - start, self.exe.lower_seconds)
+        log.info("%d executables (batch buckets %s) ready in %.1f s: %d loaded from disk, %.1f s loading, tracing "
+                 "and lowering", self.exe.count, list(config.buckets), time.perf_counter() - start, self.exe.loaded,
+                 self.exe.lower_seconds)
         self.selector: AdaptiveWidth | None = None  # the largest bucket's; `selectors` has every bucket's
         self.selectors: dict[int, AdaptiveWidth] = {}
         self.width_policy = self._width_policy(width_policy, widths)

@@ -45,7 +45,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import NamedTuple
 
 import jax
@@ -56,6 +56,7 @@ from flax import nnx, struct
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import packed
+from jdspark.engine.exe_cache import ExecutableCache
 from jdspark.model import hyper, state
 from jdspark.model.model import Model
 from jdspark.speculative.sampling import exponential_noise, uniform_noise
@@ -182,12 +183,22 @@ class Bucket:
     step: dict[int, jax.stages.Compiled] = dataclasses.field(default_factory=dict)
 
 
-def compile_all(lowered: dict) -> dict:
+def _pool(jobs: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, min(jobs, os.cpu_count() or 1)))
+
+
+def compile_all(lowered: dict, done=None) -> dict:
     """Compile lowered programs in parallel (XLA compiles outside the GIL): start-up on a many-core
-    host is the longest compilation, not the sum."""
-    with ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
-        futures = {key: pool.submit(program.compile) for key, program in lowered.items()}
-    return {key: future.result() for key, future in futures.items()}
+    host is the longest compilation, not the sum. `done(key, compiled)` runs as each finishes (so a
+    start-up cut short keeps what it compiled)."""
+    with _pool(len(lowered)) as pool:
+        futures = {pool.submit(program.compile): key for key, program in lowered.items()}
+        compiled = {}
+        for future in as_completed(futures):
+            compiled[futures[future]] = future.result()
+            if done:
+                done(futures[future], compiled[futures[future]])
+    return compiled
 
 
 class Executables:
@@ -213,6 +224,7 @@ class Executables:
         self.buckets = {n: Bucket() for n in engine.buckets}
         self.prefill_buckets = tuple(sorted({*(prefill_buckets or engine.buckets), engine.max_batch}))
         self.lower_seconds = 0.0
+        self.loaded = 0  # executables loaded from disk by `compile` (exe_cache)
 
     @property
     def largest(self) -> Bucket:
@@ -258,24 +270,42 @@ class Executables:
             return jax.tree.map(lambda a: a.sharding, tree)
 
         kept = dict(donate_argnums=(1, 2), out_shardings=(decode.length.sharding, layout(decode), layout(draft_cache)))
-        lowered, start = {}, time.perf_counter()
+        programs = {}  # (bucket, "prefill" | "decode" | width) -> (function, example arguments)
         for b in self.buckets:
-            ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
-            counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
             slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)
             if b in self.prefill_buckets:
-                lowered[b, "prefill"] = jax.jit(self._prefill, **kept).lower(
-                    params, decode, draft_cache, ids, counts, flags, slots)
-            lowered[b, "decode"] = jax.jit(self._decode, **kept).lower(params, decode, draft_cache, slots)
+                ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
+                counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
+                programs[b, "prefill"] = self._prefill, (params, decode, draft_cache, ids, counts, flags, slots)
+            programs[b, "decode"] = self._decode, (params, decode, draft_cache, slots)
             for k in self.widths:
-                lowered[b, k] = jax.jit(self.step_function(k), **kept).lower(
-                    params, decode, draft_cache, slots)
-        self.lower_seconds = time.perf_counter() - start  # tracing + lowering: serial, in Python
-        for (b, name), compiled in compile_all(lowered).items():
+                programs[b, k] = self.step_function(k), (params, decode, draft_cache, slots)
+        store = ExecutableCache.default(self.static_key())
+        outputs = (jnp.zeros(()), decode, draft_cache)
+        start = time.perf_counter()
+        # Deserializing runs outside the GIL, in parallel on the GPU; XLA:CPU links each executable
+        # into its JIT, which is not safe concurrently (measured: "Function wrapped_broadcast not found").
+        with _pool(len(programs) if jax.default_backend() == "gpu" else 1) as pool:
+            stored = {key: pool.submit(store.load, str(key), args, outputs) if store else None
+                      for key, (_, args) in programs.items()}
+            compiled = {key: future and future.result() for key, future in stored.items()}
+        lowered = {key: jax.jit(function, **kept).lower(*args)
+                   for key, (function, args) in programs.items() if compiled[key] is None}
+        self.lower_seconds = time.perf_counter() - start  # loading (parallel), tracing + lowering (serial)
+        self.loaded = len(programs) - len(lowered)
+        with store.fresh_compiles() if store else contextlib.nullcontext():
+            compiled |= compile_all(lowered, lambda key, program: store and store.save(str(key), programs[key][1],
+                                                                                      program))
+        for (b, name), program in compiled.items():
             if name in ("prefill", "decode"):
-                setattr(self.buckets[b], name, compiled)
+                setattr(self.buckets[b], name, program)
             else:
-                self.buckets[b].step[name] = compiled
+                self.buckets[b].step[name] = program
+
+    def static_key(self) -> str:
+        """Everything the traced programs depend on besides their arguments (`exe_cache`)."""
+        return repr((repr(self.graphdef), self.params.layout_key(), self.config, str(self.dtype), self.gamma,
+                     self.implementation, self.feature_layers))
 
     def module(self, arrays):
         """The model module over one call's parameter arrays (`params.arrays`), inside a trace."""

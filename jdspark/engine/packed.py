@@ -55,3 +55,8 @@ class PackedParams:
                 array = jax.lax.slice(array, (offset,), (offset + math.prod(shape),)).reshape(shape)
             leaves.append(array)
         return jax.tree.unflatten(self.treedef, leaves)
+
+    def layout_key(self) -> str:
+        """The unpacking (every tensor's buffer, offset and shape: the buffers' dtypes are the
+        executables' argument types), which a trace depends on."""
+        return repr((str(self.treedef), self._layout))

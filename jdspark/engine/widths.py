@@ -32,6 +32,8 @@ def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, b
                               "(SpecOptions(width=None)), or batch_widths='per_request'")
         chosen = allocate_widths(np.stack([stale[b] for b in rows]), padded_cost(costs.draft_cost, costs.verify_costs))
         widths = dict(zip(rows, chosen.tolist()))
+    elif isinstance(policy, AdaptiveWidth) and rows:
+        widths = dict(zip(rows, policy.widths(np.stack([stale[b] for b in rows])).tolist()))
     else:
         widths = {b: int(policy(stale[b])) for b in rows}
     if mode == "padded":

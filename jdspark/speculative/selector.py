@@ -82,6 +82,19 @@ class AdaptiveWidth:
         _check_confidences(c)
         return _best_width(c, self._step_costs)
 
+    def widths(self, confidences) -> np.ndarray:
+        """`self(row)` for every row of [R, gamma] confidences at once (one numpy pass: a step of
+        64 rows spent ~0.3 ms of host time in the per-row calls on the H200 host). The same widths:
+        cumprod / cumsum run left to right in float64 as `_best_width` does, and argmax keeps the
+        first (smaller) width of a tie."""
+        c = np.asarray(confidences, np.float64)
+        if c.ndim != 2 or c.shape[1] != self.gamma:
+            raise ValueError(f"confidences of shape {c.shape}; pass [rows, gamma={self.gamma}]")
+        if not np.all((c >= 0) & (c <= 1)):  # also false for NaN
+            raise ValueError(f"confidences={c.tolist()}: each must be a probability in [0, 1]")
+        expected = np.concatenate([np.ones((c.shape[0], 1)), 1.0 + np.cumsum(np.cumprod(c, axis=1), axis=1)], axis=1)
+        return np.argmax(expected / np.asarray(self._step_costs), axis=1)
+
 
 class FallbackBreaker:
     """Per-request acceptance circuit breaker (spec §8): after >= min_drafted verified drafts with an

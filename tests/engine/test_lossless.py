@@ -164,6 +164,7 @@ def skip_residual(*args, implementation="auto"):
 
 def test_the_lossless_test_catches_a_sampler_that_skips_the_residual(model, monkeypatch):
     monkeypatch.setattr(executables, "rejection_sample", skip_residual)
+    monkeypatch.setenv("JDSPARK_STORE_EXECUTABLES", "0")  # the stored step[2] is the unpatched one
     biased = Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH, batch_buckets=(BATCH,)),
                     prefill_chunk=4, widths=(2,), width_policy=lambda confidence: 2)
     p_values, _, _ = lossless_p_values(biased, model, WARPS["T=1"], 10)

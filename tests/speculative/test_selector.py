@@ -53,6 +53,22 @@ def test_choice_is_the_argmax_of_expected_tokens_per_second_on_random_inputs():
         assert AdaptiveWidth(v, d, gamma=5)(c) == choose_width(c, d, v)
 
 
+def test_widths_of_a_batch_are_the_per_row_choices():
+    """The vectorized path the engine takes for many rows: the same width per row, ties included
+    (confidences of 0 and 1, flat and steep costs), and the same errors."""
+    rng = np.random.default_rng(1)
+    for costs in ([1.0, 1.0, 1.0, 1.0, 1.0, 1.0], np.sort(rng.random(6)) * 5e-3, [1.0, 1.5, 2.0, 2.5, 3.0, 3.5]):
+        policy = AdaptiveWidth(costs, 1e-3, gamma=5)
+        c = rng.random((300, 5))
+        c[:40] = rng.integers(0, 2, (40, 5))  # exact 0 / 1 confidences: exact ties
+        c[40:60] = 0.5
+        np.testing.assert_array_equal(policy.widths(c), [policy(row) for row in c])
+    with pytest.raises(ValueError, match="pass \\[rows, gamma=5\\]"):
+        policy.widths(np.zeros((2, 4)))
+    with pytest.raises(ValueError, match="nan"):
+        policy.widths(np.full((1, 5), np.nan))
+
+
 def test_adaptive_width_chooses_with_the_measured_costs():
     policy = AdaptiveWidth([1.0, 1.0, 50.0, 50.0], 0.3, gamma=3)
     assert policy([0.9, 0.9, 0.9]) == 1 == choose_width([0.9, 0.9, 0.9], 0.3, [1.0, 1.0, 50.0, 50.0])

@@ -1,0 +1,130 @@
+"""Compiled executables kept on disk whole, so a warm start-up neither traces nor compiles.
+
+XLA's persistent compilation cache skips compilation, but not the Python tracing and lowering that
+produce its key: on the CPU that was 10.4 of a 14.0 s warm start (docs/BENCHMARKS.md, serving).
+Here a program's key is known before tracing (everything a trace depends on: the jdspark and
+pallas_kernels sources, the jax version, the backend and its devices, XLA_FLAGS, the model graph and
+parameter shapes, the engine's static settings, the program's name and its arguments' shapes,
+dtypes and shardings), and the compiled executable is stored serialized under it
+(`jax.experimental.serialize_executable`, the format the persistent cache stores).
+
+On while the persistent compilation cache is (`enable_compile_cache`), in a `jdspark` folder inside
+it (off with JDSPARK_STORE_EXECUTABLES=0). A file that fails to load is recompiled and rewritten;
+programs with host callbacks (the host expert pool) are never stored (their callbacks are Python
+objects of this process). The key cannot see code patched at run time (a test's monkeypatch): such
+a caller turns the store off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import pickle
+from pathlib import Path
+
+import jax
+import jaxlib.version
+from jax.experimental import serialize_executable
+
+log = logging.getLogger(__name__)
+_PACKAGES = ("jdspark", "pallas_kernels")
+
+
+@functools.cache
+def source_digest() -> str:
+    """sha256 over the source files of the packages a trace runs (a code change is a new key)."""
+    digest = hashlib.sha256()
+    for package in _PACKAGES:
+        root = Path(__import__(package).__file__).parent
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".py", ".cc") and path.is_file():
+                digest.update(str(path.relative_to(root)).encode())
+                digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def environment() -> str:
+    """What a compiled executable depends on besides the program: versions, devices, flags."""
+    devices = jax.devices()
+    return repr((jax.__version__, jaxlib.version.__version__, devices[0].client.platform_version, [(d.id, d.device_kind) for d in devices],
+                 os.environ.get("XLA_FLAGS", ""), jax.config.jax_default_matmul_precision,
+                 jax.config.jax_enable_x64, source_digest()))
+
+
+def _arguments(args) -> str:
+    leaves, treedef = jax.tree.flatten(args)
+    return repr((str(treedef), [(a.shape, str(a.dtype), repr(a.sharding)) for a in leaves]))
+
+
+class ExecutableCache:
+    """Serialized executables in `root`, keyed by `static` (the caller's settings that shape every
+    program) plus each program's name and arguments."""
+
+    def __init__(self, root: str | os.PathLike, static: str):
+        self.root = Path(root)
+        self._static = hashlib.sha256((environment() + static).encode()).hexdigest()
+
+    @classmethod
+    def default(cls, static: str) -> ExecutableCache | None:
+        """The cache inside the persistent compilation cache's folder; None while that is off, or
+        with JDSPARK_STORE_EXECUTABLES=0 (for code patched at run time, which the key cannot see)."""
+        folder = jax.config.jax_compilation_cache_dir
+        if not folder or os.environ.get("JDSPARK_STORE_EXECUTABLES", "1") == "0":
+            return None
+        return cls(os.path.join(folder, "jdspark"), static)
+
+    @contextlib.contextmanager
+    def fresh_compiles(self):
+        """Around the compilations of programs to store: on the CPU they bypass XLA's persistent
+        cache. XLA:CPU serializes an executable it loaded from that cache without the functions it
+        JIT-linked (measured: the stored copy loads, then fails with "Function wrapped_iota not
+        found"); on the GPU a cache hit stores and reloads correctly (H200, 30 executables)."""
+        if jax.default_backend() != "cpu":
+            yield
+            return
+        before = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
+        try:
+            yield
+        finally:
+            jax.config.update("jax_enable_compilation_cache", before)
+
+    def _path(self, name: str, args) -> Path:
+        key = hashlib.sha256(f"{self._static}|{name}|{_arguments(args)}".encode()).hexdigest()
+        return self.root / f"{key}.exe"
+
+    def load(self, name: str, args, outputs) -> jax.stages.Compiled | None:
+        """The stored executable of program `name` called with `args` (returning a pytree shaped like
+        `outputs`), or None if there is none or it does not load."""
+        path = self._path(name, args)
+        if not path.exists():
+            return None
+        try:
+            blob = path.read_bytes()
+            return serialize_executable.deserialize_and_load(
+                blob, jax.tree.structure((tuple(args), {})), jax.tree.structure(outputs))
+        except Exception as error:  # a truncated or foreign file: compile again, then overwrite it
+            log.warning("stored executable %s did not load (%s: %s); compiling it", path.name,
+                        type(error).__name__, error)
+            return None
+
+    def save(self, name: str, args, compiled: jax.stages.Compiled) -> bool:
+        """Store `compiled` (written whole, then renamed: readers never see part of a file). False if
+        it cannot be stored (host callbacks, or a backend without serialization)."""
+        unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+        if unloaded is None or getattr(unloaded, "host_callbacks", None) or getattr(unloaded, "keepalive", None):
+            return False
+        try:
+            blob, _, _ = serialize_executable.serialize(compiled)
+        except (ValueError, NotImplementedError, pickle.PicklingError, TypeError) as error:
+            log.info("executable %s not stored: %s", name, error)
+            return False
+        path = self._path(name, args)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.part")
+        partial.write_bytes(blob)
+        os.replace(partial, path)
+        return True
