@@ -33,8 +33,9 @@ PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n  
                 "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
 
 
-def build(args):
-    """(engine, prompts as ids, seconds to load + compile + profile)."""
+def build(args, max_running: int | None = None, buckets: tuple[int, ...] | None = None):
+    """(engine, prompts as ids, seconds to load + compile + profile); `max_running` / `buckets`
+    override the arguments' (the 1-slot engine of `--versus-slots`)."""
     from jdspark.assets import default_model_dir
     from jdspark.checkpoint.loader import load_model
     from jdspark.config import EngineConfig
@@ -48,7 +49,8 @@ def build(args):
     model = load_model(path, dtype=args.dtype)
     tokenizer = Tokenizer(path / "tokenizer.json", model.config.bos_token_id, model.config.eos_token_id)
     config = EngineConfig(max_seq_len=args.max_seq_len, gamma=model.config.dspark.block_size,
-                          max_batch=args.max_running, batch_buckets=tuple(args.buckets))
+                          max_batch=max_running or args.max_running,
+                          batch_buckets=tuple(args.buckets) if buckets is None else buckets)
     widths = tuple(args.widths) or None
     options = SpecOptions(width=max(widths)) if widths else SpecOptions()  # a subset: no cost profile
     engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, options=options,
@@ -106,6 +108,33 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
 
 
+def lone_request(args, engine, prompts) -> list[dict]:
+    """A lone request (concurrency 1) on `engine` and on an engine of `--versus-slots` slots, both in
+    this process, interleaved round by round per mode: how much the slot count costs one request."""
+    small, _, _ = build(args, max_running=args.versus_slots, buckets=(args.versus_slots,))
+    results = []
+    for round_ in range(args.rounds):
+        for mode in args.modes:
+            for name, e in (("many", engine), ("few", small)):
+                set_mode(e, mode)
+                if round_ == 0:
+                    run_level(e, prompts, 1, argparse.Namespace(**{**vars(args), "requests": 1}))
+                level = run_level(e, prompts, 1, args)
+                results.append({"mode": mode, "round": round_, "slots": e.config.max_batch, **level})
+                print(f"round {round_} {mode:12s} {e.config.max_batch:3d} slots {level['tokens_per_s']:8.1f} tok/s",
+                      flush=True)
+    print(f"| mode | {engine.config.max_batch} slots, median tok/s (rounds) | {args.versus_slots} slots, median "
+          f"tok/s (rounds) | ratio |\n|---|---|---|---:|")
+    for mode in args.modes:
+        cells = []
+        for slots in (engine.config.max_batch, args.versus_slots):
+            values = [r["tokens_per_s"] for r in results if r["mode"] == mode and r["slots"] == slots]
+            cells.append((float(np.median(values)), ", ".join(f"{v:.1f}" for v in values)))
+        print(f"| {mode} | {cells[0][0]:.1f} ({cells[0][1]}) | {cells[1][0]:.1f} ({cells[1][1]}) | "
+              f"{cells[0][0] / cells[1][0]:.2f} |")
+    return results
+
+
 def print_medians(results: list[dict]) -> None:
     """Per (concurrency, mode): the median tok/s over the rounds, every round's, and the ratio to the
     better of none and fixed5 at that concurrency."""
@@ -137,6 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=1, help="repeats of every (concurrency, mode), interleaved")
+    p.add_argument("--versus-slots", type=int,
+                   help="instead of the concurrency levels: a lone request here and on an engine of this many slots")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     args.max_running = args.max_running or max(args.concurrency)
@@ -150,6 +181,11 @@ def main(argv=None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps({"startup_s": startup, "executables": engine.exe.count,
                                                   "loaded": engine.exe.loaded}, indent=1))
+        return 0
+    if args.versus_slots:
+        results = lone_request(args, engine, prompts)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"startup_s": startup, "lone_request": results}, indent=1))
         return 0
     results = []
     for concurrency in args.concurrency:

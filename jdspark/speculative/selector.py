@@ -83,8 +83,8 @@ class AdaptiveWidth:
         return _best_width(c, self._step_costs)
 
     def widths(self, confidences) -> np.ndarray:
-        """`self(row)` for every row of [R, gamma] confidences at once (one numpy pass: a step of
-        64 rows spent ~0.3 ms of host time in the per-row calls on the H200 host). The same widths:
+        """`self(row)` for every row of [R, gamma] confidences at once (one numpy pass: for 64 rows
+        0.05 ms against 0.16 ms of per-row calls, timeit on the 2-core CPU). The same widths:
         cumprod / cumsum run left to right in float64 as `_best_width` does, and argmax keeps the
         first (smaller) width of a tie."""
         c = np.asarray(confidences, np.float64)
