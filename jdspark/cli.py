@@ -54,7 +54,8 @@ def _generator(args, max_batch: int = 1):
     width = None if args.width == "adaptive" else int(args.width)
     options = SpecOptions(width=width, fallback_threshold=args.fallback_acceptance,
                           fallback_min_drafted=args.fallback_min_drafted, fallback_cooldown=args.fallback_steps,
-                          reprofile=args.reprofile, log_every=args.log_every, batch_widths=args.batch_widths)
+                          reprofile=args.reprofile, log_every=args.log_every, batch_widths=args.batch_widths,
+                          pause_steps=args.pause_steps)
     return Generator.from_pretrained(model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
                                      max_seq_len=args.max_seq_len, max_batch=max_batch, options=options,
                                      widths=args.widths, batch_buckets=args.batch_buckets or (),
@@ -155,6 +156,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="acceptance breaker threshold in (0, 1]; 0 disables (reference starting point: 0.60)")
     p.add_argument("--fallback-min-drafted", type=int, default=32)
     p.add_argument("--fallback-steps", type=int, default=64)
+    p.add_argument("--pause-steps", type=int, default=32,
+                   help="adaptive widths: steps a request decodes without drafting when drafting does not pay on its "
+                        "confidences, before it drafts again (0: never pause)")
     p.add_argument("--reprofile", action="store_true", help="measure V(k) again instead of using the cache")
     p.add_argument("--log-every", type=int, default=0, help="engine log line every N steps")
     _add_parallel_options(p)

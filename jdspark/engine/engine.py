@@ -32,7 +32,7 @@ from jdspark.engine.options import SpecOptions, WidthPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
 from jdspark.engine.sequence import Sequence
 from jdspark.engine.stats import LogCounters, RowRecord, StepRecord
-from jdspark.engine.widths import executable_width, row_widths
+from jdspark.engine.widths import executable_width, pause_where_drafting_does_not_pay, row_widths
 from jdspark.model import state
 from jdspark.model.model import Model
 from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
@@ -121,7 +121,7 @@ class Engine:
         if gamma not in widths:
             raise EngineError(f"adaptive width needs width gamma={gamma} compiled (every width rounds up to a "
                               f"compiled one), got {widths}")
-        self.selectors = {n: AdaptiveWidth(*self._measure_costs(n), gamma) for n in self.config.buckets}
+        self.selectors = {n: self._selector(n) for n in self.config.buckets}
         self.selector = self.selectors[max(self.selectors)]
         return self.selector
 
@@ -145,15 +145,17 @@ class Engine:
         self.state, self.draft_cache = self._fresh_state()
         return failed
 
-    def _measure_costs(self, bucket: int) -> tuple[list[float], float]:
-        """(V(0..gamma), D) of a batch bucket for the selector: a step[k] call drafts and verifies,
+    def _selector(self, bucket: int) -> AdaptiveWidth:
+        """The adaptive width policy of a batch bucket: (V(0..gamma), D) and the decode call's cost
+        measured there. A step[k] call drafts and verifies,
         so it costs S(k) = D + V(k) as a whole; D is S(0) less a plain decode call (the same
         verification without the draft), and V(k) = S(k) - D. E(k) / (D + V(k)) is then E(k) / S(k).
         A width that is not compiled runs in the next compiled one's executable and costs its S."""
         measured = self.measure_call_costs(bucket)
         step = [measured[f"step{executable_width({0: k}, self.exe.step)}"] for k in range(self.config.gamma + 1)]
         draft = max(step[0] - measured["decode"], 0.0)
-        return [s - draft for s in step], draft
+        return AdaptiveWidth([s - draft for s in step], draft, self.config.gamma,
+                             decode_cost=max(measured["decode"], 1e-6))
 
     def measure_call_costs(self, bucket: int | None = None) -> dict[str, float]:
         """Seconds per synchronised call of `decode` and of each step[k] ("step{k}") of a batch
@@ -333,7 +335,8 @@ class Engine:
         records = tuple(RowRecord(seq.request_id, stale[b], int(n_acc[row_of[b]]), deltas[seq.request_id].tokens,
                                   widths.get(b, 0)) for b, seq in sequences.items())
         record = StepRecord(width, time.perf_counter() - started, records, cost["draft_cost_s"],
-                            None if cost["verify_costs_s"] is None else tuple(cost["verify_costs_s"]), bucket)
+                            None if cost["verify_costs_s"] is None else tuple(cost["verify_costs_s"]), bucket,
+                            drafted_call=call is not self.exe.buckets[bucket].decode)
         for (b, seq), row in zip(sequences.items(), records):
             seq.record(record, row, None if confidence is None else confidence[row_of[b]])
         self._publish(record)
@@ -343,10 +346,12 @@ class Engine:
         """(executable width, {slot: width}, executable) for this step (`jdspark.engine.widths`)."""
         speculating = {b: self._slots[b].speculates() for b in stale}
         calls = self.exe.buckets[bucket]
-        if not (self.speculative and any(speculating.values())):
-            return 0, {}, calls.decode
         adaptive = self.selector is not None and self.width_policy is self.selector
         policy = self.selectors[bucket] if adaptive else self.width_policy
+        if self.speculative and self.options.pause_steps and isinstance(policy, AdaptiveWidth):
+            pause_where_drafting_does_not_pay(policy, stale, speculating, self._slots, self.options.pause_steps)
+        if not (self.speculative and any(speculating.values())):
+            return 0, {}, calls.decode
         widths = row_widths(self.options.batch_widths, stale, speculating, policy,
                             self.selectors.get(bucket) if adaptive else None)
         width = executable_width(widths, calls.step)

@@ -15,8 +15,12 @@ BATCH_WIDTHS = ("per_request", "padded", "budget")  # how a batch's rows get wid
 class SpecOptions:
     """How the engine speculates. `width=None` is adaptive (E(k)/(D+V(k)) from measured costs);
     an integer fixes the width. `fallback_threshold` > 0 turns on the acceptance breaker (0.60 /
-    32 / 64 is the measured starting point of the reference). Costs are cached in `cost_cache_dir`
-    (default ~/.cache/jdspark/costs) unless `reprofile`."""
+    32 / 64 is the measured starting point of the reference). `pause_steps`: with adaptive widths, a
+    request whose stale confidences say drafting does not pay at all (its best E(k)/(D+V(k)) below
+    a plain decode call's 1/V_decode, as on a CPU where the drafter costs what the target does)
+    decodes without drafting for that many steps, then drafts once to refresh its confidences
+    (0: never pause). Costs are cached in `cost_cache_dir` (default ~/.cache/jdspark/costs) unless
+    `reprofile`."""
 
     width: int | None = None
     fallback_threshold: float = 0.0
@@ -27,7 +31,10 @@ class SpecOptions:
     reprofile: bool = False
     log_every: int = 0  # steps between engine log lines (0: never)
     batch_widths: str = "per_request"
+    pause_steps: int = 32
 
     def __post_init__(self):
+        if not isinstance(self.pause_steps, int) or self.pause_steps < 0:
+            raise ValueError(f"pause_steps={self.pause_steps!r}: must be an integer >= 0 (0: never pause)")
         if self.batch_widths not in BATCH_WIDTHS:
             raise ValueError(f"batch_widths={self.batch_widths!r}: use one of {', '.join(BATCH_WIDTHS)}")

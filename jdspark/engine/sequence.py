@@ -34,9 +34,22 @@ class Sequence:
         self.stats = CompletionStats.empty(prompt_len, gamma)
         self.started = time.perf_counter()
         self.finish_reason: str | None = None
+        self.paused_left, self.probing, self._probe_next = 0, False, False
 
     def speculates(self) -> bool:
+        """Called once per step, before widths are chosen: False while paused (`pause`) or while the
+        breaker cools down. The first step after a pause drafts whatever the cost (`probing`)."""
+        self.probing, self._probe_next = self._probe_next, False
+        if self.paused_left > 0:
+            self.paused_left -= 1
+            self._probe_next = self.paused_left == 0
+            return False
         return self.breaker is None or self.breaker.should_speculate()
+
+    def pause(self, steps: int) -> None:
+        """Decode without drafting for `steps` steps (drafting does not pay on its confidences)."""
+        self.paused_left = steps
+        self.stats.pauses += 1
 
     def record(self, step: StepRecord, row: RowRecord, confidence: np.ndarray | None) -> None:
         """What the engine learned of this request in a step (before its tokens are emitted)."""

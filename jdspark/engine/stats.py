@@ -31,6 +31,7 @@ class StepRecord:
     draft_cost_s: float | None  # D the width selector used (None: fixed width)
     verify_costs_s: tuple[float, ...] | None  # V(0..gamma) the selector used
     bucket: int = 0  # the batch bucket the call ran in
+    drafted_call: bool = True  # False: a plain decode call (no row drafted)
 
     @property
     def drafted(self) -> int:
@@ -38,7 +39,7 @@ class StepRecord:
         return sum(r.width for r in self.rows)
 
     def as_dict(self) -> dict:
-        return {"width": self.width, "bucket": self.bucket, "seconds": self.seconds,
+        return {"width": self.width, "bucket": self.bucket, "drafted_call": self.drafted_call, "seconds": self.seconds,
                 "rows": [{"request_id": r.request_id, "stale_confidence": r.stale_confidence.tolist(),
                           "n_accepted": r.n_accepted, "width": r.width, "emitted": list(r.emitted)}
                          for r in self.rows]}
@@ -60,6 +61,7 @@ class CompletionStats:
     draft_cost_s: float | None = None  # D the width selector used (None: fixed width)
     verify_costs_s: list[float] | None = None  # V(0..gamma) the width selector used
     fallback_trips: int = 0  # times the acceptance breaker switched this request to target-only
+    pauses: int = 0  # times the width selector paused drafting (it did not pay: SpecOptions.pause_steps)
 
     @classmethod
     def empty(cls, prompt_tokens: int, gamma: int) -> "CompletionStats":
@@ -96,7 +98,7 @@ class CompletionStats:
                     elapsed_s=self.elapsed_s, time_to_first_token_s=self.time_to_first_token_s,
                     tokens_per_s=self.tokens_per_s, steps=self.steps, tau=self.tau, widths=list(self.widths),
                     acceptance=self.acceptance, draft_cost_s=self.draft_cost_s, verify_costs_s=self.verify_costs_s,
-                    fallback_trips=self.fallback_trips)
+                    fallback_trips=self.fallback_trips, pauses=self.pauses)
 
 
 class LogCounters:

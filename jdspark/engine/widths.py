@@ -9,7 +9,9 @@
 - "budget": the multi-request budget (Algorithm 1 over stale confidences,
   `speculative.budget`) priced with this batch bucket's measured D and V(k).
 
-All three read only stale confidences, so the choice never sees the block it applies to.
+All three read only stale confidences, so the choice never sees the block it applies to. Before
+any of them, with adaptive widths, a request on which drafting does not pay at all pauses it
+(`pause_where_drafting_does_not_pay`, `SpecOptions.pause_steps`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,21 @@ def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, b
         widest = max(widths.values())
         return {b: widest for b in stale}
     return {b: widths.get(b, 0) for b in stale}
+
+
+def pause_where_drafting_does_not_pay(policy: AdaptiveWidth, stale: dict[int, np.ndarray],
+                                      speculating: dict[int, bool], sequences, steps: int) -> None:
+    """Rows whose stale confidences make a plain decode call cheaper per token than any width
+    (`AdaptiveWidth.drafting_pays`) stop drafting for `steps` steps: `speculating` turns False and
+    the request's `Sequence.pause` counts them down. A row just back from a pause drafts once
+    first, whatever the cost, so that the confidences it is judged on are fresh."""
+    rows = [b for b in stale if speculating[b] and not sequences[b].probing]
+    if not rows:
+        return
+    for b, pays in zip(rows, policy.drafting_pays(np.stack([stale[b] for b in rows])).tolist()):
+        if not pays:
+            sequences[b].pause(steps)
+            speculating[b] = False
 
 
 def executable_width(widths: dict[int, int], compiled) -> int:

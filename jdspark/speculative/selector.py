@@ -64,15 +64,19 @@ def _best_width(c: list[float], step_costs: list[float]) -> int:
 
 
 class AdaptiveWidth:
-    """The engine's width policy: `choose_width` with the costs measured at start-up."""
+    """The engine's width policy: `choose_width` with the costs measured at start-up. With the
+    measured cost of a plain decode call (`decode_cost`, one token and no drafting) it also says
+    where drafting does not pay at all (`drafting_pays`)."""
 
-    def __init__(self, verify_costs, draft_cost: float, gamma: int):
+    def __init__(self, verify_costs, draft_cost: float, gamma: int, decode_cost: float | None = None):
         self.verify_costs = monotone_costs(verify_costs)
         if self.verify_costs.shape != (gamma + 1,):
             raise ValueError(f"need V(0..{gamma}): {gamma + 1} verify costs, got {len(self.verify_costs)}")
         if not (math.isfinite(draft_cost) and draft_cost >= 0):
             raise ValueError(f"draft_cost={draft_cost}: must be finite and >= 0")
-        self.draft_cost, self.gamma = float(draft_cost), gamma
+        if decode_cost is not None and not (math.isfinite(decode_cost) and decode_cost > 0):
+            raise ValueError(f"decode_cost={decode_cost}: must be finite and > 0 (or None)")
+        self.draft_cost, self.gamma, self.decode_cost = float(draft_cost), gamma, decode_cost
         self._step_costs = _step_costs(self.draft_cost, self.verify_costs)
 
     def __call__(self, confidences) -> int:
@@ -92,8 +96,21 @@ class AdaptiveWidth:
             raise ValueError(f"confidences of shape {c.shape}; pass [rows, gamma={self.gamma}]")
         if not np.all((c >= 0) & (c <= 1)):  # also false for NaN
             raise ValueError(f"confidences={c.tolist()}: each must be a probability in [0, 1]")
+        return np.argmax(self._throughputs(c), axis=1)
+
+    def drafting_pays(self, confidences) -> np.ndarray:
+        """[R] bool: whether the best width's E(k) / (D + V(k)) beats a plain decode call's one token
+        per `decode_cost` (strictly: a tie keeps the cheaper call). All True without a decode cost."""
+        c = np.asarray(confidences, np.float64)
+        self.widths(c)  # validates
+        if self.decode_cost is None:
+            return np.ones(c.shape[0], bool)
+        return self._throughputs(c).max(axis=1) > 1.0 / self.decode_cost
+
+    def _throughputs(self, c: np.ndarray) -> np.ndarray:
+        """[R, gamma + 1]: E(k) / (D + V(k)) per row and width."""
         expected = np.concatenate([np.ones((c.shape[0], 1)), 1.0 + np.cumsum(np.cumprod(c, axis=1), axis=1)], axis=1)
-        return np.argmax(expected / np.asarray(self._step_costs), axis=1)
+        return expected / np.asarray(self._step_costs)
 
 
 class FallbackBreaker:

@@ -56,6 +56,28 @@ def test_expensive_wide_widths_make_the_engine_choose_narrow_ones(engine):
     assert slot.stats.verify_costs_s[2] == 5.0
 
 
+def test_where_drafting_does_not_pay_the_engine_decodes_and_probes(engine):
+    """Costs where the best width yields fewer tokens per second than a plain decode call (D = V =
+    10 ms, decode 1 ms): the request decodes without drafting, drafts once after every pause of
+    `pause_steps` steps to refresh its confidences, and emits the target-only tokens. Mutation
+    caught: no pause (every step drafts), a pause that never ends, or a probe judged on the stale
+    confidences that paused it (it would never draft again)."""
+    engine.set_policy(speculative=False)
+    reference = generate(engine).token_ids
+    engine.set_policy(speculative=True, width_policy=AdaptiveWidth([0.010] * 6, 0.010, gamma=5, decode_cost=0.001))
+    engine.set_policy(options=SpecOptions(pause_steps=4))
+    with engine.record_steps() as records:
+        slot = generate(engine)
+    assert slot.token_ids == reference
+    drafted = [r.drafted_call for r in records]
+    assert drafted[:13] == [False] * 5 + [True] + [False] * 5 + [True] + [False]
+    assert slot.stats.pauses == drafted.count(True) + (not drafted[-1]) >= 3
+    engine.set_policy(options=SpecOptions(pause_steps=0))  # off: every step drafts
+    with engine.record_steps() as records:
+        assert generate(engine).token_ids == reference
+    assert all(r.drafted_call for r in records)
+
+
 def test_stale_confidences_reset_for_each_request(engine):
     seen = []
     engine.set_policy(speculative=True)

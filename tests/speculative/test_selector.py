@@ -69,6 +69,19 @@ def test_widths_of_a_batch_are_the_per_row_choices():
         policy.widths(np.full((1, 5), np.nan))
 
 
+def test_drafting_pays_where_the_best_width_beats_a_plain_decode():
+    rng = np.random.default_rng(3)
+    v, d, decode = np.sort(rng.random(6)) * 5e-3 + 1e-3, 2e-3, 1.5e-3
+    c = rng.random((200, 5))
+    best = (1.0 + np.concatenate([np.zeros((200, 1)), np.cumsum(np.cumprod(c, axis=1), axis=1)], axis=1)) / (d + v)
+    pays = AdaptiveWidth(v, d, gamma=5, decode_cost=decode).drafting_pays(c)
+    np.testing.assert_array_equal(pays, best.max(axis=1) > 1 / decode)
+    assert 0 < pays.sum() < 200  # both answers occur
+    assert AdaptiveWidth(v, d, gamma=5).drafting_pays(c).all()  # no decode cost: never pauses
+    with pytest.raises(ValueError, match="decode_cost=0.0"):
+        AdaptiveWidth(v, d, gamma=5, decode_cost=0.0)
+
+
 def test_adaptive_width_chooses_with_the_measured_costs():
     policy = AdaptiveWidth([1.0, 1.0, 50.0, 50.0], 0.3, gamma=3)
     assert policy([0.9, 0.9, 0.9]) == 1 == choose_width([0.9, 0.9, 0.9], 0.3, [1.0, 1.0, 50.0, 50.0])
