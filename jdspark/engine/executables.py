@@ -1,4 +1,6 @@
-"""The compiled step functions of the engine, built ahead of time (JAX's counterpart of CUDA graphs).
+"""The compiled step functions of the engine, built ahead of time (JAX's counterpart of CUDA graphs)
+and stored whole on disk, so the next start-up with the same model and settings loads them
+instead of tracing and compiling (`exe_cache`).
 
 - prefill: a prompt chunk into some slots (others pass n_valid = 0), drafter context pushed,
   the first token sampled from each slot's last real row;
@@ -289,9 +291,9 @@ class Executables:
                    for key, (function, args) in programs.items() if compiled[key] is None}
         self.lower_seconds = time.perf_counter() - start  # loading, tracing and lowering: serial, in Python
         self.loaded = len(programs) - len(lowered)
+        save = (lambda key, program: store.save(str(key), programs[key][1], program)) if store else None
         with store.fresh_compiles() if store else contextlib.nullcontext():
-            compiled |= compile_all(lowered, lambda key, program: store and store.save(str(key), programs[key][1],
-                                                                                      program))
+            compiled |= compile_all(lowered, save)
         for (b, name), program in compiled.items():
             if name in ("prefill", "decode"):
                 setattr(self.buckets[b], name, program)
