@@ -193,7 +193,8 @@ def main(argv=None) -> int:
             for mode in args.modes:
                 set_mode(engine, mode)
                 if round_ == 0:  # a warm-up round first
-                    run_level(engine, prompts, concurrency, argparse.Namespace(**{**vars(args), "requests": concurrency}))
+                    warm_up = argparse.Namespace(**{**vars(args), "requests": concurrency})
+                    run_level(engine, prompts, concurrency, warm_up)
                 level_args = argparse.Namespace(**{**vars(args), "requests": max(args.requests, concurrency)})
                 level = {"mode": mode, "round": round_, **run_level(engine, prompts, concurrency, level_args)}
                 results.append(level)

@@ -49,9 +49,9 @@ def source_digest() -> str:
 def environment() -> str:
     """What a compiled executable depends on besides the program: versions, devices, flags."""
     devices = jax.devices()
-    return repr((jax.__version__, jaxlib.version.__version__, devices[0].client.platform_version, [(d.id, d.device_kind) for d in devices],
-                 os.environ.get("XLA_FLAGS", ""), jax.config.jax_default_matmul_precision,
-                 jax.config.jax_enable_x64, source_digest()))
+    return repr((jax.__version__, jaxlib.version.__version__, devices[0].client.platform_version,
+                 jax.process_index(), [(d.id, d.device_kind) for d in devices], os.environ.get("XLA_FLAGS", ""),
+                 jax.config.jax_default_matmul_precision, jax.config.jax_enable_x64, source_digest()))
 
 
 def _arguments(args) -> str:
