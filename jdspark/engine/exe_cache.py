@@ -11,18 +11,19 @@ dtypes and shardings), and the compiled executable is stored serialized under it
 On while the persistent compilation cache is (`enable_compile_cache`), in a `jdspark` folder inside
 it (off with JDSPARK_STORE_EXECUTABLES=0). A file that fails to load is recompiled and rewritten;
 programs with host callbacks (the host expert pool) are never stored (their callbacks are Python
-objects of this process). The key cannot see code patched at run time (a test's monkeypatch): such
-a caller turns the store off.
+objects of this process), nor, on the CPU, executables XLA's persistent cache handed back
+(`ExecutableCache.compile`). The key cannot see code patched at run time (a test's monkeypatch):
+such a caller turns the store off.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import logging
 import os
 import pickle
+import threading
 from pathlib import Path
 
 import jax
@@ -31,6 +32,20 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger(__name__)
 _PACKAGES = ("jdspark", "pallas_kernels")
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"  # the event jax records when its persistent cache answers
+_this_thread = threading.local()
+
+
+def _on_event(event: str, **_) -> None:
+    if event == _CACHE_HIT:
+        _this_thread.cache_hit = True
+
+
+@functools.cache
+def _watch_cache_hits() -> None:
+    """Listen for persistent-cache hits (once per process; the listener only sets a flag of the
+    compiling thread)."""
+    jax.monitoring.register_event_listener(_on_event)
 
 
 @functools.cache
@@ -76,21 +91,17 @@ class ExecutableCache:
             return None
         return cls(os.path.join(folder, "jdspark"), static)
 
-    @contextlib.contextmanager
-    def fresh_compiles(self):
-        """Around the compilations of programs to store: on the CPU they bypass XLA's persistent
-        cache. XLA:CPU serializes an executable it loaded from that cache without the functions it
-        JIT-linked (measured: the stored copy loads, then fails with "Function wrapped_iota not
-        found"); on the GPU a cache hit stores and reloads correctly (H200, 30 executables)."""
-        if jax.default_backend() != "cpu":
-            yield
-            return
-        before = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", False)
-        try:
-            yield
-        finally:
-            jax.config.update("jax_enable_compilation_cache", before)
+    @staticmethod
+    def compile(program: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
+        """(compiled, whether it may be stored). On the CPU not when XLA's persistent cache handed it
+        back: XLA:CPU serializes such an executable without the functions it JIT-linked (measured:
+        the stored copy loads, then fails with "Function wrapped_iota not found"). On the GPU a
+        cache hit stores and reloads correctly (H200, 30 executables). Thread-safe: compilations
+        run in parallel, and each thread sees only its own cache hits."""
+        _watch_cache_hits()
+        _this_thread.cache_hit = False
+        compiled = program.compile()
+        return compiled, not (_this_thread.cache_hit and jax.default_backend() == "cpu")
 
     def _path(self, name: str, args) -> Path:
         key = hashlib.sha256(f"{self._static}|{name}|{_arguments(args)}".encode()).hexdigest()

@@ -189,17 +189,18 @@ def _pool(jobs: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, min(jobs, os.cpu_count() or 1)))
 
 
-def compile_all(lowered: dict, done=None) -> dict:
+def compile_all(lowered: dict, store: ExecutableCache | None = None, arguments: dict | None = None) -> dict:
     """Compile lowered programs in parallel (XLA compiles outside the GIL): start-up on a many-core
-    host is the longest compilation, not the sum. `done(key, compiled)` runs as each finishes (so a
-    start-up cut short keeps what it compiled)."""
+    host is the longest compilation, not the sum. With a `store`, each is stored as it finishes
+    (under its key and `arguments[key]`), so a start-up cut short keeps what it compiled."""
     with _pool(len(lowered)) as pool:
-        futures = {pool.submit(program.compile): key for key, program in lowered.items()}
+        futures = {pool.submit(ExecutableCache.compile, program): key for key, program in lowered.items()}
         compiled = {}
         for future in as_completed(futures):
-            compiled[futures[future]] = future.result()
-            if done:
-                done(futures[future], compiled[futures[future]])
+            key = futures[future]
+            compiled[key], storable = future.result()
+            if store and storable:
+                store.save(str(key), arguments[key], compiled[key])
     return compiled
 
 
@@ -291,9 +292,7 @@ class Executables:
                    for key, (function, args) in programs.items() if compiled[key] is None}
         self.lower_seconds = time.perf_counter() - start  # loading, tracing and lowering: serial, in Python
         self.loaded = len(programs) - len(lowered)
-        save = (lambda key, program: store.save(str(key), programs[key][1], program)) if store else None
-        with store.fresh_compiles() if store else contextlib.nullcontext():
-            compiled |= compile_all(lowered, save)
+        compiled |= compile_all(lowered, store, {key: args for key, (_, args) in programs.items()})
         for (b, name), program in compiled.items():
             if name in ("prefill", "decode"):
                 setattr(self.buckets[b], name, program)

@@ -50,20 +50,23 @@ def test_the_key_changes_with_settings_arguments_and_sources(tmp_path, monkeypat
     assert ExecutableCache(tmp_path, "settings").load("matmul", (a, b), outputs) is None
 
 
-def test_a_program_the_compile_cache_already_held_stores_whole(tmp_path):
+def test_what_the_compile_cache_handed_back_is_not_stored_on_the_cpu(tmp_path):
     """On the CPU an executable XLA's persistent cache handed back serializes without its JIT-linked
-    functions; `fresh_compiles` compiles it afresh. Mutation caught: without it, the reloaded
-    program fails with "Function iota_multiply_fusion not found"."""
+    functions (reloaded, it fails with "Function iota_multiply_fusion not found"), so
+    `ExecutableCache.compile` says not to store it; one this process compiled is stored, reloads
+    and runs. Mutation caught: a store that ignores the flag (the reloaded copy fails)."""
     def program(x):
         return jnp.cumsum(x[:, None] * jnp.arange(7.0)[None, :], axis=0).sum() + jnp.broadcast_to(x, (3, 5)).sum()
     x = jnp.arange(5.0)
-    jax.jit(program).lower(x).compile()  # now in the tests' run-wide compile cache
+    fresh, storable = ExecutableCache.compile(jax.jit(program).lower(x))
+    assert storable
     jax.clear_caches()
+    from_cache, storable = ExecutableCache.compile(jax.jit(program).lower(x))  # the run-wide cache answers
+    assert storable == (jax.default_backend() != "cpu")
     cache = ExecutableCache(tmp_path, "settings")
-    with cache.fresh_compiles():
-        compiled = jax.jit(program).lower(x).compile()
-    assert cache.save("program", (x,), compiled)
+    assert cache.save("program", (x,), fresh)
     assert float(cache.load("program", (x,), 0.0)(x)) == float(program(x)) == 450.0
+    assert float(from_cache(x)) == 450.0  # the executable itself is fine; only its serialization is not
 
 
 def test_a_broken_file_is_compiled_again(tmp_path, caplog):
