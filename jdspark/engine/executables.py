@@ -185,15 +185,11 @@ class Bucket:
     step: dict[int, jax.stages.Compiled] = dataclasses.field(default_factory=dict)
 
 
-def _pool(jobs: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=max(1, min(jobs, os.cpu_count() or 1)))
-
-
 def compile_all(lowered: dict, store: ExecutableCache | None = None, arguments: dict | None = None) -> dict:
     """Compile lowered programs in parallel (XLA compiles outside the GIL): start-up on a many-core
     host is the longest compilation, not the sum. With a `store`, each is stored as it finishes
     (under its key and `arguments[key]`), so a start-up cut short keeps what it compiled."""
-    with _pool(len(lowered)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
         futures = {pool.submit(ExecutableCache.compile, program): key for key, program in lowered.items()}
         compiled = {}
         for future in as_completed(futures):
