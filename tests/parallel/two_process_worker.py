@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):  # test_two_processes sets it
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
