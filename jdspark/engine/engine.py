@@ -32,7 +32,7 @@ from jdspark.engine.options import SpecOptions, WidthPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
 from jdspark.engine.sequence import Sequence
 from jdspark.engine.stats import LogCounters, RowRecord, StepRecord
-from jdspark.engine.widths import executable_width, pause_where_drafting_does_not_pay, row_widths
+from jdspark.engine.widths import executable_width, pause_where_drafting_does_not_pay, price_the_step, row_widths
 from jdspark.model import state
 from jdspark.model.model import Model
 from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
@@ -354,8 +354,12 @@ class Engine:
             return 0, {}, calls.decode
         widths = row_widths(self.options.batch_widths, stale, speculating, policy,
                             self.selectors.get(bucket) if adaptive else None)
-        width = executable_width(widths, calls.step)
-        return width, widths, calls.step[width]
+        if not isinstance(policy, AdaptiveWidth):
+            width = executable_width(widths, calls.step)
+            return width, widths, calls.step[width]
+        may_decode = self.options.pause_steps > 0 and not any(self._slots[b].probing for b in stale)
+        width, widths = price_the_step(widths, stale, policy, calls.step, may_decode)
+        return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
 
     def _publish(self, record: StepRecord) -> None:
         """Hand the step's record to the readers outside the requests: the log line, recorders."""

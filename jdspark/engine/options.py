@@ -18,8 +18,9 @@ class SpecOptions:
     32 / 64 is the measured starting point of the reference). `pause_steps`: with adaptive widths, a
     request whose stale confidences say drafting does not pay at all (its best E(k)/(D+V(k)) below
     a plain decode call's 1/V_decode, as on a CPU where the drafter costs what the target does)
-    decodes without drafting for that many steps, then drafts once to refresh its confidences
-    (0: never pause). Costs are cached in `cost_cache_dir` (default ~/.cache/jdspark/costs) unless
+    decodes without drafting for that many steps, then drafts once to refresh its confidences;
+    each further pause in a row is twice as long, up to 32x (0: never pause; every speculative
+    step drafts). Costs are cached in `cost_cache_dir` (default ~/.cache/jdspark/costs) unless
     `reprofile`."""
 
     width: int | None = None

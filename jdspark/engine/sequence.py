@@ -17,6 +17,8 @@ from jdspark.engine.stats import CompletionStats, RowRecord, StepRecord
 from jdspark.speculative.selector import FallbackBreaker
 from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
 
+MAX_BACKOFF = 5  # a pause is at most 2**5 times `SpecOptions.pause_steps` long
+
 
 class Sequence:
     """A running request in one engine slot."""
@@ -35,6 +37,7 @@ class Sequence:
         self.started = time.perf_counter()
         self.finish_reason: str | None = None
         self.paused_left, self.probing, self._probe_next = 0, False, False
+        self.pauses_in_a_row = 0  # doubles the next pause (probes back off), reset when drafting pays
 
     def speculates(self) -> bool:
         """Called once per step, before widths are chosen: False while paused (`pause`) or while the
@@ -47,9 +50,15 @@ class Sequence:
         return self.breaker is None or self.breaker.should_speculate()
 
     def pause(self, steps: int) -> None:
-        """Decode without drafting for `steps` steps (drafting does not pay on its confidences)."""
-        self.paused_left = steps
+        """Decode without drafting for `steps` steps, doubled for each pause since drafting last paid
+        (at most 32x): a request whose drafts never pay probes ever more rarely."""
+        self.paused_left = steps << self.pauses_in_a_row
+        self.pauses_in_a_row = min(self.pauses_in_a_row + 1, MAX_BACKOFF)
         self.stats.pauses += 1
+
+    def drafting_pays(self) -> None:
+        """Its confidences make drafting pay again: the next pause is `steps` long."""
+        self.pauses_in_a_row = 0
 
     def record(self, step: StepRecord, row: RowRecord, confidence: np.ndarray | None) -> None:
         """What the engine learned of this request in a step (before its tokens are emitted)."""

@@ -2,8 +2,8 @@
 
 - "per_request": each request its own width from its own stale confidences (its width policy);
   the step runs the narrowest compiled executable that holds the widest, and every row verifies
-  at its own width. A request's tokens then depend only on its own confidences and noise, not on
-  its batch-mates.
+  at its own width. Under a fixed width policy a request's tokens then depend only on its own
+  confidences and noise, not on its batch-mates.
 - "padded": every row at the widest width any request chose (the engine before per-request
   widths; kept for comparison).
 - "budget": the multi-request budget (Algorithm 1 over stale confidences,
@@ -11,7 +11,9 @@
 
 All three read only stale confidences, so the choice never sees the block it applies to. Before
 any of them, with adaptive widths, a request on which drafting does not pay at all pauses it
-(`pause_where_drafting_does_not_pay`, `SpecOptions.pause_steps`).
+(`pause_where_drafting_does_not_pay`, `SpecOptions.pause_steps`). After them, with adaptive widths,
+the step is priced as a whole (`price_the_step`): one executable runs every row, so a row that
+drafts makes every row pay for the draft.
 """
 
 from __future__ import annotations
@@ -44,17 +46,50 @@ def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, b
     return {b: widths.get(b, 0) for b in stale}
 
 
+def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled,
+                   may_decode: bool) -> tuple[int | None, dict[int, int]]:
+    """(executable width or None for the plain decode call, {slot: width}) for the whole batch.
+
+    The step's call costs S(K) = D + V(K) for its executable width K, whichever rows use it, and a
+    decode call costs `decode_cost` for one token per row. Candidates: the narrowest compiled width
+    that holds the rows' widths, every narrower compiled width (rows clipped to it), and, if
+    `may_decode`, the decode call. The engine allows it only while pauses are on and no row probes:
+    a decode call refreshes no confidences, so rows declined by it draft again when a paused row
+    probes (or the batch changes); with pauses off, every speculative step drafts. The highest expected
+    tokens per second over all rows, sum_i E_i(min(k_i, K)) / S(K), wins; the rows' own choice
+    stays unless another is strictly better. With a single row this is the row's own choice: it
+    already maximises E(k) / S(k), and the pause compared it with decoding."""
+    rows = list(widths)
+    expected = policy.expected_tokens(np.stack([stale[b] for b in rows]))
+    own, index = np.array([widths[b] for b in rows]), np.arange(len(rows))
+
+    def tokens_per_second(k: int) -> float:
+        return float(expected[index, np.minimum(own, k)].sum()) / policy.step_costs[k]
+
+    best = executable_width(widths, compiled)
+    best_rate = tokens_per_second(best)
+    for k in sorted(k for k in compiled if k < best):
+        if tokens_per_second(k) > best_rate:
+            best, best_rate = k, tokens_per_second(k)
+    if may_decode and policy.decode_cost is not None and len(rows) / policy.decode_cost > best_rate:
+        return None, {b: 0 for b in rows}
+    return best, {b: min(w, best) for b, w in widths.items()}
+
+
 def pause_where_drafting_does_not_pay(policy: AdaptiveWidth, stale: dict[int, np.ndarray],
                                       speculating: dict[int, bool], sequences, steps: int) -> None:
     """Rows whose stale confidences make a plain decode call cheaper per token than any width
     (`AdaptiveWidth.drafting_pays`) stop drafting for `steps` steps: `speculating` turns False and
     the request's `Sequence.pause` counts them down. A row just back from a pause drafts once
-    first, whatever the cost, so that the confidences it is judged on are fresh."""
+    first, whatever the cost, so that the confidences it is judged on are fresh; each pause in a row
+    is twice as long as the one before (`Sequence.pause`), until drafting pays again."""
     rows = [b for b in stale if speculating[b] and not sequences[b].probing]
     if not rows:
         return
     for b, pays in zip(rows, policy.drafting_pays(np.stack([stale[b] for b in rows])).tolist()):
-        if not pays:
+        if pays:
+            sequences[b].drafting_pays()
+        else:
             sequences[b].pause(steps)
             speculating[b] = False
 

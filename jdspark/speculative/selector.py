@@ -77,14 +77,14 @@ class AdaptiveWidth:
         if decode_cost is not None and not (math.isfinite(decode_cost) and decode_cost > 0):
             raise ValueError(f"decode_cost={decode_cost}: must be finite and > 0 (or None)")
         self.draft_cost, self.gamma, self.decode_cost = float(draft_cost), gamma, decode_cost
-        self._step_costs = _step_costs(self.draft_cost, self.verify_costs)
+        self.step_costs = _step_costs(self.draft_cost, self.verify_costs)  # S(k) = D + V(k), k = 0..gamma
 
     def __call__(self, confidences) -> int:
         c = [float(x) for x in confidences]
         if len(c) != self.gamma:
             raise ValueError(f"{len(c)} confidences, the drafter proposes gamma={self.gamma}")
         _check_confidences(c)
-        return _best_width(c, self._step_costs)
+        return _best_width(c, self.step_costs)
 
     def widths(self, confidences) -> np.ndarray:
         """`self(row)` for every row of [R, gamma] confidences at once (one numpy pass: for 64 rows
@@ -101,15 +101,18 @@ class AdaptiveWidth:
             return np.ones(throughputs.shape[0], bool)
         return throughputs.max(axis=1) > 1.0 / self.decode_cost
 
-    def _throughputs(self, confidences) -> np.ndarray:
-        """[R, gamma + 1]: E(k) / (D + V(k)) per row and width, of checked [R, gamma] confidences."""
+    def expected_tokens(self, confidences) -> np.ndarray:
+        """[R, gamma + 1]: E(k) = 1 + sum_{i<=k} S_i per row and width, of checked [R, gamma] confidences."""
         c = np.asarray(confidences, np.float64)
         if c.ndim != 2 or c.shape[1] != self.gamma:
             raise ValueError(f"confidences of shape {c.shape}; pass [rows, gamma={self.gamma}]")
         if not np.all((c >= 0) & (c <= 1)):  # also false for NaN
             raise ValueError(f"confidences={c.tolist()}: each must be a probability in [0, 1]")
-        expected = np.concatenate([np.ones((c.shape[0], 1)), 1.0 + np.cumsum(np.cumprod(c, axis=1), axis=1)], axis=1)
-        return expected / np.asarray(self._step_costs)
+        return np.concatenate([np.ones((c.shape[0], 1)), 1.0 + np.cumsum(np.cumprod(c, axis=1), axis=1)], axis=1)
+
+    def _throughputs(self, confidences) -> np.ndarray:
+        """[R, gamma + 1]: E(k) / (D + V(k)) per row and width."""
+        return self.expected_tokens(confidences) / np.asarray(self.step_costs)
 
 
 class FallbackBreaker:

@@ -1,6 +1,7 @@
 """Adaptive widths in the engine: injected costs steer the choice, exactness holds, stale
 confidences reset per request, the breaker turns speculation off and on, and the engine reports."""
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -58,10 +59,10 @@ def test_expensive_wide_widths_make_the_engine_choose_narrow_ones(engine):
 
 def test_where_drafting_does_not_pay_the_engine_decodes_and_probes(engine):
     """Costs where the best width yields fewer tokens per second than a plain decode call (D = V =
-    10 ms, decode 1 ms): the request decodes without drafting, drafts once after every pause of
-    `pause_steps` steps to refresh its confidences, and emits the target-only tokens. Mutation
-    caught: no pause (every step drafts), a pause that never ends, or a probe judged on the stale
-    confidences that paused it (it would never draft again)."""
+    10 ms, decode 1 ms): the request decodes without drafting, drafts once after each pause to
+    refresh its confidences, each pause twice the one before (4, 8, ... steps), and emits the
+    target-only tokens. Mutation caught: no pause (every step drafts), a pause that never ends, no
+    backoff, or a probe judged on the stale confidences that paused it (it would never draft again)."""
     engine.set_policy(speculative=False)
     reference = generate(engine).token_ids
     engine.set_policy(speculative=True, width_policy=AdaptiveWidth([0.010] * 6, 0.010, gamma=5, decode_cost=0.001))
@@ -70,12 +71,36 @@ def test_where_drafting_does_not_pay_the_engine_decodes_and_probes(engine):
         slot = generate(engine)
     assert slot.token_ids == reference
     drafted = [r.drafted_call for r in records]
-    assert drafted[:13] == [False] * 5 + [True] + [False] * 5 + [True] + [False]
+    assert drafted[:17] == [False] * 5 + [True] + [False] * 9 + [True] + [False]
     assert slot.stats.pauses == drafted.count(True) + (not drafted[-1]) >= 3
     engine.set_policy(options=SpecOptions(pause_steps=0))  # off: every step drafts
     with engine.record_steps() as records:
         assert generate(engine).token_ids == reference
     assert all(r.drafted_call for r in records)
+
+
+def test_one_call_runs_every_row_so_the_step_is_priced_for_the_batch(engine):
+    """S(k) = 23.96 ms for every width, decode 4 ms: a lone new request (confidences 1, E(5) = 6)
+    drafts, 6 tokens per 23.96 ms beating 1 per 4 ms, and any request with real confidences pauses.
+    Next to a paused request a new one would still draft on its own terms, but the call would cost
+    both rows 23.96 ms for 1 + 6 tokens against 2 tokens per 4 ms: the step decodes. Mutation
+    caught: pricing rows one by one (the new request's steps draft). Tokens are the target-only ones."""
+    second = [3, 8, 8, 2, 13, 6]
+    engine.set_policy(speculative=False)
+    second_params = dataclasses.replace(GREEDY, max_tokens=20)
+    references = [generate(engine).token_ids, generate(engine, second_params, second).token_ids]
+    engine.set_policy(speculative=True, width_policy=AdaptiveWidth([0.01396] * 6, 0.010, gamma=5, decode_cost=0.004))
+    engine.set_policy(options=SpecOptions(pause_steps=64))
+    with engine.record_steps() as records:
+        first = engine.add(PROMPT, GREEDY)
+        for _ in range(3):
+            engine.step()
+        completions = engine.complete([first, engine.add(second, second_params)])
+    assert [c.token_ids for c in completions] == references
+    assert records[0].drafted_call and not any(r.drafted_call for r in records[1:3])  # alone, then paused
+    together = [r for r in records if len(r.rows) == 2]
+    assert together and not any(r.drafted_call for r in together)
+    assert completions[1].stats.pauses == 0  # declined by the step's price, not paused
 
 
 def test_stale_confidences_reset_for_each_request(engine):

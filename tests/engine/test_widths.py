@@ -7,7 +7,7 @@ import pytest
 from jdspark.config import ConfigError, EngineConfig
 from jdspark.engine.errors import EngineError
 from jdspark.engine.options import SpecOptions
-from jdspark.engine.widths import executable_width, row_widths
+from jdspark.engine.widths import executable_width, price_the_step, row_widths
 from jdspark.speculative.selector import AdaptiveWidth
 
 STALE = {0: np.array([0.9, 0.9, 0.9]), 3: np.array([0.2, 0.5, 0.5]), 5: np.array([1.0, 1.0, 0.1])}
@@ -68,3 +68,43 @@ def test_prefill_is_compiled_only_in_the_buckets_a_prefill_call_can_use():
     assert config.prefill_buckets(16) == (1, 4, 16, 64)
     assert config.prefill_buckets(100) == (1, 4, 16, 64)
     assert EngineConfig(max_batch=8, batch_buckets=(2, 8)).prefill_buckets(1) == (2, 8)
+
+
+COMPILED = {0: None, 1: None, 2: None, 3: None}
+
+
+def test_a_drafting_step_is_priced_for_every_row_it_runs():
+    """S(k) = 10 ms at every width, decode 3.5 ms. Two confident rows draft (2 x 4 tokens per 10 ms
+    beats 2 per 3.5 ms); a row that wants width 3 next to one cooling down does not (1 + 4 tokens
+    per 10 ms), and gets the decode call, unless the engine rules it out (a row probes: it must
+    draft to refresh its confidences)."""
+    costs = AdaptiveWidth([0.004] * 4, 0.006, gamma=3, decode_cost=0.0035)
+    sure, cool = np.ones(3), np.full(3, 0.1)
+    assert price_the_step({0: 3, 1: 3}, {0: sure, 1: sure}, costs, COMPILED, may_decode=True) == (3, {0: 3, 1: 3})
+    assert price_the_step({0: 3, 1: 0}, {0: sure, 1: cool}, costs, COMPILED, may_decode=True) == (None, {0: 0, 1: 0})
+    assert price_the_step({0: 3, 1: 0}, {0: sure, 1: cool}, costs, COMPILED, may_decode=False) == (3, {0: 3, 1: 0})
+
+
+def test_a_wide_row_is_clipped_where_its_width_costs_the_batch_more_than_it_brings():
+    """V(3) is five times V(1): three rows that want width 1 and one that wants 3 verify at most 1
+    (4 x 1.9 tokens per 2 ms beats 3 x 1.9 + 3.44 per 6 ms); with a flat V the wide row keeps its 3."""
+    stale = {b: np.full(3, 0.9) for b in range(4)}
+    steep = AdaptiveWidth([0.001, 0.001, 0.003, 0.005], 0.001, gamma=3, decode_cost=0.002)
+    widths = {0: 1, 1: 1, 2: 1, 3: 3}
+    assert price_the_step(widths, stale, steep, COMPILED, may_decode=True) == (1, {0: 1, 1: 1, 2: 1, 3: 1})
+    flat = AdaptiveWidth([0.001] * 4, 0.001, gamma=3, decode_cost=0.002)
+    assert price_the_step(widths, stale, flat, COMPILED, may_decode=True) == (3, widths)
+
+
+def test_a_lone_row_keeps_its_own_width():
+    """One row: its own width already maximises E(k) / S(k), and where it drafts the pause found
+    drafting pays; pricing the step changes nothing (fresh random confidences and costs)."""
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        costs = AdaptiveWidth(np.sort(rng.uniform(0.001, 0.01, 4)), rng.uniform(0, 0.01), gamma=3,
+                              decode_cost=rng.uniform(0.001, 0.02))
+        c = rng.uniform(0, 1, (1, 3))
+        if not costs.drafting_pays(c)[0]:
+            continue
+        width = int(costs.widths(c)[0])
+        assert price_the_step({7: width}, {7: c[0]}, costs, COMPILED, may_decode=True) == (width, {7: width})
