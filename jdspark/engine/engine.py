@@ -357,9 +357,14 @@ class Engine:
         if not isinstance(policy, AdaptiveWidth):
             width = executable_width(widths, calls.step)
             return width, widths, calls.step[width]
-        may_decode = self.options.pause_steps > 0 and not any(self._slots[b].probing for b in stale)
-        width, widths = price_the_step(widths, stale, policy, calls.step, may_decode)
-        return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
+        probing = {b for b in stale if self._slots[b].probing}
+        width, widths = price_the_step(widths, stale, policy, calls.step, may_decode=self.options.pause_steps > 0,
+                                       probing=probing)
+        if width is not None:
+            return width, widths, calls.step[width]
+        for b in probing:
+            self._slots[b].defer_probe()
+        return 0, {}, calls.decode
 
     def _publish(self, record: StepRecord) -> None:
         """Hand the step's record to the readers outside the requests: the log line, recorders."""

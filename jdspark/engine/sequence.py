@@ -56,6 +56,11 @@ class Sequence:
         self.pauses_in_a_row = min(self.pauses_in_a_row + 1, MAX_BACKOFF)
         self.stats.pauses += 1
 
+    def defer_probe(self) -> None:
+        """The step decoded although this request probes (even its best case would not have made
+        the batch's draft pay): it probes again next step."""
+        self._probe_next = True
+
     def drafting_pays(self) -> None:
         """Its confidences make drafting pay again: the next pause is `steps` long."""
         self.pauses_in_a_row = 0

@@ -46,33 +46,40 @@ def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, b
     return {b: widths.get(b, 0) for b in stale}
 
 
-def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled,
-                   may_decode: bool) -> tuple[int | None, dict[int, int]]:
+def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled, *,
+                   may_decode: bool, probing=frozenset()) -> tuple[int | None, dict[int, int]]:
     """(executable width or None for the plain decode call, {slot: width}) for the whole batch.
 
     The step's call costs S(K) = D + V(K) for its executable width K, whichever rows use it, and a
     decode call costs `decode_cost` for one token per row. Candidates: the narrowest compiled width
     that holds the rows' widths, every narrower compiled width (rows clipped to it), and, if
-    `may_decode`, the decode call. The engine allows it only while pauses are on and no row probes:
-    a decode call refreshes no confidences, so rows declined by it draft again when a paused row
-    probes (or the batch changes); with pauses off, every speculative step drafts. The highest expected
-    tokens per second over all rows, sum_i E_i(min(k_i, K)) / S(K), wins; the rows' own choice
-    stays unless another is strictly better. With a single row this is the row's own choice: it
-    already maximises E(k) / S(k), and the pause compared it with decoding."""
+    `may_decode` (the engine's pauses are on: a decode call refreshes no confidences, and the
+    pauses' probes are what drafts again), the decode call. The highest expected tokens per second
+    over all rows, sum_i E_i(min(k_i, K)) / S(K), wins; the rows' own choice stays unless another
+    is strictly better. Alone, a row keeps its own choice: it already maximises E(k) / S(k), and
+    the pause compared it with decoding.
+
+    A probing row (`probing`: back from a pause) is judged at its best case, confidences of 1: if
+    even then no width beats the decode call, its probe could not change the choice, and the step
+    decodes (the engine keeps the probe for a later step); otherwise the step drafts."""
     rows = list(widths)
     expected = policy.expected_tokens(np.stack([stale[b] for b in rows]))
     own, index = np.array([widths[b] for b in rows]), np.arange(len(rows))
+    probe = np.array([b in probing for b in rows])
 
-    def tokens_per_second(k: int) -> float:
-        return float(expected[index, np.minimum(own, k)].sum()) / policy.step_costs[k]
+    def tokens_per_second(k: int, best_case: bool = False) -> float:
+        tokens = expected[index, np.minimum(own, k)]
+        return float(np.where(best_case & probe, k + 1, tokens).sum()) / policy.step_costs[k]
 
     best = executable_width(widths, compiled)
     best_rate = tokens_per_second(best)
     for k in sorted(k for k in compiled if k < best):
         if tokens_per_second(k) > best_rate:
             best, best_rate = k, tokens_per_second(k)
-    if may_decode and policy.decode_cost is not None and len(rows) / policy.decode_cost > best_rate:
-        return None, {b: 0 for b in rows}
+    if may_decode and policy.decode_cost is not None:
+        could = max(tokens_per_second(k, True) for k in compiled) if probe.any() else best_rate
+        if len(rows) / policy.decode_cost > could:
+            return None, {b: 0 for b in rows}
     return best, {b: min(w, best) for b, w in widths.items()}
 
 

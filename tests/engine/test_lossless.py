@@ -113,7 +113,7 @@ def stat_engine_for(model, implementation):
     engine = Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH, batch_buckets=(BATCH,)),
                     prefill_chunk=4,
                     widths=(0, 1, 2), width_policy=lambda confidence: 2, implementation=implementation)
-    engine.set_policy(width_policy=AdaptiveWidth([1e-3, 1e-3, 1.5e-3, 10.0, 10.0, 10.0], 1e-3, gamma=5))
+    engine.set_policy(width_policy=AdaptiveWidth([1e-3, 1e-3, 1.1e-3, 10.0, 10.0, 10.0], 1e-3, gamma=5))
     return engine
 
 

@@ -76,13 +76,26 @@ COMPILED = {0: None, 1: None, 2: None, 3: None}
 def test_a_drafting_step_is_priced_for_every_row_it_runs():
     """S(k) = 10 ms at every width, decode 3.5 ms. Two confident rows draft (2 x 4 tokens per 10 ms
     beats 2 per 3.5 ms); a row that wants width 3 next to one cooling down does not (1 + 4 tokens
-    per 10 ms), and gets the decode call, unless the engine rules it out (a row probes: it must
-    draft to refresh its confidences)."""
+    per 10 ms), and gets the decode call, unless the engine's pauses are off (then every
+    speculative step drafts)."""
     costs = AdaptiveWidth([0.004] * 4, 0.006, gamma=3, decode_cost=0.0035)
     sure, cool = np.ones(3), np.full(3, 0.1)
     assert price_the_step({0: 3, 1: 3}, {0: sure, 1: sure}, costs, COMPILED, may_decode=True) == (3, {0: 3, 1: 3})
     assert price_the_step({0: 3, 1: 0}, {0: sure, 1: cool}, costs, COMPILED, may_decode=True) == (None, {0: 0, 1: 0})
     assert price_the_step({0: 3, 1: 0}, {0: sure, 1: cool}, costs, COMPILED, may_decode=False) == (3, {0: 3, 1: 0})
+
+
+def test_a_probe_drafts_only_where_its_best_case_could_make_the_draft_pay():
+    """The costs above. A probing row (back from a pause) is judged at confidences of 1: next to a
+    confident row, 4 + 4 tokens per 10 ms would beat decoding, so the step drafts (and the probe
+    refreshes its confidences); next to a row that cools down, even 1 + 4 tokens per 10 ms lose to 2
+    per 3.5 ms, so the step decodes and the probe waits."""
+    costs = AdaptiveWidth([0.004] * 4, 0.006, gamma=3, decode_cost=0.0035)
+    sure, cool = np.ones(3), np.full(3, 0.1)
+    assert price_the_step({0: 3, 1: 0}, {0: sure, 1: cool}, costs, COMPILED, may_decode=True,
+                          probing={1}) == (3, {0: 3, 1: 0})
+    assert price_the_step({0: 0, 1: 0}, {0: cool, 1: cool}, costs, COMPILED, may_decode=True,
+                          probing={1}) == (None, {0: 0, 1: 0})
 
 
 def test_a_wide_row_is_clipped_where_its_width_costs_the_batch_more_than_it_brings():
