@@ -10,8 +10,9 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
 - per_request: adaptive widths, each request at its own in one verify call;
 - budget:      Algorithm 1 over stale confidences with the bucket's measured costs.
 
-Reports output tokens/s and p50 / p90 / p99 of time to first token and inter-token latency (gaps
-between a request's token-bearing steps) per (mode, concurrency), and the engine's start-up.
+Reports output tokens/s, p50 / p90 / p99 of time to first token and inter-token latency (gaps
+between a request's token-bearing steps), and the verify steps that drafted, per (mode,
+concurrency), and the engine's start-up.
 
     python scripts/bench_serve_engine.py --concurrency 1 4 16 64 --requests 64 --max-tokens 64
 """
@@ -86,18 +87,19 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
     begin = clock()
     admit(min(concurrency, args.requests))
     tokens = 0
-    while engine.running:
-        deltas = engine.step()
-        now = clock()
-        finished = 0
-        for rid, delta in deltas.items():
-            if delta.tokens:
-                times[rid].append(now)
-                tokens += len(delta.tokens)
-            if delta.final:
-                done.append(rid)
-                finished += 1
-        admit(min(finished, args.requests - next_index))
+    with engine.record_steps() as records:
+        while engine.running:
+            deltas = engine.step()
+            now = clock()
+            finished = 0
+            for rid, delta in deltas.items():
+                if delta.tokens:
+                    times[rid].append(now)
+                    tokens += len(delta.tokens)
+                if delta.final:
+                    done.append(rid)
+                    finished += 1
+            admit(min(finished, args.requests - next_index))
     wall = clock() - begin
     ttft = [times[r][0] - started[r] for r in done]
     itl = [gap for r in done for gap in np.diff(times[r]).tolist()]
@@ -105,7 +107,8 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
     def pct(values):
         return {f"p{q}": float(np.percentile(values, q)) * 1e3 for q in (50, 90, 99)} if values else {}
     return {"concurrency": concurrency, "requests": len(done), "tokens_per_s": tokens / wall,
-            "ttft_ms": pct(ttft), "itl_ms": pct(itl)}
+            "ttft_ms": pct(ttft), "itl_ms": pct(itl), "steps": len(records),
+            "drafting_steps": sum(r.drafted_call for r in records)}
 
 
 def lone_request(args, engine, prompts) -> list[dict]:
@@ -200,8 +203,8 @@ def main(argv=None) -> int:
                 results.append(level)
                 print(f"round {round_} c={concurrency:3d} {mode:12s} {level['tokens_per_s']:9.1f} tok/s  "
                       f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "
-                      f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms",
-                      flush=True)
+                      f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms  "
+                      f"drafting steps {level['drafting_steps']}/{level['steps']}", flush=True)
             if args.out:  # after every level, so a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))
     print_medians(results)
