@@ -32,7 +32,7 @@ from jdspark.engine.options import SpecOptions, WidthPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
 from jdspark.engine.sequence import Sequence
 from jdspark.engine.stats import LogCounters, RowRecord, StepRecord
-from jdspark.engine.widths import executable_width, pause_where_drafting_does_not_pay, price_the_step, row_widths
+from jdspark.engine.widths import executable_width, pause_where_drafting_does_not_pay, price_for_the_batch, row_widths
 from jdspark.model import state
 from jdspark.model.model import Model
 from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
@@ -356,15 +356,10 @@ class Engine:
                             self.selectors.get(bucket) if adaptive else None)
         if not isinstance(policy, AdaptiveWidth):
             width = executable_width(widths, calls.step)
-            return width, widths, calls.step[width]
-        probing = {b for b in stale if self._slots[b].probing}
-        width, widths = price_the_step(widths, stale, policy, calls.step, may_decode=self.options.pause_steps > 0,
-                                       probing=probing)
-        if width is not None:
-            return width, widths, calls.step[width]
-        for b in probing:
-            self._slots[b].defer_probe()
-        return 0, {}, calls.decode
+        else:
+            width, widths = price_for_the_batch(widths, stale, policy, calls.step, self._slots,
+                                                self.options.pause_steps)
+        return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
 
     def _publish(self, record: StepRecord) -> None:
         """Hand the step's record to the readers outside the requests: the log line, recorders."""

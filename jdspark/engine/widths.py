@@ -83,6 +83,18 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     return best, {b: min(w, best) for b, w in widths.items()}
 
 
+def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled,
+                        sequences, pause_steps: int) -> tuple[int | None, dict[int, int]]:
+    """`price_the_step` for the engine's rows: their probes read from their sequences, and kept
+    (`Sequence.defer_probe`) where the step decodes; the decode call only while pauses are on."""
+    probing = {b for b in stale if sequences[b].probing}
+    width, widths = price_the_step(widths, stale, policy, compiled, may_decode=pause_steps > 0, probing=probing)
+    if width is None:
+        for b in probing:
+            sequences[b].defer_probe()
+    return width, widths
+
+
 def pause_where_drafting_does_not_pay(policy: AdaptiveWidth, stale: dict[int, np.ndarray],
                                       speculating: dict[int, bool], sequences, steps: int) -> None:
     """Rows whose stale confidences make a plain decode call cheaper per token than any width
