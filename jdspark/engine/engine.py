@@ -357,8 +357,8 @@ class Engine:
         if not isinstance(policy, AdaptiveWidth):
             width = executable_width(widths, calls.step)
         else:
-            width, widths = price_for_the_batch(widths, stale, policy, calls.step, self._slots,
-                                                self.options.pause_steps)
+            width, widths = price_for_the_batch(widths, stale, policy, calls.step, self._slots, self.options,
+                                                speculating)
         return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
 
     def _publish(self, record: StepRecord) -> None:

@@ -2,8 +2,11 @@
 
 - "per_request": each request its own width from its own stale confidences (its width policy);
   the step runs the narrowest compiled executable that holds the widest, and every row verifies
-  at its own width. Under a fixed width policy a request's tokens then depend only on its own
-  confidences and noise, not on its batch-mates.
+  at its own width. Under a width policy other than the engine's adaptive one, a request's tokens
+  then depend only on its own confidences and noise, not on its batch-mates. Under adaptive
+  widths the rows' choices are the starting point of the step's pricing (below), and every
+  speculating row verifies the step's width: the executable is padded, so a narrower row would
+  give up drafts and save nothing.
 - "padded": every row at the widest width any request chose (the engine before per-request
   widths; kept for comparison).
 - "budget": the multi-request budget (Algorithm 1 over stale confidences,
@@ -47,17 +50,18 @@ def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, b
 
 
 def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled, *,
-                   may_decode: bool, probing=frozenset()) -> tuple[int | None, dict[int, int]]:
+                   may_decode: bool, probing=frozenset(), lifted=frozenset()) -> tuple[int | None, dict[int, int]]:
     """(executable width or None for the plain decode call, {slot: width}) for the whole batch.
 
     The step's call costs S(K) = D + V(K) for its executable width K, whichever rows use it, and a
-    decode call costs `decode_cost` for one token per row. Candidates: the narrowest compiled width
-    that holds the rows' widths, every narrower compiled width (rows clipped to it), and, if
+    decode call costs `decode_cost` for one token per row. So a row in `lifted` verifies K whatever
+    it chose (more drafts at no cost); the others verify min(own width, K). The highest expected
+    tokens per second over all rows, sum_i E_i(width_i) / S(K), wins among the compiled widths (only
+    those up to the rows' own widest while none is lifted: narrower ones clip rows) and, if
     `may_decode` (the engine's pauses are on: a decode call refreshes no confidences, and the
-    pauses' probes are what drafts again), the decode call. The highest expected tokens per second
-    over all rows, sum_i E_i(min(k_i, K)) / S(K), wins; the rows' own choice stays unless another
-    is strictly better. Alone, a row keeps its own choice: it already maximises E(k) / S(k), and
-    the pause compared it with decoding.
+    pauses' probes are what drafts again), the decode call; the rows' own choice stays unless
+    another is strictly better. Alone and not lifted, a row keeps its own choice: it already
+    maximises E(k) / S(k), and the pause compared it with decoding.
 
     A probing row (`probing`: back from a pause) is judged at its best case, confidences of 1: if
     even then no width beats the decode call, its probe could not change the choice, and the step
@@ -65,30 +69,35 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     rows = list(widths)
     expected = policy.expected_tokens(np.stack([stale[b] for b in rows]))
     own, index = np.array([widths[b] for b in rows]), np.arange(len(rows))
-    probe = np.array([b in probing for b in rows])
+    probe, lift = np.array([b in probing for b in rows]), np.array([b in lifted for b in rows])
 
     def tokens_per_second(k: int, best_case: bool = False) -> float:
-        tokens = expected[index, np.minimum(own, k)]
+        tokens = expected[index, np.where(lift, k, np.minimum(own, k))]
         return float(np.where(best_case & probe, k + 1, tokens).sum()) / policy.step_costs[k]
 
     best = executable_width(widths, compiled)
     best_rate = tokens_per_second(best)
-    for k in sorted(k for k in compiled if k < best):
+    for k in sorted(k for k in compiled if k != best and (lift.any() or k < best)):
         if tokens_per_second(k) > best_rate:
             best, best_rate = k, tokens_per_second(k)
     if may_decode and policy.decode_cost is not None:
         could = max(tokens_per_second(k, True) for k in compiled) if probe.any() else best_rate
         if len(rows) / policy.decode_cost > could:
             return None, {b: 0 for b in rows}
-    return best, {b: min(w, best) for b, w in widths.items()}
+    return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}
 
 
 def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled,
-                        sequences, pause_steps: int) -> tuple[int | None, dict[int, int]]:
+                        sequences, options, speculating: dict[int, bool]) -> tuple[int | None, dict[int, int]]:
     """`price_the_step` for the engine's rows: their probes read from their sequences, and kept
-    (`Sequence.defer_probe`) where the step decodes; the decode call only while pauses are on."""
+    (`Sequence.defer_probe`) where the step decodes; the decode call only while pauses are on.
+    Under "per_request" every speculating row is lifted to the step's width (the executable is
+    padded: a narrower row would give up drafts and save nothing); "padded" and "budget" keep
+    their own rules, priced the same way."""
     probing = {b for b in stale if sequences[b].probing}
-    width, widths = price_the_step(widths, stale, policy, compiled, may_decode=pause_steps > 0, probing=probing)
+    lifted = {b for b in widths if speculating[b]} if options.batch_widths == "per_request" else set()
+    width, widths = price_the_step(widths, stale, policy, compiled, may_decode=options.pause_steps > 0,
+                                   probing=probing, lifted=lifted)
     if width is None:
         for b in probing:
             sequences[b].defer_probe()

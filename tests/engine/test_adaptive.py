@@ -117,6 +117,27 @@ def test_one_call_runs_every_row_so_the_step_is_priced_for_the_batch(engine):
     assert completions[1].stats.pauses == 0  # declined by the step's price, not paused
 
 
+def test_per_request_rows_verify_the_step_width_under_adaptive_widths(engine):
+    """S(k) = 20, 20, 40, 40, 40, 40 ms: a request with real confidences chooses width 1 on its
+    own, and a new one (confidences of 1) width 5. The executable is padded, so when the new one
+    joins, the step's width is priced for both (5: more tokens per second than 1) and both verify
+    it. Mutation caught: rows kept at their own widths in a padded step. Tokens: target-only."""
+    second, second_params = [3, 8, 8, 2, 13, 6], dataclasses.replace(GREEDY, max_tokens=20)
+    engine.set_policy(speculative=False)
+    references = [generate(engine).token_ids, generate(engine, second_params, second).token_ids]
+    policy = AdaptiveWidth([0.010, 0.010, 0.030, 0.030, 0.030, 0.030], 0.010, gamma=5)
+    engine.set_policy(speculative=True, width_policy=policy)
+    with engine.record_steps() as records:
+        first = engine.add(PROMPT, GREEDY)
+        for _ in range(3):
+            engine.step()
+        completions = engine.complete([first, engine.add(second, second_params)])
+    assert [c.token_ids for c in completions] == references
+    joined = next(r for r in records if len(r.rows) == 2)
+    assert [policy(row.stale_confidence) for row in joined.rows] == [1, 5]
+    assert [row.width for row in joined.rows] == [5, 5]
+
+
 def test_stale_confidences_reset_for_each_request(engine):
     seen = []
     engine.set_policy(speculative=True)

@@ -1,7 +1,7 @@
 """Losslessness of speculative sampling through the engine: the emitted tokens' joint distribution
 equals the target's, computed exactly by enumeration over the 16-token vocabulary of the tiny
 model (chi-square on the pairs (t1, t2), (t2, t3), (t3, t4)), with the jnp rejection sampler (and,
-on the GPU, the Pallas one) and the adaptive selector choosing widths 1 and 2, so that the bonus token of both widths
+on the GPU, the Pallas one) and the width selector choosing 1 or 2 per row, so that the bonus token of both widths
 is observed (t3 after width 1, t4 after width 2); a negative control that the test catches a biased
 sampler; and batch-mate independence (a seeded request's tokens do not depend on its batch-mate)."""
 
@@ -107,13 +107,16 @@ def lossless_p_values(engine, model, warp, rounds) -> tuple[list[float], np.ndar
 
 
 def stat_engine_for(model, implementation):
-    """Adaptive widths: the E(k)/(D+V(k)) selector on injected costs that make it pick 1 or 2 from
-    each request's stale confidences (3+ are prohibitively expensive), each row at its own width in
-    one step. One batch bucket: the test needs the full batch, not the small buckets' executables."""
+    """The E(k)/(D+V(k)) selector on injected costs that make it pick 1 or 2 from each request's
+    stale confidences (3+ are prohibitively expensive), each row at its own width in one step. It is
+    called per row through a wrapper: given the selector itself, the engine would price the step
+    for the batch and lift every row to the step's width. One batch bucket: the test needs the
+    full batch, not the small buckets' executables."""
     engine = Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH, batch_buckets=(BATCH,)),
                     prefill_chunk=4,
                     widths=(0, 1, 2), width_policy=lambda confidence: 2, implementation=implementation)
-    engine.set_policy(width_policy=AdaptiveWidth([1e-3, 1e-3, 1.1e-3, 10.0, 10.0, 10.0], 1e-3, gamma=5))
+    selector = AdaptiveWidth([1e-3, 1e-3, 1.1e-3, 10.0, 10.0, 10.0], 1e-3, gamma=5)
+    engine.set_policy(width_policy=lambda confidence: selector(confidence))
     return engine
 
 

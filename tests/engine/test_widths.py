@@ -121,3 +121,20 @@ def test_a_lone_row_keeps_its_own_width():
             continue
         width = int(costs.widths(c)[0])
         assert price_the_step({7: width}, {7: c[0]}, costs, COMPILED, may_decode=True) == (width, {7: width})
+
+
+def test_rows_are_lifted_to_the_step_width_where_it_costs_nothing():
+    """per_request under adaptive widths: the executable is padded, so every speculating row
+    verifies the step's width, which may exceed every row's own choice; a row that is not
+    speculating keeps 0. With a flat V the batch verifies 3 (4 x 3.44 tokens per 2 ms); with the
+    steep one of the clipping test every row verifies 1 (4 x 1.9 tokens per 2 ms)."""
+    stale = {b: np.full(3, 0.9) for b in range(4)}
+    widths, every = {0: 1, 1: 1, 2: 1, 3: 3}, {0, 1, 2, 3}
+    flat = AdaptiveWidth([0.001] * 4, 0.001, gamma=3, decode_cost=0.002)
+    steep = AdaptiveWidth([0.001, 0.001, 0.003, 0.005], 0.001, gamma=3, decode_cost=0.002)
+    assert price_the_step(widths, stale, flat, COMPILED, may_decode=True, lifted=every) == (3, dict.fromkeys(every, 3))
+    assert price_the_step(widths, stale, steep, COMPILED, may_decode=True,
+                          lifted=every) == (1, dict.fromkeys(every, 1))
+    assert price_the_step({0: 1, 1: 1}, stale, flat, COMPILED, may_decode=True, lifted={0, 1}) == (3, {0: 3, 1: 3})
+    cool = {0: stale[0], 1: np.full(3, 0.1)}
+    assert price_the_step({0: 1, 1: 0}, cool, flat, COMPILED, may_decode=True, lifted={0}) == (3, {0: 3, 1: 0})
