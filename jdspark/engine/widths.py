@@ -2,11 +2,11 @@
 
 - "per_request": each request its own width from its own stale confidences (its width policy);
   the step runs the narrowest compiled executable that holds the widest, and every row verifies
-  at its own width. Under a width policy other than the engine's adaptive one, a request's tokens
-  then depend only on its own confidences and noise, not on its batch-mates. Under adaptive
-  widths the rows' choices are the starting point of the step's pricing (below), and every
-  speculating row verifies the step's width: the executable is padded, so a narrower row would
-  give up drafts and save nothing.
+  at its own width. Under a width policy that is not an `AdaptiveWidth`, a request's tokens then
+  depend only on its own confidences and noise, not on its batch-mates. Under adaptive widths
+  (an `AdaptiveWidth`: the engine's measured selector, or one given) the rows' choices are the
+  starting point of the step's pricing (below), and every speculating row verifies the step's
+  width: the executable is padded, so a narrower row would give up drafts and save nothing.
 - "padded": every row at the widest width any request chose (the engine before per-request
   widths; kept for comparison).
 - "budget": the multi-request budget (Algorithm 1 over stale confidences,
@@ -78,8 +78,9 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     best = executable_width(widths, compiled)
     best_rate = tokens_per_second(best)
     for k in sorted(k for k in compiled if k != best and (lift.any() or k < best)):
-        if tokens_per_second(k) > best_rate:
-            best, best_rate = k, tokens_per_second(k)
+        rate = tokens_per_second(k)
+        if rate > best_rate:
+            best, best_rate = k, rate
     if may_decode and policy.decode_cost is not None:
         could = max(tokens_per_second(k, True) for k in compiled) if probe.any() else best_rate
         if len(rows) / policy.decode_cost > could:
