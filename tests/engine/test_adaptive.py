@@ -33,6 +33,34 @@ def generate(engine, params=GREEDY, prompt=PROMPT):
     return generate_to_end(engine, prompt, params)
 
 
+def generate_recorded(engine, policy, pause_steps=4):
+    """(the target-only tokens, the Completion under `policy` with pauses of `pause_steps`, its steps)."""
+    engine.set_policy(speculative=False)
+    reference = generate(engine).token_ids
+    engine.set_policy(speculative=True, width_policy=policy)
+    engine.set_policy(options=SpecOptions(pause_steps=pause_steps))
+    with engine.record_steps() as records:
+        slot = generate(engine)
+    return reference, slot, records
+
+
+def join_after_three_steps(engine, policy, options=SpecOptions()):
+    """A request alone for three steps, then a second one beside it, both under `policy` and
+    `options`; checks both get their target-only tokens. (their Completions, the step records)"""
+    second, second_params = [3, 8, 8, 2, 13, 6], dataclasses.replace(GREEDY, max_tokens=20)
+    engine.set_policy(speculative=False)
+    references = [generate(engine).token_ids, generate(engine, second_params, second).token_ids]
+    engine.set_policy(speculative=True, width_policy=policy)
+    engine.set_policy(options=options)
+    with engine.record_steps() as records:
+        first = engine.add(PROMPT, GREEDY)
+        for _ in range(3):
+            engine.step()
+        completions = engine.complete([first, engine.add(second, second_params)])
+    assert [c.token_ids for c in completions] == references
+    return completions, records
+
+
 def test_startup_profile_measures_every_width_and_the_draft(engine):
     """The selector's D and V(k) come from the start-up measurement as S(k) = D + V(k) with
     D = S(0) - decode. The sign of D on a loaded 2-core CPU is noise, so the derivation is checked
@@ -64,12 +92,8 @@ def test_where_drafting_does_not_pay_the_engine_decodes_and_probes(engine):
     before (4, 8, ... steps), and emits the target-only tokens. Mutation caught: no pause (every step
     drafts), a pause that never ends, no backoff, or a probe judged on the stale confidences that
     paused it (it would never draft again)."""
-    engine.set_policy(speculative=False)
-    reference = generate(engine).token_ids
-    engine.set_policy(speculative=True, width_policy=AdaptiveWidth([0.01396] * 6, 0.010, gamma=5, decode_cost=0.004))
-    engine.set_policy(options=SpecOptions(pause_steps=4))
-    with engine.record_steps() as records:
-        slot = generate(engine)
+    policy = AdaptiveWidth([0.01396] * 6, 0.010, gamma=5, decode_cost=0.004)
+    reference, slot, records = generate_recorded(engine, policy)
     assert slot.token_ids == reference
     drafted = [r.drafted_call for r in records]
     assert drafted[:17] == [True] + [False] * 5 + [True] + [False] * 9 + [True]
@@ -83,12 +107,8 @@ def test_where_drafting_does_not_pay_the_engine_decodes_and_probes(engine):
 def test_a_probe_that_could_not_pay_even_on_perfect_confidences_waits(engine):
     """D = V = 10 ms, decode 1 ms: not even confidences of 1 make a draft pay (6 tokens per 20 ms),
     so no step drafts, probes included. Mutation caught: probes that draft whatever the cost."""
-    engine.set_policy(speculative=False)
-    reference = generate(engine).token_ids
-    engine.set_policy(speculative=True, width_policy=AdaptiveWidth([0.010] * 6, 0.010, gamma=5, decode_cost=0.001))
-    engine.set_policy(options=SpecOptions(pause_steps=4))
-    with engine.record_steps() as records:
-        slot = generate(engine)
+    policy = AdaptiveWidth([0.010] * 6, 0.010, gamma=5, decode_cost=0.001)
+    reference, slot, records = generate_recorded(engine, policy)
     assert slot.token_ids == reference
     assert not any(r.drafted_call for r in records) and slot.stats.pauses >= 1
 
@@ -99,18 +119,8 @@ def test_one_call_runs_every_row_so_the_step_is_priced_for_the_batch(engine):
     Next to a paused request a new one would still draft on its own terms, but the call would cost
     both rows 23.96 ms for 1 + 6 tokens against 2 tokens per 4 ms: the step decodes. Mutation
     caught: pricing rows one by one (the new request's steps draft). Tokens are the target-only ones."""
-    second = [3, 8, 8, 2, 13, 6]
-    engine.set_policy(speculative=False)
-    second_params = dataclasses.replace(GREEDY, max_tokens=20)
-    references = [generate(engine).token_ids, generate(engine, second_params, second).token_ids]
-    engine.set_policy(speculative=True, width_policy=AdaptiveWidth([0.01396] * 6, 0.010, gamma=5, decode_cost=0.004))
-    engine.set_policy(options=SpecOptions(pause_steps=64))
-    with engine.record_steps() as records:
-        first = engine.add(PROMPT, GREEDY)
-        for _ in range(3):
-            engine.step()
-        completions = engine.complete([first, engine.add(second, second_params)])
-    assert [c.token_ids for c in completions] == references
+    policy = AdaptiveWidth([0.01396] * 6, 0.010, gamma=5, decode_cost=0.004)
+    completions, records = join_after_three_steps(engine, policy, SpecOptions(pause_steps=64))
     assert records[0].drafted_call and not any(r.drafted_call for r in records[1:3])  # alone, then paused
     together = [r for r in records if len(r.rows) == 2]
     assert together and not any(r.drafted_call for r in together)
@@ -122,17 +132,8 @@ def test_per_request_rows_verify_the_step_width_under_adaptive_widths(engine):
     own, and a new one (confidences of 1) width 5. The executable is padded, so when the new one
     joins, the step's width is priced for both (5: more tokens per second than 1) and both verify
     it. Mutation caught: rows kept at their own widths in a padded step. Tokens: target-only."""
-    second, second_params = [3, 8, 8, 2, 13, 6], dataclasses.replace(GREEDY, max_tokens=20)
-    engine.set_policy(speculative=False)
-    references = [generate(engine).token_ids, generate(engine, second_params, second).token_ids]
     policy = AdaptiveWidth([0.010, 0.010, 0.030, 0.030, 0.030, 0.030], 0.010, gamma=5)
-    engine.set_policy(speculative=True, width_policy=policy)
-    with engine.record_steps() as records:
-        first = engine.add(PROMPT, GREEDY)
-        for _ in range(3):
-            engine.step()
-        completions = engine.complete([first, engine.add(second, second_params)])
-    assert [c.token_ids for c in completions] == references
+    _, records = join_after_three_steps(engine, policy)
     joined = next(r for r in records if len(r.rows) == 2)
     assert [policy(row.stale_confidence) for row in joined.rows] == [1, 5]
     assert [row.width for row in joined.rows] == [5, 5]
