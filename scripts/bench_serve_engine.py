@@ -6,8 +6,10 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
 
 - none:        target-only decoding;
 - fixed5:      every request at width 5;
-- padded:      adaptive widths, the batch at the widest any request chose (the old engine);
-- per_request: adaptive widths, each request at its own in one verify call;
+- padded:      adaptive widths, the batch at the widest any request chose (the old engine), clipped
+               where the step's pricing finds a narrower width better;
+- per_request: adaptive widths, the step's width priced for the whole batch and verified by every
+               speculating request (`engine/widths.py`);
 - budget:      Algorithm 1 over stale confidences with the bucket's measured costs.
 
 Reports output tokens/s, p50 / p90 / p99 of time to first token and inter-token latency (gaps

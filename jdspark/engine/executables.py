@@ -185,14 +185,18 @@ class Bucket:
     step: dict[int, jax.stages.Compiled] = dataclasses.field(default_factory=dict)
 
 
+def _pool(jobs: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, min(jobs, os.cpu_count() or 1)))
+
+
 def load_all(store: ExecutableCache | None, arguments: dict, outputs) -> dict:
     """{key: the stored executable, or None} for programs called with `arguments[key]`, loaded in
-    parallel threads (deserializing runs outside the GIL: 8 executables of the embedded engine load
-    in 3.4 s against 5.6-6.4 s one by one on the 2-core CPU. The H200 took 0.9 s each one by one;
-    parallel loading has not run there yet)."""
+    parallel threads (measured: 8 executables of the embedded engine load in 3.4 s against 5.6-6.4 s
+    one by one on the 2-core CPU, so deserializing leaves the GIL. The H200 took 0.9 s each one by
+    one; parallel loading has not run there yet)."""
     if store is None:
         return dict.fromkeys(arguments)
-    with ThreadPoolExecutor(max_workers=max(1, min(len(arguments), os.cpu_count() or 1))) as pool:
+    with _pool(len(arguments)) as pool:
         futures = {key: pool.submit(store.load, str(key), args, outputs) for key, args in arguments.items()}
         return {key: future.result() for key, future in futures.items()}
 
@@ -201,7 +205,7 @@ def compile_all(lowered: dict, store: ExecutableCache | None = None, arguments: 
     """Compile lowered programs in parallel (XLA compiles outside the GIL): start-up on a many-core
     host is the longest compilation, not the sum. With a `store`, each is stored as it finishes
     (under its key and `arguments[key]`), so a start-up cut short keeps what it compiled."""
-    with ThreadPoolExecutor(max_workers=max(1, min(len(lowered), os.cpu_count() or 1))) as pool:
+    with _pool(len(lowered)) as pool:
         futures = {pool.submit(ExecutableCache.compile, program): key for key, program in lowered.items()}
         compiled = {}
         for future in as_completed(futures):
@@ -294,12 +298,13 @@ class Executables:
         store = ExecutableCache.default(self.static_key())
         outputs = (jnp.zeros(()), decode, draft_cache)
         start = time.perf_counter()
-        compiled = load_all(store, {key: args for key, (_, args) in programs.items()}, outputs)
+        arguments = {key: args for key, (_, args) in programs.items()}
+        compiled = load_all(store, arguments, outputs)
         lowered = {key: jax.jit(function, **kept).lower(*args)
                    for key, (function, args) in programs.items() if compiled[key] is None}
         self.lower_seconds = time.perf_counter() - start  # loading, tracing and lowering: serial, in Python
         self.loaded = len(programs) - len(lowered)
-        compiled |= compile_all(lowered, store, {key: args for key, (_, args) in programs.items()})
+        compiled |= compile_all(lowered, store, arguments)
         for (b, name), program in compiled.items():
             if name in ("prefill", "decode"):
                 setattr(self.buckets[b], name, program)
