@@ -53,8 +53,9 @@ class Tiles:
     step_fp4: int = 256
     num_warps: int = 4
     num_stages: int = 2
-    decode: str = "select"  # the dot form's E2M1 decode: float selects ("select") or float32 bit patterns ("bits")
+    decode: str = "select"  # E2M1 decode (`E2M1_DECODERS`): float selects, float32 bit patterns, or offset bits
     gemv_rows: int = 0  # calls of at most this many rows (<= GEMV_MAX_ROWS) take the gemv form, the rest tl.dot
+    swap: bool = False  # the dot form as w_tile @ x^T (weights the MMA's M side, rows its N side) instead of x @ w^T
 
     def step(self, fmt: str) -> int:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
@@ -63,7 +64,7 @@ class Tiles:
 # The tiling `moe` uses unless given one: the fastest of bench_decode --sweep on the H200 (2026-12-01,
 # Flash dims, ds_fp4, one layer: the dot form at R = 6, 1.67 ms, against 1.71-2.43 for nine gemv
 # tilings; the gemv form at R = 1, 0.31 ms, against 0.45 for the dot form).
-TILES = Tiles(num_stages=4, gemv_rows=1)
+TILES = Tiles(num_stages=4, gemv_rows=1, decode="bits")
 GEMV_MAX_ROWS = 8  # the gemv form unrolls its rows in the kernel
 MAX_ELEMENTS = 2 ** 31  # a stored array the kernels index must have int32 offsets
 
@@ -207,6 +208,27 @@ def _e2m1_bits(code: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def _e2m1_offset(b: jax.Array, shift: int) -> jax.Array:
+    """The E2M1 code in bits shift..shift+3 of b (int32, any bits above) -> float32, with no selects and
+    no subnormals: magnitude code em at bits 22-24 plus bits(0.5) is f = 0.5, 0.75, 1, 1.5, 2, 3, 4, 6,
+    and f + min(f - 1, 0) turns the first two into 0 and 0.5 (exact); the sign bit goes to bit 31
+    (code 8 -> -0.0, which sums as +0.0)."""
+    f = jax.lax.bitcast_convert_type(((b << (22 - shift)) & 0x01C00000) + 0x3F000000, jnp.float32)
+    mag = jax.lax.bitcast_convert_type(f + jnp.minimum(f - 1.0, 0.0), jnp.int32)
+    return jax.lax.bitcast_convert_type(mag | ((b << (28 - shift)) & jnp.int32(-2 ** 31)), jnp.float32)
+
+
+E2M1_DECODERS = ("select", "bits", "offset")
+
+
+def _e2m1_pair(b: jax.Array, how: str) -> tuple[jax.Array, jax.Array]:
+    """Bytes b (int32 from int8: the sign extended) -> (low nibble, high nibble) as float32 values."""
+    if how == "offset":
+        return _e2m1_offset(b, 0), _e2m1_offset(b, 4)
+    e2m1 = _e2m1_bits if how == "bits" else _e2m1
+    return e2m1(b & 0xF), e2m1((b >> 4) & 0xF)
+
+
 def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
     """a [Rp, K] @ b[N, K]^T in float32."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -223,13 +245,13 @@ def _partial(fmt, e, row0, c, act_refs, w_refs, dtype, tiles):
         even_ref, odd_ref = act_refs
         nb = step // FP4_BLOCK
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
-        b = packed_ref[e, rows, blocks, :].astype(jnp.int32) & 0xFF  # [out, nb, 16]
+        b = packed_ref[e, rows, blocks, :].astype(jnp.int32)  # [out, nb, 16]
         s = _scale_f32(scale_ref[e, rows, blocks, :])  # [out, nb, 1]
-        e2m1 = _e2m1_bits if tiles.decode == "bits" else _e2m1
-        lo = (e2m1(b & 0xF) * s).astype(dtype).reshape(out, step // 2)
-        hi = (e2m1(b >> 4) * s).astype(dtype).reshape(out, step // 2)
+        lo, hi = _e2m1_pair(b, tiles.decode)
+        lo = (lo * s).astype(dtype).reshape(out, step // 2)
+        hi = (hi * s).astype(dtype).reshape(out, step // 2)
         cols = pl.ds(pl.multiple_of(c * (step // 2), step // 2), step // 2)
-        return _dot_t(even_ref[:, cols], lo) + _dot_t(odd_ref[:, cols], hi)
+        return _tile_dot(even_ref[:, cols], lo, tiles) + _tile_dot(odd_ref[:, cols], hi, tiles)
     cols = pl.ds(pl.multiple_of(c * step, step), step)
     if fmt == "fp8":
         w_ref, scale_ref = w_refs
@@ -237,7 +259,12 @@ def _partial(fmt, e, row0, c, act_refs, w_refs, dtype, tiles):
         w = (w_ref[e, rows, cols].astype(jnp.float32) * s).astype(dtype)
     else:
         w = w_refs[0][e, rows, cols].astype(dtype)
-    return _dot_t(act_refs[0][:, cols], w)
+    return _tile_dot(act_refs[0][:, cols], w, tiles)
+
+
+def _tile_dot(act: jax.Array, w: jax.Array, tiles: Tiles) -> jax.Array:
+    """act [Rp, K] . w [out, K] over K: [Rp, out], or [out, Rp] under `tiles.swap`."""
+    return _dot_t(w, act) if tiles.swap else _dot_t(act, w)
 
 
 def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles):
@@ -254,8 +281,10 @@ def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles):
         return (gate + _partial(fmt, e, row0, c, act_refs, w1_refs, dtype, tiles),
                 up + _partial(fmt, e, row0, c, act_refs, w3_refs, dtype, tiles))
 
-    zero = jnp.zeros((rp, tiles.out), jnp.float32)
+    zero = jnp.zeros((tiles.out, rp) if tiles.swap else (rp, tiles.out), jnp.float32)
     gate, up = jax.lax.fori_loop(0, k // tiles.step(fmt), step, (zero, zero))
+    if tiles.swap:
+        gate, up = gate.T, up.T
     h = swiglu(gate.astype(dtype), up.astype(dtype), limit) * dense_ref[slot, :, :]
     h_ref[slot, :, pl.ds(row0, tiles.out)] = h.astype(dtype)
 
@@ -272,8 +301,9 @@ def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles):
     def step(c, acc):
         return acc + _partial(fmt, e, row0, c, slot_acts, w_refs, dtype, tiles)
 
-    acc = jax.lax.fori_loop(0, k // tiles.step(fmt), step, jnp.zeros((rp, tiles.out), jnp.float32))
-    out_ref[slot, :, pl.ds(row0, tiles.out)] = acc.astype(dtype)
+    zero = jnp.zeros((tiles.out, rp) if tiles.swap else (rp, tiles.out), jnp.float32)
+    acc = jax.lax.fori_loop(0, k // tiles.step(fmt), step, zero)
+    out_ref[slot, :, pl.ds(row0, tiles.out)] = (acc.T if tiles.swap else acc).astype(dtype)
 
 
 class _SlotRef:
@@ -327,9 +357,9 @@ def _gemv_partials(fmt, e, row0, c, act, w_refs, rows, dtype, tiles) -> list[jax
         packed_ref, scale_ref = w_refs
         nb = step // FP4_BLOCK
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
-        b = packed_ref[e, w_rows, blocks, :].astype(jnp.int32) & 0xFF  # [out, nb, 16]
+        b = packed_ref[e, w_rows, blocks, :].astype(jnp.int32)  # [out, nb, 16]
         s = _scale_f32(scale_ref[e, w_rows, blocks, 0])  # [out, nb]
-        lo, hi = _e2m1_bits(b & 0xF), _e2m1_bits(b >> 4)  # bits: 0.31 against 0.45 ms by selects (R = 1)
+        lo, hi = _e2m1_pair(b, tiles.decode)
         parts = []
         for i in range(rows):
             even, odd = act(i, blocks)  # [nb, 16] each

@@ -343,9 +343,13 @@ def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[d
 
 
 _GEMV = dict(gemv_rows=moe_kernels.GEMV_MAX_ROWS)  # the gemv form at every row count the sweep times
-SWEEP = [moe_kernels.Tiles(num_stages=4), moe_kernels.Tiles(num_stages=4, **_GEMV), moe_kernels.Tiles(num_stages=2, **_GEMV),
-         moe_kernels.Tiles(out=16, num_stages=3, **_GEMV), moe_kernels.Tiles(out=64, step_fp4=128, num_stages=4, **_GEMV),
-         moe_kernels.Tiles(out=64, num_warps=8, num_stages=3, **_GEMV)]
+_T = moe_kernels.Tiles
+SWEEP = [_T(num_stages=4), _T(num_stages=4, decode="bits"), _T(num_stages=4, decode="offset"),
+         _T(out=64, num_stages=3, decode="offset", swap=True), _T(out=64, num_stages=4, decode="offset", swap=True),
+         _T(out=128, num_warps=8, num_stages=3, decode="offset", swap=True),
+         _T(num_stages=4, decode="bits", **_GEMV), _T(num_stages=4, decode="offset", **_GEMV),
+         _T(out=64, step_fp4=128, num_stages=4, decode="offset", **_GEMV),
+         _T(out=16, num_stages=3, decode="offset", **_GEMV)]
 
 
 def _median_ms(fn, args, runs) -> float:

@@ -1,6 +1,8 @@
 """The routed-expert kernel equals its jnp reference on fresh random inputs: every storage format,
 rows 1..64, experts repeated across rows; interpret mode on the CPU, compiled on the GPU (`gpu`)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -99,18 +101,30 @@ def test_reference_decoding_matches_the_numpy_decoder(fmt, scale_dtype):
 
 
 OTHER_TILES = Tiles(out=16, step_bf16=256, num_warps=8, num_stages=3, decode="bits")
+SWAP_TILES = Tiles(out=64, num_stages=3, decode="offset", swap=True)
 
 
 def test_e2m1_decodings_agree_on_every_code():
-    from pallas_kernels.moe import _e2m1, _e2m1_bits
+    from pallas_kernels.moe import E2M1_DECODERS, _e2m1_pair
     from tests.model.dequant_ref import E2M1
-    codes = jnp.arange(16, dtype=jnp.int32)
-    for fn in (_e2m1, _e2m1_bits):
-        np.testing.assert_array_equal(np.asarray(jax.jit(fn)(codes)).view(np.uint32), E2M1.view(np.uint32))
+    byte = np.arange(256, dtype=np.uint8)
+    b = jnp.asarray(byte.view(np.int8).astype(np.int32))  # sign-extended, as the kernels load them
+    for how in E2M1_DECODERS:
+        lo, hi = jax.jit(lambda b: _e2m1_pair(b, how))(b)
+        for got, code in ((lo, byte & 0xF), (hi, byte >> 4)):
+            want = E2M1[code]
+            if how == "offset":  # code 8 decodes to -0.0, which sums as +0.0
+                want = np.where(code == 8, np.float32(-0.0), want)
+            np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32), err_msg=how)
 
 
 def test_other_tiling_interpret():
     check("fp4", "e8m0", 5, jnp.bfloat16, interpret=True, tiles=OTHER_TILES)
+
+
+@pytest.mark.parametrize("fmt,scale_dtype", CASES[:2] + CASES[3:], ids=["fp4", "fp8", "bf16"])
+def test_swapped_dot_form_interpret(fmt, scale_dtype):
+    check(fmt, scale_dtype, 6, jnp.float32, interpret=True, tiles=SWAP_TILES)
 
 
 @pytest.mark.gpu
@@ -119,6 +133,7 @@ def test_other_tiling_compiled(fmt, scale_dtype):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     check(fmt, scale_dtype, 6, jnp.bfloat16, interpret=False, tiles=OTHER_TILES)
+    check(fmt, scale_dtype, 17, jnp.bfloat16, interpret=False, tiles=SWAP_TILES)
 
 
 GEMV_TILES = Tiles(num_stages=3, gemv_rows=8)
@@ -127,6 +142,8 @@ GEMV_TILES = Tiles(num_stages=3, gemv_rows=8)
 @pytest.mark.parametrize("fmt,scale_dtype,rows", [("fp4", "e8m0", 5), ("fp8", "float32", 2), ("bf16", None, 1)])
 def test_gemv_form_interpret(fmt, scale_dtype, rows):
     check(fmt, scale_dtype, rows, jnp.bfloat16, interpret=True, tiles=GEMV_TILES)
+    if fmt == "fp4":
+        check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=dataclasses.replace(GEMV_TILES, decode="offset"))
 
 
 def test_gemv_form_takes_the_dot_form_above_its_rows():
@@ -141,3 +158,4 @@ def test_gemv_form_compiled(fmt, scale_dtype, rows, dtype):
         pytest.skip("needs a GPU")
     check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=GEMV_TILES)
     check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=Tiles(out=64, num_warps=8, gemv_rows=8))
+    check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=dataclasses.replace(GEMV_TILES, decode="offset"))
