@@ -56,6 +56,7 @@ class Tiles:
     decode: str = "select"  # E2M1 decode (`E2M1_DECODERS`): float selects, float32 bit patterns, or offset bits
     gemv_rows: int = 0  # calls of at most this many rows (<= GEMV_MAX_ROWS) take the gemv form, the rest tl.dot
     swap: bool = False  # the dot form as w_tile @ x^T (weights the MMA's M side, rows its N side) instead of x @ w^T
+    skip_rows: bool = False  # the gemv form skips, per expert, the rows that did not select it
 
     def step(self, fmt: str) -> int:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
@@ -322,22 +323,24 @@ class _SlotRef:
 def _moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles) -> jax.Array:
     """Both kernels as per-row products and sums: each program decodes its weight tile once per
     loop step and multiplies it with each of the R rows (unrolled), so no MMA operand layout and
-    no padded rows. Per-slot outputs [M, R, D] in the compute dtype."""
+    no padded rows. Under `tiles.skip_rows`, a row that did not select the program's expert (its
+    routing weight 0) is skipped: its h is 0 and its down output is never combined. Per-slot
+    outputs [M, R, D] in the compute dtype."""
     r, d = x.shape
     m, f, dtype = experts.shape[0], w1[0].shape[1], x.dtype
     params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    experts = experts.astype(jnp.int32)
+    experts, dense_t = experts.astype(jnp.int32), dense.T.astype(jnp.float32)
     kernel = functools.partial(_gemv_kernel, fmt=fmt, rows=r, limit=limit, dtype=dtype, tiles=tiles)
     h = pl.pallas_call(
         functools.partial(kernel, k=d, n_w=2 * len(_weights(fmt, w1)), per_slot=False),
         out_shape=jax.ShapeDtypeStruct((m, r, f), dtype), grid=(m, f // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
-    )(experts, dense.T.astype(jnp.float32), *_gemv_activations(fmt, x), *_weights(fmt, w1), *_weights(fmt, w3))
+    )(experts, dense_t, *_gemv_activations(fmt, x), *_weights(fmt, w1), *_weights(fmt, w3))
     return pl.pallas_call(
         functools.partial(kernel, k=f, n_w=len(_weights(fmt, w2)), per_slot=True),
         out_shape=jax.ShapeDtypeStruct((m, r, d), dtype), grid=(m, d // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_down",
-    )(experts, *_gemv_activations(fmt, h), *_weights(fmt, w2))
+    )(experts, dense_t, *_gemv_activations(fmt, h), *_weights(fmt, w2))
 
 
 def _gemv_activations(fmt: str, a: jax.Array) -> tuple[jax.Array, ...]:
@@ -348,9 +351,9 @@ def _gemv_activations(fmt: str, a: jax.Array) -> tuple[jax.Array, ...]:
     return (a,)
 
 
-def _gemv_partials(fmt, e, row0, c, act, w_refs, rows, dtype, tiles) -> list[jax.Array]:
-    """Per row i < rows: x_i[chunk c] . w[e, row0:row0+out, chunk c], float32 [out] (fp4: [out, nb],
-    one sum per scale group, summed after the loop). `act(i, c)` loads row i's chunk."""
+def _gemv_weights(fmt, e, row0, c, w_refs, dtype, tiles) -> tuple[jax.Array, ...]:
+    """One loop step's weight tile of expert e, decoded once for all rows: fp4 (low, high nibble
+    values [out, nb, 16], scales [out, nb]), otherwise (w [out, step] float32,)."""
     out, step = tiles.out, tiles.step(fmt)
     w_rows = pl.ds(row0, out)
     if fmt == "fp4":
@@ -358,46 +361,58 @@ def _gemv_partials(fmt, e, row0, c, act, w_refs, rows, dtype, tiles) -> list[jax
         nb = step // FP4_BLOCK
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
         b = packed_ref[e, w_rows, blocks, :].astype(jnp.int32)  # [out, nb, 16]
-        s = _scale_f32(scale_ref[e, w_rows, blocks, 0])  # [out, nb]
-        lo, hi = _e2m1_pair(b, tiles.decode)
-        parts = []
-        for i in range(rows):
-            even, odd = act(i, blocks)  # [nb, 16] each
-            parts.append(jnp.sum(lo * even.astype(jnp.float32)[None] + hi * odd.astype(jnp.float32)[None], axis=2) * s)
-        return parts
+        return (*_e2m1_pair(b, tiles.decode), _scale_f32(scale_ref[e, w_rows, blocks, 0]))
     cols = pl.ds(pl.multiple_of(c * step, step), step)
     if fmt == "fp8":
         w_ref, scale_ref = w_refs
         s = _scale_f32(scale_ref[e, row0 // FP8_BLOCK, c])
-        w = (w_ref[e, w_rows, cols].astype(jnp.float32) * s).astype(dtype).astype(jnp.float32)  # as the reference rounds
-    else:
-        w = w_refs[0][e, w_rows, cols].astype(jnp.float32)
-    return [jnp.sum(w * act(i, cols)[0].astype(jnp.float32)[None], axis=1) for i in range(rows)]
+        return ((w_ref[e, w_rows, cols].astype(jnp.float32) * s).astype(dtype).astype(jnp.float32),)  # as the ref rounds
+    return (w_refs[0][e, w_rows, cols].astype(jnp.float32),)
 
 
-def _gemv_kernel(experts_ref, *refs, fmt, k, rows, limit, dtype, tiles, n_w, per_slot):
-    """gate/up (refs: dense [M, R], x, w1, w3; h = swiglu * dense) or down (per_slot: the slot's
-    own rows of h, then w2) for one slot and `out` output features."""
-    dense_ref, refs = (None, refs) if per_slot else (refs[0], refs[1:])
+def _gemv_product(fmt, w: tuple, act: tuple) -> jax.Array:
+    """One row's chunk (fp4: even, odd [nb, 16]; else [step]) . the decoded tile: float32 [out]
+    (fp4: [out, nb], one sum per scale group, summed after the loop)."""
+    if fmt == "fp4":
+        lo, hi, s = w
+        even, odd = (a.astype(jnp.float32)[None] for a in act)
+        return jnp.sum(lo * even + hi * odd, axis=2) * s
+    return jnp.sum(w[0] * act[0].astype(jnp.float32)[None], axis=1)
+
+
+def _gemv_kernel(experts_ref, dense_ref, *refs, fmt, k, rows, limit, dtype, tiles, n_w, per_slot):
+    """gate/up (refs: x, w1, w3; h = swiglu * dense) or down (per_slot: the slot's own rows of h,
+    then w2) for one slot and `out` output features; dense [M, R] is each row's routing weight."""
     n_act = 2 if fmt == "fp4" else 1
     act_refs, w_refs, out_ref = refs[:n_act], refs[n_act:n_act + n_w], refs[-1]
     slot, tile = pl.program_id(0), pl.program_id(1)
     e = experts_ref[slot]
     row0 = pl.multiple_of(tile * tiles.out, tiles.out)
     lead = (slot,) if per_slot else ()
+    selected = [dense_ref[slot, i] != 0 for i in range(rows)]
+    step_k = tiles.step(fmt)
 
-    def act(i, index):
-        return tuple(ref[(*lead, i, index) + ((slice(None),) if fmt == "fp4" else ())] for ref in act_refs)
+    def act(i, c):
+        if fmt == "fp4":
+            nb = step_k // FP4_BLOCK
+            return tuple(ref[(*lead, i, pl.ds(pl.multiple_of(c * nb, nb), nb), slice(None))] for ref in act_refs)
+        return (act_refs[0][(*lead, i, pl.ds(pl.multiple_of(c * step_k, step_k), step_k))],)
 
     groups = [w_refs[:n_w // 2], w_refs[n_w // 2:]] if not per_slot else [w_refs]
 
     def step(c, acc):
-        parts = [_gemv_partials(fmt, e, row0, c, act, ws, rows, dtype, tiles) for ws in groups]
-        return tuple(a + p for a, p in zip(acc, sum(parts, [])))
+        tiles_w = [_gemv_weights(fmt, e, row0, c, ws, dtype, tiles) for ws in groups]
+        new = []
+        for j, w in enumerate(tiles_w):
+            for i in range(rows):
+                add = lambda a, w=w, i=i: a + _gemv_product(fmt, w, act(i, c))
+                a = acc[j * rows + i]
+                new.append(jax.lax.cond(selected[i], add, lambda a: a, a) if tiles.skip_rows else add(a))
+        return tuple(new)
 
-    shape = (tiles.out, tiles.step(fmt) // FP4_BLOCK) if fmt == "fp4" else (tiles.out,)
-    acc = jax.lax.fori_loop(0, k // tiles.step(fmt), step, tuple(jnp.zeros(shape, jnp.float32)
-                                                                for _ in range(rows * len(groups))))
+    shape = (tiles.out, step_k // FP4_BLOCK) if fmt == "fp4" else (tiles.out,)
+    acc = jax.lax.fori_loop(0, k // step_k, step, tuple(jnp.zeros(shape, jnp.float32)
+                                                        for _ in range(rows * len(groups))))
     sums = [jnp.sum(a, axis=1) if fmt == "fp4" else a for a in acc]
     cols = pl.ds(row0, tiles.out)
     for i in range(rows):

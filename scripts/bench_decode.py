@@ -349,7 +349,9 @@ SWEEP = [_T(num_stages=4), _T(num_stages=4, decode="bits"), _T(num_stages=4, dec
          _T(out=128, num_warps=8, num_stages=3, decode="offset", swap=True),
          _T(num_stages=4, decode="bits", **_GEMV), _T(num_stages=4, decode="offset", **_GEMV),
          _T(out=64, step_fp4=128, num_stages=4, decode="offset", **_GEMV),
-         _T(out=16, num_stages=3, decode="offset", **_GEMV)]
+         _T(out=16, num_stages=3, decode="offset", **_GEMV), _T(num_stages=4, decode="offset", skip_rows=True, **_GEMV),
+         _T(num_stages=4, decode="bits", skip_rows=True, **_GEMV),
+         _T(out=64, step_fp4=128, num_stages=4, decode="offset", skip_rows=True, **_GEMV)]
 
 
 def _median_ms(fn, args, runs) -> float:

@@ -144,6 +144,7 @@ def test_gemv_form_interpret(fmt, scale_dtype, rows):
     check(fmt, scale_dtype, rows, jnp.bfloat16, interpret=True, tiles=GEMV_TILES)
     if fmt == "fp4":
         check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=dataclasses.replace(GEMV_TILES, decode="offset"))
+    check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=dataclasses.replace(GEMV_TILES, skip_rows=True))
 
 
 def test_gemv_form_takes_the_dot_form_above_its_rows():
@@ -158,4 +159,5 @@ def test_gemv_form_compiled(fmt, scale_dtype, rows, dtype):
         pytest.skip("needs a GPU")
     check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=GEMV_TILES)
     check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=Tiles(out=64, num_warps=8, gemv_rows=8))
-    check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=dataclasses.replace(GEMV_TILES, decode="offset"))
+    check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=dataclasses.replace(GEMV_TILES, decode="offset",
+                                                                                      skip_rows=True))
