@@ -55,17 +55,25 @@ class Tiles:
     num_stages: int = 2
     decode: str = "select"  # E2M1 decode (`E2M1_DECODERS`): float selects, float32 bit patterns, or offset bits
     gemv_rows: int = 0  # calls of at most this many rows (<= GEMV_MAX_ROWS) take the gemv form, the rest tl.dot
+    gemv_out: int = 0  # output features per program in the gemv form (0: `out`)
     swap: bool = False  # the dot form as w_tile @ x^T (weights the MMA's M side, rows its N side) instead of x @ w^T
     skip_rows: bool = False  # the gemv form skips, per expert, the rows that did not select it
 
     def step(self, fmt: str) -> int:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
 
+    def for_rows(self, rows: int) -> Tiles:
+        """The tiling a call of `rows` rows runs: the gemv form's (its `gemv_out`) or the dot form's."""
+        if rows <= min(self.gemv_rows, GEMV_MAX_ROWS):
+            return dataclasses.replace(self, out=self.gemv_out or self.out)
+        return dataclasses.replace(self, gemv_rows=0)
 
-# The tiling `moe` uses unless given one: the fastest of bench_decode --sweep on the H200 (2026-12-01,
-# Flash dims, ds_fp4, one layer: the dot form at R = 6, 1.67 ms, against 1.71-2.43 for nine gemv
-# tilings; the gemv form at R = 1, 0.31 ms, against 0.45 for the dot form).
-TILES = Tiles(num_stages=4, gemv_rows=1, decode="bits")
+
+# The tiling `moe` uses unless given one: the fastest of bench_decode --sweep on the H200 (2026-12-02,
+# Flash dims, ds_fp4, one layer, 6 experts per row): at R = 1 the gemv form with 16 outputs per program,
+# 0.216 ms (0.258 with E2M1 by bit patterns, the former default); above, the swapped dot form, 0.792 ms
+# at R = 6 (1.546 for the former dot form with selects). E2M1 by offset bits was fastest in every form.
+TILES = Tiles(out=64, num_stages=3, decode="offset", swap=True, gemv_rows=1, gemv_out=16)
 GEMV_MAX_ROWS = 8  # the gemv form unrolls its rows in the kernel
 MAX_ELEMENTS = 2 ** 31  # a stored array the kernels index must have int32 offsets
 
@@ -126,8 +134,9 @@ def supported(fmt: str, d: int, f: int, rows: int, tiles: Tiles | None = None, n
     if fmt not in FORMATS or n_experts * d * f // (2 if fmt == "fp4" else 1) > MAX_ELEMENTS:
         return False
     step = tiles.step(fmt)
-    return rows <= 64 and d % tiles.out == 0 and f % tiles.out == 0 and d % step == 0 and f % step == 0 \
-        and (fmt != "fp8" or FP8_BLOCK % tiles.out == 0)
+    out = tiles.for_rows(rows).out
+    return rows <= 64 and d % out == 0 and f % out == 0 and d % step == 0 and f % step == 0 \
+        and (fmt != "fp8" or FP8_BLOCK % out == 0)
 
 
 def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpret: bool = False,
@@ -139,7 +148,8 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
     f = w1[0].shape[1]
     if not supported(fmt, d, f, r, tiles, w1[0].shape[0]):
         raise ValueError(f"moe kernel: unsupported sizes fmt={fmt} D={d} F={f} rows={r}; use ref_moe")
-    if r <= min(tiles.gemv_rows, GEMV_MAX_ROWS):
+    tiles = tiles.for_rows(r)
+    if tiles.gemv_rows:
         return _combine(_moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles), slot)
     dtype = x.dtype
     rp = max(16, 1 << (r - 1).bit_length())
