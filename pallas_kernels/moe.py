@@ -70,10 +70,11 @@ class Tiles:
 
 
 # The tiling `moe` uses unless given one: the fastest of bench_decode --sweep on the H200 (2026-12-02,
-# Flash dims, ds_fp4, one layer, 6 experts per row): at R = 1 the gemv form with 16 outputs per program,
-# 0.216 ms (0.258 with E2M1 by bit patterns, the former default); above, the swapped dot form, 0.792 ms
-# at R = 6 (1.546 for the former dot form with selects). E2M1 by offset bits was fastest in every form.
-TILES = Tiles(out=64, num_stages=3, decode="offset", swap=True, gemv_rows=1, gemv_out=16)
+# Flash dims, ds_fp4, one layer, 6 experts per row): up to R = 2 the gemv form with 16 outputs per
+# program (R = 1: 0.216 ms, 0.258 with E2M1 by bit patterns, the former default; R = 2: 0.322 against
+# 0.389 for the dot form); above, the swapped dot form, 0.79-0.83 ms at R = 6 (1.546 for the former dot
+# form with selects). E2M1 by offset bits was fastest in every form.
+TILES = Tiles(out=64, num_stages=3, decode="offset", swap=True, gemv_rows=2, gemv_out=16)
 GEMV_MAX_ROWS = 8  # the gemv form unrolls its rows in the kernel
 MAX_ELEMENTS = 2 ** 31  # a stored array the kernels index must have int32 offsets
 
