@@ -108,9 +108,27 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
 
     def pct(values):
         return {f"p{q}": float(np.percentile(values, q)) * 1e3 for q in (50, 90, 99)} if values else {}
+
+    def mean_ms(values):
+        return float(np.mean(values)) * 1e3 if values else None
+    # each kind of call's host wall time (choice, call, outputs, emission) beside its profiled cost
+    measured = getattr(engine, "selectors", {}) or {}  # bucket -> the AdaptiveWidth of its profiled costs
+    calls = {"decode": [r for r in records if not r.drafted_call], "verify": [r for r in records if r.drafted_call]}
     return {"concurrency": concurrency, "requests": len(done), "tokens_per_s": tokens / wall,
-            "ttft_ms": pct(ttft), "itl_ms": pct(itl), "steps": len(records),
-            "drafting_steps": sum(r.drafted_call for r in records)}
+            "ttft_ms": pct(ttft), "itl_ms": pct(itl), "steps": len(records), "wall_s": wall,
+            "drafting_steps": len(calls["verify"]),
+            "call_ms": {kind: mean_ms([r.seconds for r in rs]) for kind, rs in calls.items()},
+            "profiled_ms": {kind: mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs]) for kind, rs in calls.items()},
+            "tokens_per_step": tokens / max(len(records), 1)}
+
+
+def _profiled_s(policy, record) -> float:
+    """The profiled cost of the call a step record ran: D + V(width), or the decode call's."""
+    if policy is None:
+        return float("nan")
+    if not record.drafted_call:
+        return policy.decode_cost if policy.decode_cost is not None else float("nan")
+    return float(policy.step_costs[record.width])
 
 
 def lone_request(args, engine, prompts) -> list[dict]:
@@ -206,7 +224,9 @@ def main(argv=None) -> int:
                 print(f"round {round_} c={concurrency:3d} {mode:12s} {level['tokens_per_s']:9.1f} tok/s  "
                       f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "
                       f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms  "
-                      f"drafting steps {level['drafting_steps']}/{level['steps']}", flush=True)
+                      f"drafting steps {level['drafting_steps']}/{level['steps']}  call ms (profiled): "
+                      + " ".join(f"{k} {v:.2f} ({level['profiled_ms'][k]:.2f})" for k, v in level["call_ms"].items() if v),
+                      flush=True)
             if args.out:  # after every level, so a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))
     print_medians(results)

@@ -1,5 +1,8 @@
-"""Cost measurement: warm-up, then timed calls, each after an untimed reset; cached per key and labels.
+"""Cost measurement: warm-up rounds, then timed rounds of every label, each call after an untimed reset;
+cached per key and labels.
 Time is a fake clock that the calls advance, so the medians are exact."""
+
+import numpy as np
 
 from jdspark.engine import costs
 
@@ -10,6 +13,18 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+def test_warm_up_rounds_last_at_least_warm_s(tmp_path):
+    clock, runs = FakeClock(), []
+
+    def run(label):
+        runs.append(label)
+        clock.now += 0.1
+
+    measured = costs.measure(run, ["decode", "step5"], 2, clock=clock)
+    assert len(runs) == 2 * 3 + 2 * 2  # warm-up rounds of 0.2 s until 0.5 s had passed, then 2 timed rounds
+    assert np.allclose(measured, [0.1, 0.1])
 
 
 def test_reset_runs_before_every_call_and_is_not_timed(tmp_path):
@@ -26,7 +41,9 @@ def test_reset_runs_before_every_call_and_is_not_timed(tmp_path):
 
     measured = costs.load_or_measure("key", run, ["step0", "step2"], 3, tmp_path, reprofile=False, reset=reset,
                                      clock=clock)
-    assert calls[:4] == [("reset",), ("run", "step0"), ("reset",), ("run", "step0")]
+    runs = [c[1] for c in calls if c[0] == "run"]
+    assert runs == ["step0", "step2"] * 4  # one warm-up round (it lasted over WARM_S), then interleaved rounds
+    assert calls[:2] == [("reset",), ("run", "step0")]
     assert sum(c == ("reset",) for c in calls) == sum(c[0] == "run" for c in calls) == 8  # 2 x (warm-up + 3)
     assert measured == {"step0": 2.0, "step2": 4.0}  # medians of the timed calls, warm-up and resets left out
     calls.clear()
