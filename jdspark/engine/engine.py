@@ -84,6 +84,7 @@ class Engine:
                  self.exe.lower_seconds)
         self.selector: AdaptiveWidth | None = None  # the largest bucket's; `selectors` has every bucket's
         self.selectors: dict[int, AdaptiveWidth] = {}
+        self.live: costs.LiveCosts | None = None  # the selectors as the steps take them (`costs.LiveCosts`)
         self.width_policy = self._width_policy(width_policy, widths)
         log.info("engine ready in %.1f s (compile cache %s)", time.perf_counter() - start,
                  jax.config.jax_compilation_cache_dir or "off")
@@ -122,7 +123,7 @@ class Engine:
             raise EngineError(f"adaptive width needs width gamma={gamma} compiled (every width rounds up to a "
                               f"compiled one), got {widths}")
         self.selectors = {n: self._selector(n) for n in self.config.buckets}
-        self.selector = self.selectors[max(self.selectors)]
+        self.selector, self.live = self.selectors[max(self.selectors)], costs.LiveCosts(self.selectors)
         return self.selector
 
     def _fresh_state(self):
@@ -339,6 +340,8 @@ class Engine:
                             drafted_call=call is not self.exe.buckets[bucket].decode)
         for (b, seq), row in zip(sequences.items(), records):
             seq.record(record, row, None if confidence is None else confidence[row_of[b]])
+        if self.live is not None:
+            self.live.observe(bucket, record.drafted_call, width, record.seconds)
         self._publish(record)
         return deltas
 
@@ -347,13 +350,12 @@ class Engine:
         speculating = {b: self._slots[b].speculates() for b in stale}
         calls = self.exe.buckets[bucket]
         adaptive = self.selector is not None and self.width_policy is self.selector
-        policy = self.selectors[bucket] if adaptive else self.width_policy
+        policy = self.live.policy(bucket) if adaptive else self.width_policy
         if self.speculative and self.options.pause_steps and isinstance(policy, AdaptiveWidth):
             pause_where_drafting_does_not_pay(policy, stale, speculating, self._slots, self.options.pause_steps)
         if not (self.speculative and any(speculating.values())):
             return 0, {}, calls.decode
-        widths = row_widths(self.options.batch_widths, stale, speculating, policy,
-                            self.selectors.get(bucket) if adaptive else None)
+        widths = row_widths(self.options.batch_widths, stale, speculating, policy, policy if adaptive else None)
         if not isinstance(policy, AdaptiveWidth):
             width = executable_width(widths, calls.step)
         else:
@@ -372,11 +374,10 @@ class Engine:
             self._log = LogCounters()
 
     def cost_summary(self, bucket: int | None = None) -> dict:
-        """D and V(k) (seconds) the width policy in use reads at a batch bucket (default the
-        largest); None when it is no AdaptiveWidth (a fixed width, or a policy of the caller's)."""
-        policy = self.width_policy
-        if policy is self.selector and self.selector is not None:
-            policy = self.selectors[bucket or max(self.selectors)]
+        """D and V(k) (seconds) the width policy in use reads at a batch bucket (default the largest;
+        `live` costs); None when it is no AdaptiveWidth (a fixed width, or a policy of the caller's)."""
+        adaptive = self.selector is not None and self.width_policy is self.selector
+        policy = self.live.policy(bucket or max(self.selectors)) if adaptive else self.width_policy
         if not isinstance(policy, AdaptiveWidth):
             return {"draft_cost_s": None, "verify_costs_s": None}
         return {"draft_cost_s": policy.draft_cost, "verify_costs_s": policy.verify_costs.tolist()}

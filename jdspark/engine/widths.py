@@ -68,21 +68,24 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     decodes (the engine keeps the probe for a later step); otherwise the step drafts."""
     rows = list(widths)
     expected = policy.expected_tokens(np.stack([stale[b] for b in rows]))
-    own, index = np.array([widths[b] for b in rows]), np.arange(len(rows))
-    probe, lift = np.array([b in probing for b in rows]), np.array([b in lifted for b in rows])
+    own = np.array([widths[b] for b in rows])[:, None]
+    probe, lift = (np.array([b in group for b in rows])[:, None] for group in (probing, lifted))
+    step_costs = np.asarray(policy.step_costs)
 
-    def tokens_per_second(k: int, best_case: bool = False) -> float:
-        tokens = expected[index, np.where(lift, k, np.minimum(own, k))]
-        return float(np.where(best_case & probe, k + 1, tokens).sum()) / policy.step_costs[k]
+    def tokens_per_second(ks: np.ndarray, best_case: bool = False) -> np.ndarray:
+        """Expected tokens per second of the step at each executable width of `ks`, in one pass."""
+        tokens = np.take_along_axis(expected, np.where(lift, ks[None], np.minimum(own, ks[None])), axis=1)
+        if best_case:
+            tokens = np.where(probe, ks[None] + 1, tokens)
+        return tokens.sum(axis=0) / step_costs[ks]
 
-    best = executable_width(widths, compiled)
-    best_rate = tokens_per_second(best)
-    for k in sorted(k for k in compiled if k != best and (lift.any() or k < best)):
-        rate = tokens_per_second(k)
-        if rate > best_rate:
-            best, best_rate = k, rate
+    first = executable_width(widths, compiled)
+    # the rows' own width first, then the others in ascending order: argmax keeps the first best
+    ks = np.array([first, *sorted(k for k in compiled if k != first and (lift.any() or k < first))])
+    rates = tokens_per_second(ks)
+    best, best_rate = int(ks[np.argmax(rates)]), float(rates.max())
     if may_decode and policy.decode_cost is not None:
-        could = max(tokens_per_second(k, True) for k in compiled) if probe.any() else best_rate
+        could = float(tokens_per_second(np.array(sorted(compiled)), True).max()) if probe.any() else best_rate
         if len(rows) / policy.decode_cost > could:
             return None, {b: 0 for b in rows}
     return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}

@@ -1,10 +1,12 @@
 """Cost measurement: warm-up rounds, then timed rounds of every label, each call after an untimed reset;
 cached per key and labels.
-Time is a fake clock that the calls advance, so the medians are exact."""
+Time is a fake clock that the calls advance, so the figures are exact. The live costs: the selectors
+corrected by what the steps took."""
 
 import numpy as np
 
 from jdspark.engine import costs
+from jdspark.speculative.selector import AdaptiveWidth
 
 
 class FakeClock:
@@ -45,7 +47,7 @@ def test_reset_runs_before_every_call_and_is_not_timed(tmp_path):
     assert runs == ["step0", "step2"] * 4  # one warm-up round (it lasted over WARM_S), then interleaved rounds
     assert calls[:2] == [("reset",), ("run", "step0")]
     assert sum(c == ("reset",) for c in calls) == sum(c[0] == "run" for c in calls) == 8  # 2 x (warm-up + 3)
-    assert measured == {"step0": 2.0, "step2": 4.0}  # medians of the timed calls, warm-up and resets left out
+    assert measured == {"step0": 1.0, "step2": 3.0}  # the fastest timed calls, warm-up and resets left out
     calls.clear()
     assert costs.load_or_measure("key", run, ["step0", "step2"], 3, tmp_path, reprofile=False, reset=reset,
                                  clock=clock) == measured
@@ -58,3 +60,20 @@ def test_reset_runs_before_every_call_and_is_not_timed(tmp_path):
     assert costs.load_or_measure("key", run, ["step0"], 3, tmp_path, reprofile=True, reset=reset,
                                  clock=clock) == {"step0": 6.0}  # reprofile: measured although cached
 
+
+
+def test_live_costs_move_each_kind_of_call_towards_what_the_steps_took():
+    base = AdaptiveWidth([0.002, 0.002, 0.003, 0.003, 0.004, 0.004], 0.001, gamma=5, decode_cost=0.0015)
+    live = costs.LiveCosts({1: base, 4: base}, weight=0.5)
+    assert live.policy(1) is base
+    for _ in range(30):  # verify steps at width 5 take 1 ms more than profiled, decode steps 0.5 ms less
+        live.observe(1, True, 5, float(base.step_costs[5]) + 0.001)
+        live.observe(1, False, 0, 0.0010)
+    policy = live.policy(1)
+    np.testing.assert_allclose(policy.step_costs, np.asarray(base.step_costs) + 0.001, rtol=1e-6)
+    assert np.isclose(policy.decode_cost, 0.0010) and policy.draft_cost == base.draft_cost
+    assert live.policy(4) is base  # another bucket keeps its own
+    for _ in range(30):  # far faster than profiled: V(k) floors at zero, the decode cost stays positive
+        live.observe(1, True, 5, 0.0)
+        live.observe(1, False, 0, 0.0)
+    assert np.all(live.policy(1).verify_costs >= 0) and live.policy(1).decode_cost > 0
