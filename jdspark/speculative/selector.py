@@ -14,17 +14,19 @@ import math
 import numpy as np
 
 
-def monotone_costs(verify_costs) -> np.ndarray:
-    """V forced non-decreasing (running max) with a 1e-6 floor: noise never makes a longer span cheaper."""
-    v = np.asarray(verify_costs, np.float64)
-    return np.maximum.accumulate(np.maximum(v, 1e-6))
+def floored_costs(verify_costs) -> np.ndarray:
+    """V as measured, floored at 1e-6. Not forced non-decreasing (vLLM's running max): each width is its
+    own executable, and on the H200 some compiled slower than wider ones (bucket 1: step3 4.27 ms,
+    step5 2.63, the fastest of 7 interleaved runs each), so a running max priced width 5 at width 3's
+    cost and the selector fled to narrower widths; as measured, a wider width that is cheaper wins."""
+    return np.maximum(np.asarray(verify_costs, np.float64), 1e-6)
 
 
 def choose_width(confidences, draft_cost: float, verify_costs) -> int:
     """The width k in 0..gamma that maximises expected tokens per unit time; ties keep the smaller k.
 
     confidences: gamma conditional acceptance probabilities (stale); draft_cost: D >= 0;
-    verify_costs: V(0..gamma), gamma + 1 values (made monotone here).
+    verify_costs: V(0..gamma), gamma + 1 values (floored here).
     """
     c = np.asarray(confidences, np.float64)
     v = np.asarray(verify_costs, np.float64)
@@ -45,8 +47,8 @@ def _check_confidences(c: list[float]) -> None:
 
 
 def _step_costs(draft_cost: float, verify_costs: np.ndarray) -> list[float]:
-    """D + V(k) per width, V made monotone, floored at 1e-6."""
-    return np.maximum(draft_cost + monotone_costs(verify_costs), 1e-6).tolist()
+    """D + V(k) per width, floored at 1e-6."""
+    return np.maximum(draft_cost + floored_costs(verify_costs), 1e-6).tolist()
 
 
 def _best_width(c: list[float], step_costs: list[float]) -> int:
@@ -69,7 +71,7 @@ class AdaptiveWidth:
     where drafting does not pay at all (`drafting_pays`)."""
 
     def __init__(self, verify_costs, draft_cost: float, gamma: int, decode_cost: float | None = None):
-        self.verify_costs = monotone_costs(verify_costs)
+        self.verify_costs = floored_costs(verify_costs)
         if self.verify_costs.shape != (gamma + 1,):
             raise ValueError(f"need V(0..{gamma}): {gamma + 1} verify costs, got {len(self.verify_costs)}")
         if not (math.isfinite(draft_cost) and draft_cost >= 0):
