@@ -24,8 +24,11 @@ not depend on the other rows of the call (no reduction over M).
 
 ds_fp4 codes are decoded by nibble: even input elements are low nibbles, odd ones high nibbles, so
 the activations are split into even and odd columns outside the kernel (x[:, 0::2], x[:, 1::2]) and
-the two halves meet in two dots; nothing is interleaved in registers. Rows are padded to a power of
-two >= 16 (Triton's smallest dot). Block shapes are powers of two; every dimension must be a
+the two halves meet in two dots; nothing is interleaved in registers. The E2M1 decode is chosen by
+`Tiles.decode` (`E2M1_DECODERS`). Rows are padded to a power of two >= 16 (Triton's smallest dot);
+under `Tiles.swap` each dot is w_tile @ x^T, so an expert's output features fill the MMA's M side and
+the few rows its N side. Calls of at most `Tiles.gemv_rows` rows take a third form, per-row products
+and sums with no dot (`_moe_gemv`). Block shapes are powers of two; every dimension must be a
 multiple of its tile (checked: `supported`).
 """
 
