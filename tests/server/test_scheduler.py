@@ -106,9 +106,10 @@ def test_full_queue_answers_429_with_retry_after(server, client):
 
 
 def test_a_disconnected_queued_request_leaves_the_queue_at_once(server, client):
-    """Clients that give up while queued free their queue places within a second (the handler
-    polls its connection every 0.5 s): the waiting gauge drops back and as many new requests queue
-    again, with no 429."""
+    """Clients that give up while queued free their queue places while the engine is still held (the
+    handler polls its connection every 0.5 s; no engine step is needed): the waiting gauge drops back
+    and as many new requests queue again, with no 429. No wall-time bound beyond wait_for's 5 s, which
+    a loaded CI machine cannot trip the way a 1 s bound could."""
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 5, "temperature": 0}
     with paused(server.engine):
         running, _ = in_threads(lambda p: stream_text(client, p, max_tokens=5, **GREEDY), [("abc",)] * SLOTS)
@@ -118,9 +119,7 @@ def test_a_disconnected_queued_request_leaves_the_queue_at_once(server, client):
             for _ in range(QUEUE):
                 with pytest.raises(httpx.ReadTimeout):
                     http.post("/v1/completions", json=body)
-        gone = time.monotonic()
         wait_for(lambda: server.scheduler.waiting == before, timeout=5.0)
-        assert time.monotonic() - gone < 1.0
         assert server.metric("jdspark:num_requests_waiting") == before
         queued, results = in_threads(lambda p: stream_text(client, p, max_tokens=5, **GREEDY), [("abc",)] * QUEUE)
         wait_for(lambda: server.scheduler.waiting == before + QUEUE)
