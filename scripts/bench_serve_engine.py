@@ -9,7 +9,9 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
 - padded:      adaptive widths, the batch at the widest any request chose (the old engine), clipped
                where the step's pricing finds a narrower width better;
 - per_request: adaptive widths, the step's width priced for the whole batch and verified by every
-               speculating request (`engine/widths.py`);
+               speculating request (`engine/widths.py`); a new request's stale confidences start
+               at the engine's recent average (`SpecOptions.first_confidence="recent"`);
+- per_request_ones: the same with new requests at confidences of 1 (`first_confidence="ones"`);
 - budget:      Algorithm 1 over stale confidences with the bucket's measured costs.
 
 Reports output tokens/s, p50 / p90 / p99 of time to first token and inter-token latency (gaps
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = ("none", "fixed5", "padded", "per_request", "budget")
+MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "budget")
 PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
                 "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"", "for i in range(10):", "with open(path) as f:",
                 "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
@@ -67,9 +69,11 @@ def set_mode(engine, mode: str) -> None:
     if mode == "none":
         engine.set_policy(speculative=False)
         return
-    batch_widths = {"fixed5": "per_request", "padded": "padded", "per_request": "per_request", "budget": "budget"}
-    engine.set_policy(speculative=True, options=dataclasses.replace(options, batch_widths=batch_widths[mode]),
-                      width_policy=(lambda confidence: 5) if mode == "fixed5" else engine.selector)
+    batch_widths = {"fixed5": "per_request", "padded": "padded", "per_request": "per_request",
+                    "per_request_ones": "per_request", "budget": "budget"}
+    first = "ones" if mode == "per_request_ones" else "recent"
+    engine.set_policy(speculative=True, width_policy=(lambda confidence: 5) if mode == "fixed5" else engine.selector,
+                      options=dataclasses.replace(options, batch_widths=batch_widths[mode], first_confidence=first))
 
 
 def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) -> dict:

@@ -30,7 +30,7 @@ from jdspark.engine.errors import CapacityError, EngineError
 from jdspark.engine.executables import Executables, read_output
 from jdspark.engine.options import SpecOptions, WidthPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
-from jdspark.engine.sequence import Sequence
+from jdspark.engine.sequence import ConfidencePrior, Sequence
 from jdspark.engine.stats import LogCounters, RowRecord, StepRecord
 from jdspark.engine.widths import executable_width, pause_where_drafting_does_not_pay, price_for_the_batch, row_widths
 from jdspark.model import state
@@ -76,7 +76,7 @@ class Engine:
         self._slots: list[Sequence | None] = [None] * config.max_batch
         self._slot_of: dict[int, int] = {}  # request id -> slot
         self._pending: dict[int, PendingPrompt] = {}  # slot -> prompt still being prefilled, oldest first
-        self._next_id = 0
+        self._next_id, self.prior = 0, ConfidencePrior(config.gamma)
         start = time.perf_counter()
         self.exe.compile(self.state, self.draft_cache)
         log.info("%d executables (batch buckets %s) ready in %.1f s: %d loaded from disk, %.1f s loading, tracing "
@@ -128,10 +128,8 @@ class Engine:
 
     def _fresh_state(self):
         """Empty decode state and draft cache (None without a drafter) for every slot."""
-        draft_cache = None
-        if self.model.config.dspark is not None:
-            draft_cache = self.model.on_devices(
-                dspark.init_draft_cache(self.model.config, self.config.max_batch, self.model.dtype))
+        draft_cache = None if self.model.config.dspark is None else self.model.on_devices(
+            dspark.init_draft_cache(self.model.config, self.config.max_batch, self.model.dtype))
         return self.model.init_state(self.config), draft_cache
 
     def reset(self) -> list[Delta]:
@@ -148,9 +146,8 @@ class Engine:
 
     def _selector(self, bucket: int) -> AdaptiveWidth:
         """The adaptive width policy of a batch bucket: (V(0..gamma), D) and the decode call's cost
-        measured there. A step[k] call drafts and verifies,
-        so it costs S(k) = D + V(k) as a whole; D is S(0) less a plain decode call (the same
-        verification without the draft), and V(k) = S(k) - D. E(k) / (D + V(k)) is then E(k) / S(k).
+        measured there. A step[k] call drafts and verifies, so it costs S(k) = D + V(k) as a whole; D
+        is S(0) less a plain decode call (the same verification without the draft), V(k) = S(k) - D.
         A width that is not compiled runs in the next compiled one's executable and costs its S."""
         measured = self.measure_call_costs(bucket)
         step = [measured[f"step{executable_width({0: k}, self.exe.step)}"] for k in range(self.config.gamma + 1)]
@@ -159,10 +156,9 @@ class Engine:
                              decode_cost=max(measured["decode"], 1e-6))
 
     def measure_call_costs(self, bucket: int | None = None) -> dict[str, float]:
-        """Seconds per synchronised call of `decode` and of each step[k] ("step{k}") of a batch
-        bucket (default the largest), every row active at full width, each call on emptied state
-        (`costs.measure_bucket`: median of `profile_runs`, cached unless `reprofile`); runs before
-        any request is admitted."""
+        """Seconds per synchronised call of `decode` and of each step[k] ("step{k}") of a batch bucket
+        (default the largest), every row active at full width, each call on emptied state (`costs.
+        measure_bucket`: the fastest of `profile_runs`, cached unless `reprofile`); before any request."""
         return costs.measure_bucket(self, bucket or max(self.config.buckets))
 
     # ---- requests -------------------------------------------------------------------------------
@@ -200,7 +196,8 @@ class Engine:
         rid, self._next_id = self._next_id, self._next_id + 1
         self._slots[b] = Sequence(rid, len(prompt), params, seed=seed, gamma=self.config.gamma,
                                   eos_token_id=self.model.config.eos_token_id, tokenizer=self.tokenizer,
-                                  breaker=self._new_breaker())
+                                  breaker=self._new_breaker(), confidence=None if self.options.first_confidence
+                                  == "ones" else self.prior.value)
         self._slot_of[rid] = b
         self._pending[b] = PendingPrompt(prompt)
         return rid
@@ -340,6 +337,8 @@ class Engine:
                             drafted_call=call is not self.exe.buckets[bucket].decode)
         for (b, seq), row in zip(sequences.items(), records):
             seq.record(record, row, None if confidence is None else confidence[row_of[b]])
+        if confidence is not None:
+            self.prior.update(confidence[[row_of[b] for b in active]])
         if self.live is not None:
             self.live.observe(bucket, record.drafted_call, width, record.seconds)
         self._publish(record)

@@ -33,9 +33,12 @@ class SpecOptions:
     log_every: int = 0  # steps between engine log lines (0: never)
     batch_widths: str = "per_request"
     pause_steps: int = 32
+    first_confidence: str = "recent"  # a new request's stale confidences: "ones", or "recent" (`ConfidencePrior`)
 
     def __post_init__(self):
         if not isinstance(self.pause_steps, int) or self.pause_steps < 0:
             raise ValueError(f"pause_steps={self.pause_steps!r}: must be an integer >= 0 (0: never pause)")
+        if self.first_confidence not in ("ones", "recent"):
+            raise ValueError(f"first_confidence={self.first_confidence!r}: use 'ones' or 'recent'")
         if self.batch_widths not in BATCH_WIDTHS:
             raise ValueError(f"batch_widths={self.batch_widths!r}: use one of {', '.join(BATCH_WIDTHS)}")

@@ -20,18 +20,35 @@ from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
 MAX_BACKOFF = 5  # a pause is at most 2**5 times `SpecOptions.pause_steps` long
 
 
+class ConfidencePrior:
+    """Where a new request's stale confidences start (`SpecOptions.first_confidence="recent"`): ones
+    until the engine has seen a proposal, then a running average (`weight` per step) of every step's
+    proposals, position by position. Non-anticipating: it reads other requests' past steps only. At
+    ones, a new request looked like a sure draft: on the CPU, where drafting pays only on confidences
+    near 1, its first step drafted for the whole batch (inter-token p99 4-8x the p50 at c = 4)."""
+
+    def __init__(self, gamma: int, weight: float = 0.1):
+        self.value, self.weight = np.ones(gamma, np.float32), weight
+
+    def update(self, confidence: np.ndarray) -> None:
+        """One step's proposals [rows, gamma]."""
+        self.value = self.value + self.weight * (confidence.mean(axis=0) - self.value)
+
+
 class Sequence:
     """A running request in one engine slot."""
 
     def __init__(self, request_id: int, prompt_len: int, params: SamplingParams, *, seed: int, gamma: int,
-                 eos_token_id: int | None, tokenizer: Tokenizer | None, breaker: FallbackBreaker | None):
+                 eos_token_id: int | None, tokenizer: Tokenizer | None, breaker: FallbackBreaker | None,
+                 confidence: np.ndarray | None = None):
         self.request_id, self.params, self.seed, self.breaker = request_id, params, seed, breaker
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos or eos_token_id is None
                                                       else {eos_token_id})
         self.detok = Detokenizer(tokenizer, params.stop) if tokenizer is not None else None
         self.tokens: list[int] = []  # generated so far
         self.anchor = 0  # the last emitted token: the next block's anchor (not yet in the state)
-        self.confidence = np.ones(gamma, np.float32)  # the previous proposal's (stale on purpose); a new request inherits nothing
+        # the previous proposal's (stale on purpose); a new request starts at `confidence` (ones if None)
+        self.confidence = np.ones(gamma, np.float32) if confidence is None else np.array(confidence, np.float32)
         self.steps = 0  # engine steps run: the counter of the request's own noise
         self.stats = CompletionStats.empty(prompt_len, gamma)
         self.started = time.perf_counter()
