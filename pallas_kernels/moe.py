@@ -380,7 +380,8 @@ def _gemv_weights(fmt, e, row0, c, w_refs, dtype, tiles) -> tuple[jax.Array, ...
     if fmt == "fp8":
         w_ref, scale_ref = w_refs
         s = _scale_f32(scale_ref[e, row0 // FP8_BLOCK, c])
-        return ((w_ref[e, w_rows, cols].astype(jnp.float32) * s).astype(dtype).astype(jnp.float32),)  # as the ref rounds
+        w = (w_ref[e, w_rows, cols].astype(jnp.float32) * s).astype(dtype)  # rounded as the reference rounds it
+        return (w.astype(jnp.float32),)
     return (w_refs[0][e, w_rows, cols].astype(jnp.float32),)
 
 

@@ -122,7 +122,8 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             "ttft_ms": pct(ttft), "itl_ms": pct(itl), "steps": len(records), "wall_s": wall,
             "drafting_steps": len(calls["verify"]),
             "call_ms": {kind: mean_ms([r.seconds for r in rs]) for kind, rs in calls.items()},
-            "profiled_ms": {kind: mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs]) for kind, rs in calls.items()},
+            "profiled_ms": {kind: mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])
+                            for kind, rs in calls.items()},
             "tokens_per_step": tokens / max(len(records), 1)}
 
 
@@ -229,7 +230,8 @@ def main(argv=None) -> int:
                       f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "
                       f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms  "
                       f"drafting steps {level['drafting_steps']}/{level['steps']}  call ms (profiled): "
-                      + " ".join(f"{k} {v:.2f} ({level['profiled_ms'][k]:.2f})" for k, v in level["call_ms"].items() if v),
+                      + " ".join(f"{k} {v:.2f} ({level['profiled_ms'][k]:.2f})"
+                                 for k, v in level["call_ms"].items() if v),
                       flush=True)
             if args.out:  # after every level, so a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))

@@ -1,11 +1,12 @@
 """Measured costs of the engine's executables, cached on disk per (device kind, model config,
 engine config).
 
-A cost is the median wall time of N synchronised calls of one compiled executable on the engine's
-state. The labels are timed in interleaved rounds, after warm-up rounds lasting at least `WARM_S`: on
-the H200 a profile taken label after label, right after compiling, found the GPU at idle clocks
-(bucket 1's decode at 2.76 ms against the 1.6 ms its serving steps then took). Every slot is active, as in a full batch step (idle slots skip
-writes, so an idle profile under-counts what a call costs); the state is reset before each call
+A cost is the fastest of N synchronised calls of one compiled executable on the engine's state. The
+labels are timed in interleaved rounds, after warm-up rounds lasting at least `WARM_S`: on the H200 a
+profile taken label after label, right after compiling, found the GPU at idle clocks (bucket 1's
+decode at 2.76 ms against the 1.6 ms its serving steps then took). Every slot is active, as in a full
+batch step (idle slots skip writes, so an idle profile under-counts what a call costs); the state is
+reset before each call
 (outside the timed region), so the profile leaves nothing behind. The engine turns the costs of
 its decode and step[k] executables into the selector's D and V(k).
 """
@@ -49,11 +50,9 @@ WARM_S = 0.5  # warm-up rounds run at least this long (clocks up, caches filled)
 
 
 def measure(run, labels, runs: int, reset=lambda: None, clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """The fastest of `runs` timed calls per label (interference only slows a call: on the H200 the
-    median of 7 put bucket 16's step2-4 at 3.9-4.1 ms between step1 and step5 at 2.4), in rounds that
-    call every label once;
-    `run(label)` runs and blocks on one call, `reset()` (untimed) runs before each call; `clock` reads
-    the time (a test passes a fake one)."""
+    """The fastest of `runs` timed calls per label (interference only slows a call), in rounds that
+    call every label once; `run(label)` runs and blocks on one call, `reset()` (untimed) runs before
+    each call; `clock` reads the time (a test passes a fake one)."""
     start = clock()
     while True:  # warm-up rounds
         for label in labels:

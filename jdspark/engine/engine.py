@@ -194,10 +194,10 @@ class Engine:
     def _admit(self, b: int, prompt: np.ndarray, params: SamplingParams) -> int:
         seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(2 ** 32))
         rid, self._next_id = self._next_id, self._next_id + 1
+        first = None if self.options.first_confidence == "ones" else self.prior.value  # None: ones
         self._slots[b] = Sequence(rid, len(prompt), params, seed=seed, gamma=self.config.gamma,
                                   eos_token_id=self.model.config.eos_token_id, tokenizer=self.tokenizer,
-                                  breaker=self._new_breaker(), confidence=None if self.options.first_confidence
-                                  == "ones" else self.prior.value)
+                                  breaker=self._new_breaker(), confidence=first)
         self._slot_of[rid] = b
         self._pending[b] = PendingPrompt(prompt)
         return rid

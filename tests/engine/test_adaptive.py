@@ -1,5 +1,6 @@
 """Adaptive widths in the engine: injected costs steer the choice, exactness holds, a new request's
-stale confidences start at ones or at the recent average, the breaker turns speculation off and on, and the engine reports."""
+stale confidences start at ones or at the recent average, the breaker turns speculation off and on,
+and the engine reports."""
 
 import dataclasses
 import logging

@@ -143,7 +143,8 @@ GEMV_TILES = Tiles(num_stages=3, gemv_rows=8)
 def test_gemv_form_interpret(fmt, scale_dtype, rows):
     check(fmt, scale_dtype, rows, jnp.bfloat16, interpret=True, tiles=GEMV_TILES)
     if fmt == "fp4":
-        check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=dataclasses.replace(GEMV_TILES, decode="offset"))
+        offset = dataclasses.replace(GEMV_TILES, decode="offset")
+        check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=offset)
     check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=dataclasses.replace(GEMV_TILES, skip_rows=True))
 
 
