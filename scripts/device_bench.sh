@@ -16,7 +16,9 @@
 #   bash scripts/device_bench.sh step             (D, V(k), step wall vs device busy time, kernel counts)
 #   bash scripts/device_bench.sh startup serve-engine   (issue 26: start-up cold / warm, then the
 #       speculation modes under load; SERVE_ARGS, CONCURRENCY, REQUESTS, ROUNDS, STARTUP_SECONDS,
-#       SERVE_SECONDS)
+#       SERVE_SECONDS, MODES; the 2026-12-02 runs: SERVE_ARGS="--max-running 16 --buckets 1 16"
+#       CONCURRENCY="1 16" MODES="none fixed5 per_request" ROUNDS=2)
+#   bash scripts/device_bench.sh sweep            (issue 23: routed-expert kernel tilings, then the model)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jdspark-out}; WORK=${WORK:-/tmp/jdspark-work}; mkdir -p "$OUT" "$WORK"
@@ -97,6 +99,11 @@ for part in "$@"; do
       timeout 420 python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 --storage fp8+fp4 \
         --rows 1 6 --runs 10 --variants ${DECODE_VARIANTS:-pallas xla before} --json "$OUT/bench_decode.json" 2>&1 \
         | grep -v Warning | tee "$OUT/bench_decode.log" ;;
+    sweep)  # issue 23: the routed-expert kernel's tilings alone (R = 1, 2, 6), then the 8-layer model with the
+      # default tiling at S = 1, 2, 6 with the per-sublayer split
+      timeout 330 python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 --storage fp8+fp4 \
+        --moe-layer 1 2 6 --sweep --rows 1 2 6 --runs 10 --profile --json "$OUT/bench_decode_sweep.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/bench_decode_sweep.log" ;;
     bw)  # the host expert pool's bandwidths on this host (16 cores): host read, PCIe, CPU and GPU expert GEMV
       timeout 150 python3 -m jdspark.cli bench bw --json "$OUT/bench_bw.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench_bw.log" ;;
@@ -109,7 +116,7 @@ for part in "$@"; do
       done ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
       JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-400} python3 scripts/bench_serve_engine.py \
-        ${SERVE_ARGS:---max-running 64} --concurrency ${CONCURRENCY:-1 4 16 64} --requests ${REQUESTS:-32} \
+        ${SERVE_ARGS:---max-running 64} --concurrency ${CONCURRENCY:-1 4 16 64} --requests ${REQUESTS:-32} ${MODES:+--modes $MODES} \
         --rounds ${ROUNDS:-3} --out "$OUT/bench_serve_engine_${CONCURRENCY:-all}.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench_serve_engine_${CONCURRENCY:-all}.log" ;;
     *)
