@@ -194,13 +194,16 @@ class Engine:
     def _admit(self, b: int, prompt: np.ndarray, params: SamplingParams) -> int:
         seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(2 ** 32))
         rid, self._next_id = self._next_id, self._next_id + 1
-        first = None if self.options.first_confidence == "ones" else self.prior.value  # None: ones
         self._slots[b] = Sequence(rid, len(prompt), params, seed=seed, gamma=self.config.gamma,
                                   eos_token_id=self.model.config.eos_token_id, tokenizer=self.tokenizer,
-                                  breaker=self._new_breaker(), confidence=first)
+                                  breaker=self._new_breaker(), confidence=self._first_confidence())
         self._slot_of[rid] = b
         self._pending[b] = PendingPrompt(prompt)
         return rid
+
+    def _first_confidence(self) -> np.ndarray | None:
+        """Where a new request's (and a probe's) stale confidences start; None: ones."""
+        return None if self.options.first_confidence == "ones" else self.prior.value
 
     def _prefill_call(self, live: list[int]) -> dict[int, Delta]:
         """One prefill call: the next chunk of each of these slots' prompts, in the smallest bucket
@@ -270,10 +273,9 @@ class Engine:
 
     def set_policy(self, *, speculative: bool | None = None, width_policy: WidthPolicy | None = None,
                    options: SpecOptions | None = None) -> None:
-        """Change how the engine speculates, between steps, on the executables it compiled:
-        speculation on or off, the width policy (`selector` is the measured adaptive one), the
-        options (breaker and log line; a new breaker applies to requests admitted afterwards).
-        Benchmarks and tests compare policies on one compiled engine this way."""
+        """Change how the engine speculates, between steps, on the executables it compiled: speculation
+        on or off, the width policy (`selector` is the measured adaptive one), the options (a new
+        breaker applies to requests admitted afterwards). Benchmarks and tests compare policies so."""
         if speculative and not self.exe.step:
             raise EngineError("speculative=True: this engine compiled no step widths (it was built with "
                               "speculative=False); build one with speculative=True")
@@ -359,7 +361,7 @@ class Engine:
             width = executable_width(widths, calls.step)
         else:
             width, widths = price_for_the_batch(widths, stale, policy, calls.step, self._slots, self.options,
-                                                speculating)
+                                                speculating, self._first_confidence())
         return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
 
     def _publish(self, record: StepRecord) -> None:

@@ -74,8 +74,8 @@ class Sequence:
         self.stats.pauses += 1
 
     def defer_probe(self) -> None:
-        """The step decoded although this request probes (even its best case would not have made
-        the batch's draft pay): it probes again next step."""
+        """The step decoded although this request probes (even judged as a new request, it would not
+        have made the batch's draft pay): it probes again next step."""
         self._probe_next = True
 
     def drafting_pays(self) -> None:

@@ -50,7 +50,8 @@ def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, b
 
 
 def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled, *,
-                   may_decode: bool, probing=frozenset(), lifted=frozenset()) -> tuple[int | None, dict[int, int]]:
+                   may_decode: bool, probing=frozenset(), lifted=frozenset(),
+                   probe_confidence: np.ndarray | None = None) -> tuple[int | None, dict[int, int]]:
     """(executable width or None for the plain decode call, {slot: width}) for the whole batch.
 
     The step's call costs S(K) = D + V(K) for its executable width K, whichever rows use it, and a
@@ -63,20 +64,23 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     another is strictly better. Alone and not lifted, a row keeps its own choice: it already
     maximises E(k) / S(k), and the pause compared it with decoding.
 
-    A probing row (`probing`: back from a pause) is judged at its best case, confidences of 1: if
-    even then no width beats the decode call, its probe could not change the choice, and the step
+    A probing row (`probing`: back from a pause) is judged as a new request would be, at
+    `probe_confidence` (default ones, its best case; the engine passes where new requests start):
+    if even then no width beats the decode call, its probe could not change the choice, and the step
     decodes (the engine keeps the probe for a later step); otherwise the step drafts."""
     rows = list(widths)
     expected = policy.expected_tokens(np.stack([stale[b] for b in rows]))
     own = np.array([widths[b] for b in rows])[:, None]
     probe, lift = (np.array([b in group for b in rows])[:, None] for group in (probing, lifted))
     step_costs = np.asarray(policy.step_costs)
+    gamma = expected.shape[1] - 1
+    fresh = policy.expected_tokens(np.ones((1, gamma)) if probe_confidence is None else probe_confidence[None])[0]
 
     def tokens_per_second(ks: np.ndarray, best_case: bool = False) -> np.ndarray:
         """Expected tokens per second of the step at each executable width of `ks`, in one pass."""
         tokens = np.take_along_axis(expected, np.where(lift, ks[None], np.minimum(own, ks[None])), axis=1)
         if best_case:
-            tokens = np.where(probe, ks[None] + 1, tokens)
+            tokens = np.where(probe, fresh[ks][None], tokens)
         return tokens.sum(axis=0) / step_costs[ks]
 
     first = executable_width(widths, compiled)
@@ -92,7 +96,8 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
 
 
 def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled,
-                        sequences, options, speculating: dict[int, bool]) -> tuple[int | None, dict[int, int]]:
+                        sequences, options, speculating: dict[int, bool],
+                        probe_confidence: np.ndarray | None = None) -> tuple[int | None, dict[int, int]]:
     """`price_the_step` for the engine's rows: their probes read from their sequences, and kept
     (`Sequence.defer_probe`) where the step decodes; the decode call only while pauses are on.
     Under "per_request" every speculating row is lifted to the step's width (the executable is
@@ -101,7 +106,7 @@ def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], po
     probing = {b for b in stale if sequences[b].probing}
     lifted = {b for b in widths if speculating[b]} if options.batch_widths == "per_request" else set()
     width, widths = price_the_step(widths, stale, policy, compiled, may_decode=options.pause_steps > 0,
-                                   probing=probing, lifted=lifted)
+                                   probing=probing, lifted=lifted, probe_confidence=probe_confidence)
     if width is None:
         for b in probing:
             sequences[b].defer_probe()

@@ -98,6 +98,18 @@ def test_a_probe_drafts_only_where_its_best_case_could_make_the_draft_pay():
                           probing={1}) == (None, {0: 0, 1: 0})
 
 
+def test_a_probe_is_judged_where_new_requests_start():
+    """The costs above, a lone probing row: at confidences of 1 (4 tokens per 10 ms against 1 per
+    3.5 ms) it drafts; at the engine's recent confidences of 0.5 (E(3) = 1.875 per 10 ms) even its
+    probe cannot pay, so the step decodes and the probe waits. Mutation caught: a probe judged at
+    ones whatever `probe_confidence` says."""
+    costs = AdaptiveWidth([0.004] * 4, 0.006, gamma=3, decode_cost=0.0035)
+    cool = np.full(3, 0.1)
+    assert price_the_step({0: 0}, {0: cool}, costs, COMPILED, may_decode=True, probing={0})[0] is not None
+    assert price_the_step({0: 0}, {0: cool}, costs, COMPILED, may_decode=True, probing={0},
+                          probe_confidence=np.full(3, 0.5)) == (None, {0: 0})
+
+
 def test_a_wide_row_is_clipped_where_its_width_costs_the_batch_more_than_it_brings():
     """V(3) is five times V(1): three rows that want width 1 and one that wants 3 verify at most 1
     (4 x 1.9 tokens per 2 ms beats 3 x 1.9 + 3.44 per 6 ms); with a flat V the wide row keeps its 3."""
