@@ -404,7 +404,7 @@ def _gemv_kernel(experts_ref, dense_ref, *refs, fmt, k, rows, limit, dtype, tile
     e = experts_ref[slot]
     row0 = pl.multiple_of(tile * tiles.out, tiles.out)
     lead = (slot,) if per_slot else ()
-    selected = [dense_ref[slot, i] != 0 for i in range(rows)]
+    selected = [dense_ref[slot, i] != 0 for i in range(rows)] if tiles.skip_rows else None
     step_k = tiles.step(fmt)
 
     def act(i, c):

@@ -137,9 +137,14 @@ class LiveCosts:
     def __init__(self, selectors: dict[int, AdaptiveWidth], weight: float = 0.2):
         self.selectors, self.weight = selectors, weight
         self.offsets = {n: {"decode": 0.0, "verify": 0.0} for n in selectors}
-        self._policies = dict(selectors)
+        self._policies = dict(selectors)  # rebuilt on the next read after an observation
 
     def policy(self, bucket: int) -> AdaptiveWidth:
+        if bucket not in self._policies:
+            base, offsets = self.selectors[bucket], self.offsets[bucket]
+            self._policies[bucket] = AdaptiveWidth(
+                np.maximum(base.verify_costs + offsets["verify"], 0.0), base.draft_cost, base.gamma,
+                decode_cost=None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
         return self._policies[bucket]
 
     def observe(self, bucket: int, drafted: bool, width: int, seconds: float) -> None:
@@ -150,6 +155,4 @@ class LiveCosts:
         profiled = base.step_costs[width] if drafted else base.decode_cost
         offsets = self.offsets[bucket]
         offsets[kind] += self.weight * (seconds - profiled - offsets[kind])
-        self._policies[bucket] = AdaptiveWidth(
-            np.maximum(base.verify_costs + offsets["verify"], 0.0), base.draft_cost, base.gamma,
-            decode_cost=None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
+        self._policies.pop(bucket, None)

@@ -33,7 +33,8 @@ class SpecOptions:
     log_every: int = 0  # steps between engine log lines (0: never)
     batch_widths: str = "per_request"
     pause_steps: int = 32
-    first_confidence: str = "recent"  # a new request's stale confidences: "ones", or "recent" (`ConfidencePrior`)
+    first_confidence: str = "recent"  # where a new request's stale confidences start, and where a probe is
+    # judged: "ones", or "recent" (the engine's running average, `sequence.ConfidencePrior`)
 
     def __post_init__(self):
         if not isinstance(self.pause_steps, int) or self.pause_steps < 0:

@@ -73,14 +73,13 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     own = np.array([widths[b] for b in rows])[:, None]
     probe, lift = (np.array([b in group for b in rows])[:, None] for group in (probing, lifted))
     step_costs = np.asarray(policy.step_costs)
-    gamma = expected.shape[1] - 1
-    fresh = policy.expected_tokens(np.ones((1, gamma)) if probe_confidence is None else probe_confidence[None])[0]
 
-    def tokens_per_second(ks: np.ndarray, best_case: bool = False) -> np.ndarray:
-        """Expected tokens per second of the step at each executable width of `ks`, in one pass."""
+    def tokens_per_second(ks: np.ndarray, probe_tokens: np.ndarray | None = None) -> np.ndarray:
+        """Expected tokens per second of the step at each executable width of `ks`, in one pass;
+        probing rows at `probe_tokens` (E(k) per width) where given."""
         tokens = np.take_along_axis(expected, np.where(lift, ks[None], np.minimum(own, ks[None])), axis=1)
-        if best_case:
-            tokens = np.where(probe, fresh[ks][None], tokens)
+        if probe_tokens is not None:
+            tokens = np.where(probe, probe_tokens[ks][None], tokens)
         return tokens.sum(axis=0) / step_costs[ks]
 
     first = executable_width(widths, compiled)
@@ -89,7 +88,10 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     rates = tokens_per_second(ks)
     best, best_rate = int(ks[np.argmax(rates)]), float(rates.max())
     if may_decode and policy.decode_cost is not None:
-        could = float(tokens_per_second(np.array(sorted(compiled)), True).max()) if probe.any() else best_rate
+        could = best_rate
+        if probe.any():
+            start = np.ones((1, expected.shape[1] - 1)) if probe_confidence is None else probe_confidence[None]
+            could = float(tokens_per_second(np.array(sorted(compiled)), policy.expected_tokens(start)[0]).max())
         if len(rows) / policy.decode_cost > could:
             return None, {b: 0 for b in rows}
     return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}
