@@ -56,7 +56,7 @@ class Tiles:
     step_fp4: int = 256
     num_warps: int = 4
     num_stages: int = 2
-    decode: str = "select"  # E2M1 decode (`E2M1_DECODERS`): float selects, float32 bit patterns, or offset bits
+    decode: str = "select"  # E2M1 decode (`E2M1_DECODERS`): float selects, float32 bit patterns, offset bits, e4m3 cvt
     gemv_rows: int = 0  # calls of at most this many rows (<= GEMV_MAX_ROWS) take the gemv form, the rest tl.dot
     gemv_out: int = 0  # output features per program in the gemv form (0: `out`)
     swap: bool = False  # the dot form as w_tile @ x^T (weights the MMA's M side, rows its N side) instead of x @ w^T
@@ -233,15 +233,38 @@ def _e2m1_offset(b: jax.Array, shift: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(mag | ((b << (28 - shift)) & jnp.int32(-2 ** 31)), jnp.float32)
 
 
-E2M1_DECODERS = ("select", "bits", "offset")
+def _e2m1_e4m3(b: jax.Array, shift: int) -> jax.Array:
+    """The E2M1 code in bits shift..shift+3 of b -> its value times 2^-6, through the hardware's e4m3
+    conversion: the magnitude bits e e m moved to e4m3 bits 4..2 give exponent field e and mantissa
+    m00, i.e. 2^(e-7) (1 + m/2) for e >= 1 and the subnormal 2^-6 (m/2) for e = 0, which is 2^-6
+    times the E2M1 value in every case (exact); the sign goes to bit 7 (code 8 -> -0.0). Callers
+    multiply the block scale by `E2M1_UNIT["e4m3"]` = 2^6 once per scale group."""
+    code = b >> shift if shift else b
+    bits = ((code & 7) << 2) | ((code & 8) << 4)
+    e4m3 = jax.lax.bitcast_convert_type(bits.astype(jnp.uint8), jnp.float8_e4m3fn)
+    return e4m3.astype(jnp.float32)
+
+
+E2M1_DECODERS = ("select", "bits", "offset", "e4m3")
+E2M1_UNIT = {"e4m3": 64.0}  # what a decoder's values are multiplied by to give the E2M1 values (default 1)
 
 
 def _e2m1_pair(b: jax.Array, how: str) -> tuple[jax.Array, jax.Array]:
-    """Bytes b (int32 from int8: the sign extended) -> (low nibble, high nibble) as float32 values."""
+    """Bytes b (int32 from int8: the sign extended) -> (low nibble, high nibble) as float32 values,
+    each 1 / `E2M1_UNIT[how]` times the E2M1 value."""
     if how == "offset":
         return _e2m1_offset(b, 0), _e2m1_offset(b, 4)
+    if how == "e4m3":
+        return _e2m1_e4m3(b, 0), _e2m1_e4m3(b, 4)
     e2m1 = _e2m1_bits if how == "bits" else _e2m1
     return e2m1(b & 0xF), e2m1((b >> 4) & 0xF)
+
+
+def _fp4_scale(scale: jax.Array, how: str) -> jax.Array:
+    """e8m0 scale bytes -> float32 block scales times the decoder's unit (a power of two: exact
+    unless the scale is within 2^6 of float32's largest, which no checkpoint holds)."""
+    unit = E2M1_UNIT.get(how, 1.0)
+    return _scale_f32(scale) * unit if unit != 1.0 else _scale_f32(scale)
 
 
 def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -261,7 +284,7 @@ def _partial(fmt, e, row0, c, act_refs, w_refs, dtype, tiles):
         nb = step // FP4_BLOCK
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
         b = packed_ref[e, rows, blocks, :].astype(jnp.int32)  # [out, nb, 16]
-        s = _scale_f32(scale_ref[e, rows, blocks, :])  # [out, nb, 1]
+        s = _fp4_scale(scale_ref[e, rows, blocks, :], tiles.decode)  # [out, nb, 1]
         lo, hi = _e2m1_pair(b, tiles.decode)
         lo = (lo * s).astype(dtype).reshape(out, step // 2)
         hi = (hi * s).astype(dtype).reshape(out, step // 2)
@@ -375,7 +398,7 @@ def _gemv_weights(fmt, e, row0, c, w_refs, dtype, tiles) -> tuple[jax.Array, ...
         nb = step // FP4_BLOCK
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
         b = packed_ref[e, w_rows, blocks, :].astype(jnp.int32)  # [out, nb, 16]
-        return (*_e2m1_pair(b, tiles.decode), _scale_f32(scale_ref[e, w_rows, blocks, 0]))
+        return (*_e2m1_pair(b, tiles.decode), _fp4_scale(scale_ref[e, w_rows, blocks, 0], tiles.decode))
     cols = pl.ds(pl.multiple_of(c * step, step), step)
     if fmt == "fp8":
         w_ref, scale_ref = w_refs

@@ -18,7 +18,8 @@ share of the floor (bytes / copy bandwidth). The bytes are:
   visible entries) and the top-k selected entries, per HCA layer every visible entry.
 
 `--variants` compares implementations in one run: `current` (the code as it is: on the GPU the routed
-experts take the kernel at real dims), `xla` (the routed experts through the XLA gather), `ref_moe` (the
+experts and the FP8 linears take their kernels at real dims), `fp8_xla` (the FP8 linears through XLA's
+block-scaled partial dots, `fp8_block_matmul`), `xla` (the routed experts through the XLA gather), `ref_moe` (the
 former routed-expert path: every expert decoded and run on every row), `dequant_linear` (FP8 linears
 decoding a bfloat16 weight per call), `fp8_scaled_x` (FP8 linears of <= 16 rows as one batched dot
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
@@ -51,6 +52,7 @@ import numpy as np
 from flax import nnx
 
 from jdspark.config import CSA_RATIO, EngineConfig, QuantConfig, flash_config, pro_config, tiny_config
+from jdspark.engine.packed import SMALL_BYTES, PackedParams
 from jdspark.model import state as state_lib
 from jdspark.model.dequant import (E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_dequant, fp8_block_matmul,
                                    fp8_scaled_x_matmul)
@@ -58,6 +60,7 @@ from jdspark.model.moe import Experts, expert_slots, routed_slots, swiglu
 from jdspark.model.quant_sim import fp8_sim
 from jdspark.model.quantized import FP8Linear, Storage, abstract_model, is_expert
 from jdspark.profile import gpu_kernel_events
+from pallas_kernels import fp8_linear as fp8_kernels
 from pallas_kernels import moe as moe_kernels
 
 PRESETS = {"tiny": tiny_config, "flash": flash_config, "pro": pro_config}
@@ -230,7 +233,13 @@ def _scaled_x_project(self, x, dtype):
     return fp8_scaled_x_matmul(x, self.weight[...], self.scale[...], dtype)
 
 
+def _xla_block_project(self, x, dtype):
+    """FP8 linears through XLA's block-scaled partial dots (the accelerator path before the kernel)."""
+    return fp8_block_matmul(x, self.weight[...], self.scale[...], dtype)
+
+
 PATCHES = {"current": [], "ref_moe": [(Experts, "__call__", _ref_experts)],
+           "fp8_xla": [(FP8Linear, "project", _xla_block_project)],
            "fp8_scaled_x": [(FP8Linear, "project", _scaled_x_project)],
            "dequant_linear": [(FP8Linear, "project", _dequant_project)]}
 PATCHES["before"] = PATCHES["ref_moe"] + PATCHES["dequant_linear"]
@@ -272,33 +281,45 @@ def variant(name: str):
 
 # ---- timing ----------------------------------------------------------------------------------------
 
-def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2):
-    """(median ms, compile s) of extend at [batch, rows] after `context` tokens, rolled back each time."""
+class Stepper:
+    """One decode or verify call of the engine's shape: extend at [batch, rows] after `context` tokens
+    (the state donated and returned, as the engine runs it), then `commit(0)` so the context stays
+    fixed. packed: the parameters travel as the engine passes them on the GPU (`jdspark.engine.packed`:
+    the small tensors in a few flat buffers), else one argument per tensor."""
 
-    def extend(params, decode, ids, n_valid):
-        logits, _, new = nnx.merge(graphdef, params).extend(ids, decode, n_valid)
-        return logits, new
+    def __init__(self, graphdef, params, config, engine, dtype, batch, rows, context, packed=True):
+        pack = PackedParams(params, SMALL_BYTES if packed else None)
 
-    fn = jax.jit(extend, donate_argnums=1)
-    commit = jax.jit(state_lib.commit, donate_argnums=0)
-    decode = state_lib.init_state(config, engine, dtype)
-    decode = jax.tree.map(lambda a: jnp.zeros_like(a), decode)  # no -inf gate rows: finite pooled entries
-    decode = decode.replace(length=jnp.full((batch,), context, jnp.int32))
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, rows)), jnp.int32)
-    n_valid = jnp.full((batch,), rows, jnp.int32)
-    start = time.perf_counter()
-    compiled = fn.lower(params, decode, ids, n_valid).compile()
-    compile_s = time.perf_counter() - start
-    zero = jnp.zeros((batch,), jnp.int32)
-    times = []
-    for i in range(warmup + runs):
+        def extend(arrays, decode, ids, n_valid):
+            logits, _, new = nnx.merge(graphdef, pack.unpack(arrays)).extend(ids, decode, n_valid)
+            return logits, new
+
+        decode = jax.tree.map(jnp.zeros_like, state_lib.init_state(config, engine, dtype))  # finite pooled entries
+        self.decode = decode.replace(length=jnp.full((batch,), context, jnp.int32))
+        self.ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, rows)), jnp.int32)
+        self.n_valid, self.zero = jnp.full((batch,), rows, jnp.int32), jnp.zeros((batch,), jnp.int32)
+        self.params = pack.arrays
         start = time.perf_counter()
-        logits, decode = compiled(params, decode, ids, n_valid)
+        self.compiled = jax.jit(extend, donate_argnums=1).lower(self.params, self.decode, self.ids,
+                                                                 self.n_valid).compile()
+        self.compile_s = time.perf_counter() - start
+        self.commit = jax.jit(state_lib.commit, donate_argnums=0)
+
+    def __call__(self) -> float:
+        """Seconds of one extend call (dispatch to logits ready); the rollback after it is not timed."""
+        start = time.perf_counter()
+        logits, self.decode = self.compiled(self.params, self.decode, self.ids, self.n_valid)
         logits.block_until_ready()
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-        decode = commit(decode, zero)
-    return statistics.median(times) * 1e3, compile_s
+        seconds = time.perf_counter() - start
+        self.decode = self.commit(self.decode, self.zero)
+        return seconds
+
+
+def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2, packed=True):
+    """(median ms, compile s) of extend at [batch, rows] after `context` tokens, rolled back each time."""
+    step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context, packed)
+    times = [step() for _ in range(warmup + runs)][warmup:]
+    return statistics.median(times) * 1e3, step.compile_s
 
 
 def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[dict]:
@@ -345,11 +366,23 @@ def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[d
 _T = moe_kernels.Tiles
 _G16 = dict(out=16, num_stages=3, decode="offset", gemv_rows=moe_kernels.GEMV_MAX_ROWS)  # the R = 1 winner
 _S64 = dict(out=64, num_stages=3, decode="offset", swap=True)  # the R = 6 winner
-SWEEP = [moe_kernels.TILES, _T(**_G16), _T(**{**_G16, "out": 8}), _T(**{**_G16, "num_stages": 2}),
-         _T(**{**_G16, "num_stages": 4}), _T(**{**_G16, "num_warps": 2}), _T(**{**_G16, "step_fp4": 512}),
-         _T(**_G16, skip_rows=True), _T(**_S64), _T(**{**_S64, "num_stages": 2}), _T(**{**_S64, "step_fp4": 512}),
-         _T(**{**_S64, "step_fp4": 128}), _T(**{**_S64, "out": 32}), _T(**{**_S64, "num_warps": 8}),
-         _T(**{**_S64, "out": 128})]
+SWEEP = [moe_kernels.TILES, _T(**_G16), _T(**{**_G16, "decode": "e4m3"}), _T(**{**_G16, "step_fp4": 512, "decode": "e4m3"}),
+         _T(**_S64), _T(**{**_S64, "decode": "e4m3"}), _T(**{**_S64, "decode": "e4m3", "out": 32}),
+         _T(**{**_S64, "decode": "e4m3", "num_stages": 2})]
+
+
+def device_ms(fn, args, runs) -> float:
+    """Device time of one call: the kernels' durations in a `jax.profiler` trace of `runs` calls
+    (after warm-up), summed and divided by `runs`. Launch gaps and dispatch do not count, so
+    kernels compare on what they cost the GPU."""
+    for _ in range(3):
+        jax.block_until_ready(fn(*args))
+
+    def calls():
+        for _ in range(runs):
+            out = fn(*args)
+        jax.block_until_ready(out)
+    return sum(k["dur"] for k in gpu_kernel_events(calls)) / runs / 1e3
 
 
 def _median_ms(fn, args, runs) -> float:
@@ -365,8 +398,8 @@ def _median_ms(fn, args, runs) -> float:
 
 def kernel_sweep(experts, rows_list, runs, bandwidth) -> list[dict]:
     """pallas_kernels.moe alone (routing precomputed) for each tiling of SWEEP (the first: the
-    default): ms, error against ref_moe, the fastest per row count; plus the XLA glue around it
-    (routed_slots)."""
+    default): device ms (`device_ms`), error against ref_moe, the fastest per row count; plus the
+    XLA glue around it (routed_slots, wall ms)."""
     fmt, w1 = experts.w1.stored()
     (_, w3), (_, w2) = experts.w3.stored(), experts.w2.stored()
     per_expert = sum(nbytes(a) for a in jax.tree.leaves(nnx.state(experts))) / experts.n_experts
@@ -391,7 +424,7 @@ def kernel_sweep(experts, rows_list, runs, bandwidth) -> list[dict]:
                                      interpret=jax.default_backend() == "cpu"))
                 got = fn(x, e_, dense, slot, w1, w3, w2)
                 err = float(jnp.abs(got - want).max() / jnp.abs(want).max())
-                ms = _median_ms(fn, (x, e_, dense, slot, w1, w3, w2), runs)
+                ms = device_ms(fn, (x, e_, dense, slot, w1, w3, w2), runs)
                 best = min(best, (ms, i))
                 row = {"tiles": dataclasses.asdict(tiles), "rows": rows, "ms": ms, "rel_err": err,
                        "bandwidth_achieved": floor / ms}
@@ -405,6 +438,48 @@ def kernel_sweep(experts, rows_list, runs, bandwidth) -> list[dict]:
     return out
 
 
+# FP8 linears of DeepSeek-V4-Flash, [N, K]: attention wq_a, wq_b, wkv, wo_b; indexer wq_b; shared expert w1 / w2.
+FP8_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
+              "index_wq_b": (8192, 1024), "shared_w1": (2048, 4096), "shared_w2": (4096, 2048)}
+FP8_SWEEP = [fp8_kernels.TILES, fp8_kernels.Tiles(out=32), fp8_kernels.Tiles(out=128),
+             fp8_kernels.Tiles(num_stages=4), fp8_kernels.Tiles(num_warps=8)]
+
+
+def fp8_sweep(rows_list, runs, bandwidth) -> list[dict]:
+    """The FP8 linears of Flash alone: device ms of the XLA forms (`fp8_block_matmul`,
+    `fp8_scaled_x_matmul`) and of `pallas_kernels.fp8_linear` for each tiling of FP8_SWEEP, with the
+    error against `ref_fp8_linear` and the bandwidth achieved on the weight's bytes."""
+    out = []
+    rng = np.random.default_rng(0)
+    for name, (n, k) in FP8_SHAPES.items():
+        raw = rng.integers(0, 256, (n, k), dtype=np.uint8)
+        raw[(raw & 0x7F) == 0x7F] = 0
+        w = jnp.asarray(raw).view(jnp.float8_e4m3fn)
+        s = jnp.asarray(rng.integers(114, 120, (n // 128, k // 128)), jnp.uint8)
+        floor = (n * k + s.size) / bandwidth * 1e3
+        for rows in rows_list:
+            x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+            want = jax.jit(fp8_kernels.ref_fp8_linear)(x, w, s)
+            forms = [("xla_block", jax.jit(partial(fp8_block_matmul, dtype=jnp.bfloat16))),
+                     ("xla_scaled_x", jax.jit(partial(fp8_scaled_x_matmul, dtype=jnp.bfloat16)))]
+            forms += [(f"kernel {i}", jax.jit(partial(fp8_kernels.fp8_linear, tiles=t))) for i, t in enumerate(FP8_SWEEP)]
+            for form, fn in forms:
+                try:
+                    err = float(jnp.abs(fn(x, w, s) - want).max() / jnp.abs(want).max())
+                    ms = device_ms(fn, (x, w, s), runs)
+                    row = {"linear": name, "rows": rows, "form": form, "ms": ms, "rel_err": err,
+                           "bandwidth_achieved": floor / ms}
+                    print(f"  fp8 {name:>10} R={rows:>2} {form:>12}: {ms * 1e3:7.1f} us, {floor / ms:6.1%} of floor, "
+                          f"err {err:.1e}", flush=True)
+                except Exception as exc:
+                    row = {"linear": name, "rows": rows, "form": form, "error": f"{type(exc).__name__}: {exc}"[:1500]}
+                    print(f"  fp8 {name:>10} R={rows:>2} {form:>12}: failed {type(exc).__name__}: {str(exc)[:200]}",
+                          flush=True)
+                out.append(row)
+    print("  FP8_SWEEP: " + "; ".join(f"kernel {i} {t}" for i, t in enumerate(FP8_SWEEP)), flush=True)
+    return out
+
+
 # Sublayer of each traced kernel: jax.named_scope around these methods (put on for --profile only), read
 # back from the optimized HLO's op_name metadata; the first scope of SCOPE_ORDER in a kernel's op_name wins.
 SCOPES = [("jdspark.model.compressor", "Compressor", "extend", "compressor"),
@@ -414,13 +489,14 @@ SCOPES = [("jdspark.model.compressor", "Compressor", "extend", "compressor"),
           ("jdspark.model.attention", "Attention", "query", "attn_q"),
           ("jdspark.model.attention", "Attention", "window_kv", "attn_kv"),
           ("jdspark.model.attention", None, "sink_attention", "attn_core"),
+          ("jdspark.model.attention", None, "sink_attention_selected", "attn_core"),
           ("jdspark.model.attention", "Attention", "output", "attn_out"),
           ("jdspark.model.attention", "Attention", "extend", "attention"),
           ("jdspark.model.hyper", "HyperConnection", "pre", "mhc"), ("jdspark.model.hyper", "HyperConnection", "post", "mhc"),
           ("jdspark.model.dsv4", "DSV4", "logits_from_streams", "head"), ("jdspark.model.dsv4", "DSV4", "embed_streams", "embed")]
 SCOPE_ORDER = ["compressor", "indexer", "routed_moe", "router", "shared_expert", "attn_q", "attn_kv", "attn_core",
                "attn_out", "attention", "mhc", "head", "embed"]
-KERNEL_SCOPES = {"moe_gate_up": "routed_moe", "moe_down": "routed_moe", "sinkhorn": "mhc", "fp8_linear": None}
+KERNEL_SCOPES = {"moe_gate_up": "routed_moe", "moe_down": "routed_moe", "sinkhorn": "mhc", "fp8_linear": "fp8_linears"}
 
 
 @contextlib.contextmanager
@@ -502,24 +578,20 @@ def sublayer_split(kernels: list[dict], scopes: dict[str, str], wall_ms: float) 
             "sample_args": [k["args"] for k in kernels[:5]]}
 
 
-def profile_row(graphdef, params, config, decode, batch, rows, context) -> dict:
-    """The top kernels and the per-sublayer split of one extend call at [batch, rows] after `context`."""
-    decode = jax.tree.map(jnp.zeros_like, decode).replace(length=jnp.full((batch,), context, jnp.int32))
-    ids = jnp.ones((batch, rows), jnp.int32)
-    n_valid = jnp.full((batch,), rows, jnp.int32)
+def profile_row(graphdef, params, config, engine, dtype, batch, rows, context) -> dict:
+    """The top kernels and the per-sublayer split of one extend call at [batch, rows] after `context`
+    (the timed call itself: state donated and written, then rolled back)."""
     with named_scopes():
-        fn = jax.jit(lambda p, d, i, n: nnx.merge(graphdef, p).extend(i, d, n)[0])
-        compiled = fn.lower(params, decode, ids, n_valid).compile()
-    call = lambda: compiled(params, decode, ids, n_valid).block_until_ready()
-    wall_ms = _median_ms(lambda: compiled(params, decode, ids, n_valid), (), 10)
-    kernels = gpu_kernel_events(call)
+        step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context)
+    wall_ms = statistics.median([step() for _ in range(13)][3:]) * 1e3
+    kernels = gpu_kernel_events(step)
     by_name: dict[str, list[float]] = {}
     for k in kernels:
         by_name.setdefault(k["name"], []).append(k["dur"])
     top = sorted(({"name": n, "us": sum(v), "count": len(v)} for n, v in by_name.items()), key=lambda r: -r["us"])
     for r in top[:8]:
         print(f"    {r['us']:9.1f} us {r['count']:>4} x  {r['name'][:90]}")
-    return {"top": top[:40], **sublayer_split(kernels, hlo_scopes(compiled.as_text()), wall_ms)}
+    return {"top": top[:40], **sublayer_split(kernels, hlo_scopes(step.compiled.as_text()), wall_ms)}
 
 
 def model_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -532,6 +604,31 @@ def model_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return ap
 
 
+def _seq_len(context: int) -> int:
+    return -(-(context + 128) // 128) * 128
+
+
+def time_row(graphdef, params, config, sizes, dtype, bandwidth, label, mode, context, batch, rows, args) -> dict:
+    """One timed (variant, params mode, context, batch, rows) row, printed; a failure is recorded."""
+    engine = EngineConfig(max_seq_len=_seq_len(context), max_batch=batch)
+    key = {"variant": label, "params": mode, "context": context, "batch": batch, "rows": rows}
+    try:
+        ms, compile_s = time_extend(graphdef, params, config, engine, dtype, batch, rows, context, args.runs,
+                                    packed=mode == "packed")
+    except Exception as err:  # a variant that fails to build: recorded, the rest still run
+        print(f"{label:>14} {context:>6} {batch:>3} {rows:>2} failed: {type(err).__name__}: {str(err)[:300]}",
+              flush=True)
+        return {**key, "error": f"{type(err).__name__}: {err}"[:2000]}
+    moved = call_bytes(config, sizes, context, batch, rows, dtype)
+    floor_ms = moved["total"] / bandwidth * 1e3
+    gbps = moved["total"] / (ms / 1e3) / 1e9
+    row = {**key, "ms": ms, "bytes": moved, "floor_ms": floor_ms, "GBps": gbps,
+           "bandwidth_achieved": gbps * 1e9 / bandwidth, "compile_s": compile_s}
+    print(f"{label:>14} {context:>6} {batch:>3} {rows:>2} {ms:>9.3f} {moved['total'] / 1e6:>9.1f} "
+          f"{floor_ms:>8.3f} {gbps:>7.1f} {row['bandwidth_achieved']:>17.1%} {compile_s:>9.1f}", flush=True)
+    return row
+
+
 def main(argv=None) -> dict:
     ap = model_arguments(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6])
@@ -539,11 +636,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, nargs="+", default=[4096])
     ap.add_argument("--variants", nargs="+", default=["current"])
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--params", nargs="+", choices=["packed", "separate"], default=["packed"],
+                    help="how the parameters travel: packed as the engine passes them on the GPU, or one argument each")
     ap.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth array size (default 2048 GPU, 64 CPU)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="with --moe-layer: time the kernel's tilings (GPU)")
     ap.add_argument("--profile", action="store_true",
                     help="per row of the first variant: the top GPU kernels of one call (GPU)")
+    ap.add_argument("--fp8-linears", type=int, nargs="*", default=None,
+                    help="first time Flash's FP8 linears alone at these row counts (XLA forms, kernel tilings; GPU)")
     ap.add_argument("--moe-layer", type=int, nargs="*", default=None,
                     help="first time one routed-expert layer alone at these row counts (xla, pallas, every expert)")
     args = ap.parse_args(argv)
@@ -568,6 +669,9 @@ def main(argv=None) -> dict:
     print(f"# {report['device']} jax {jax.__version__}: {args.preset} dims, {config.num_hidden_layers} layers, "
           f"{config.n_routed_experts} experts, {args.storage}; params {sum(sizes.values()) / 1e9:.2f} GB "
           f"(routed experts {sizes['experts'] / 1e9:.2f}); copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    if args.fp8_linears and gpu:
+        report["fp8_sweep"] = fp8_sweep(args.fp8_linears, args.runs, bandwidth)
+        report["fp8_tiles"] = dataclasses.asdict(fp8_kernels.TILES)
     if args.moe_layer:
         one_layer = make_config(args.preset, 1, args.experts, args.storage)
         report["moe_layer"], experts = moe_layer_rows(one_layer, storage, dtype, args.moe_layer, args.runs, bandwidth)
@@ -583,36 +687,21 @@ def main(argv=None) -> dict:
     for name in args.variants:
         graphdef_v = with_experts_implementation(graphdef, params, name)
         with variant(name):
-            for context in args.context:
-                engine = EngineConfig(max_seq_len=-(-(context + 128) // 128) * 128, max_batch=max(args.batch))
-                for batch in args.batch:
-                    engine_b = EngineConfig(max_seq_len=engine.max_seq_len, max_batch=batch)
-                    for rows in args.rows:
-                        try:
-                            ms, compile_s = time_extend(graphdef_v, params, config, engine_b, dtype, batch, rows,
-                                                        context, args.runs)
-                        except Exception as err:  # a variant that fails to build: recorded, the rest still run
-                            print(f"{name:>14} {context:>6} {batch:>3} {rows:>2} failed: {type(err).__name__}: "
-                                  f"{str(err)[:300]}", flush=True)
-                            report["rows"].append({"variant": name, "context": context, "batch": batch,
-                                                   "rows": rows, "error": f"{type(err).__name__}: {err}"[:2000]})
-                            continue
-                        moved = call_bytes(config, sizes, context, batch, rows, dtype)
-                        floor_ms = moved["total"] / bandwidth * 1e3
-                        gbps = moved["total"] / (ms / 1e3) / 1e9
-                        row = {"variant": name, "context": context, "batch": batch, "rows": rows, "ms": ms,
-                               "bytes": moved, "floor_ms": floor_ms, "GBps": gbps,
-                               "bandwidth_achieved": gbps * 1e9 / bandwidth, "compile_s": compile_s}
-                        report["rows"].append(row)
-                        print(f"{name:>14} {context:>6} {batch:>3} {rows:>2} {ms:>9.3f} {moved['total'] / 1e6:>9.1f} "
-                              f"{floor_ms:>8.3f} {gbps:>7.1f} {row['bandwidth_achieved']:>17.1%} {compile_s:>9.1f}",
-                              flush=True)
-                        if args.profile and gpu and name == args.variants[0]:
-                            profile_decode = state_lib.init_state(config, engine_b, dtype)
-                            row["profile"] = profile_row(graphdef_v, params, config, profile_decode, batch, rows,
-                                                         context)
-                        if args.json:  # after every row: a run cut short keeps what it measured
-                            args.json.write_text(json.dumps(report, indent=1))
+            for mode in args.params:
+                label = name if mode == "packed" else f"{name}/separate"
+                for context in args.context:
+                    for batch in args.batch:
+                        for rows in args.rows:
+                            row = time_row(graphdef_v, params, config, sizes, dtype, bandwidth, label, mode, context,
+                                           batch, rows, args)
+                            report["rows"].append(row)
+                            if args.profile and gpu and name == args.variants[0] and mode == args.params[0] \
+                                    and "error" not in row:
+                                engine = EngineConfig(max_seq_len=_seq_len(context), max_batch=batch)
+                                row["profile"] = profile_row(graphdef_v, params, config, engine, dtype, batch, rows,
+                                                             context)
+                            if args.json:  # after every row: a run cut short keeps what it measured
+                                args.json.write_text(json.dumps(report, indent=1))
     return report
 
 

@@ -95,15 +95,34 @@ for part in "$@"; do
         | tee -a "$OUT/gpu_tests.log"
       timeout 120 python3 -m pytest -q -W ignore -p no:cacheprovider tests/test_assets.py -k greedy 2>&1 | tail -5 \
         | tee -a "$OUT/gpu_tests.log" ;;
-    decode)  # decode at Flash dimensions (8 layers, 256 experts, FP8 + ds_fp4): the kernel vs the XLA gather vs before
-      timeout 420 python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 --storage fp8+fp4 \
-        --rows 1 6 --runs 10 --variants ${DECODE_VARIANTS:-pallas xla before} --json "$OUT/bench_decode.json" 2>&1 \
-        | grep -v Warning | tee "$OUT/bench_decode.log" ;;
+    decode)  # issue 23: decode at Flash dimensions (8 layers, 256 experts, FP8 + ds_fp4), the variants in one run,
+      # the per-sublayer split of the first; FP8_ROWS: first Flash's FP8 linears alone at these row counts
+      timeout ${DECODE_SECONDS:-420} python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 \
+        --storage fp8+fp4 --rows ${DECODE_ROWS:-1 6} --context ${DECODE_CONTEXT:-4096} --runs 10 \
+        $([ "${DECODE_PROFILE:-1}" = 1 ] && echo --profile) \
+        --variants ${DECODE_VARIANTS:-current fp8_xla} ${FP8_ROWS:+--fp8-linears $FP8_ROWS} \
+        --json "$OUT/bench_decode_${DECODE_CONTEXT:-4096}.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/bench_decode_${DECODE_CONTEXT:-4096}.log" ;;
+    versus-hf)  # issue 23: bf16, 8 layers, 64 experts: huggingface transformers, then jdspark (one process each)
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${HF_SECONDS:-240} python3 scripts/bench_hf.py --preset flash \
+        --layers 8 --experts 64 --storage bf16 --context 4096 --json "$OUT/bench_hf.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/bench_hf.log"
+      timeout ${BF16_SECONDS:-240} python3 scripts/bench_decode.py --preset flash --layers 8 --experts 64 \
+        --storage bf16 --rows 1 6 --context 4096 --runs 10 --json "$OUT/bench_decode_bf16.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/bench_decode_bf16.log" ;;
+    kernel-tests)  # the FP8 linear and routed-expert kernels compiled against their references, batch invariance
+      timeout ${KERNEL_TEST_SECONDS:-240} python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu \
+        tests/pallas_kernels/test_fp8_linear.py tests/pallas_kernels/test_moe.py ${KERNEL_TEST_ARGS:-} 2>&1 | tail -12 \
+        | tee "$OUT/kernel_gpu_tests.log" ;;
     sweep)  # issue 23: the routed-expert kernel's tilings alone (R = 1, 2, 6), then the 8-layer model with the
       # default tiling at S = 1, 2, 6 with the per-sublayer split
-      timeout 330 python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 --storage fp8+fp4 \
-        --moe-layer 1 2 6 --sweep --rows 1 2 6 --runs 10 --profile --json "$OUT/bench_decode_sweep.json" 2>&1 \
+      timeout ${SWEEP_SECONDS:-330} python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 \
+        --storage fp8+fp4 --moe-layer 1 2 6 --sweep --rows ${SWEEP_ROWS:-1 2 6} --runs 10 --profile \
+        --params ${SWEEP_PARAMS:-packed} --json "$OUT/bench_decode_sweep.json" 2>&1 \
         | grep -v Warning | tee "$OUT/bench_decode_sweep.log" ;;
+    moe-tests)  # the routed-expert kernel compiled against its reference (every form, format and decoder)
+      timeout ${MOE_TEST_SECONDS:-200} python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu \
+        tests/pallas_kernels/test_moe.py 2>&1 | tail -8 | tee "$OUT/moe_gpu_tests.log" ;;
     bw)  # the host expert pool's bandwidths on this host (16 cores): host read, PCIe, CPU and GPU expert GEMV
       timeout 150 python3 -m jdspark.cli bench bw --json "$OUT/bench_bw.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench_bw.log" ;;

@@ -18,19 +18,39 @@ from jdspark.model.rope import apply_rope, layer_rope
 from jdspark.model.state import LayerCache
 
 
+def _sink_weights(logits: jax.Array, mask: jax.Array, sink: jax.Array) -> jax.Array:
+    """Softmax weights [B, S, N, T] of fp32 logits over the keys in mask [B, S, T], with the sink's
+    extra logit in the denominator."""
+    logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a query with no visible key: only the sink remains
+    e = jnp.exp(logits - m)
+    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[:, None] - m))
+
+
 def sink_attention(q: jax.Array, kv: jax.Array, mask: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
     """Softmax attention with one extra zero-valued logit per head (the sink), in fp32.
 
     q: [B, S, N, H]; kv: [B, T, H] (keys are values); mask: [B, S, T] bool; sink: [N].
     o = sum_t exp(s_t - M) kv_t / (sum_t exp(s_t - M) + exp(sink - M)), M = max_t s_t.
     """
-    logits = jnp.einsum("bsnh,bth->bsnt", q.astype(jnp.float32), kv.astype(jnp.float32)) * scale
-    logits = jnp.where(mask[:, :, None, :], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a query with no visible key: only the sink remains
-    e = jnp.exp(logits - m)
-    denom = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink.astype(jnp.float32)[:, None] - m)
-    return jnp.einsum("bsnt,bth->bsnh", e / denom, kv.astype(jnp.float32)).astype(q.dtype)
+    kv = kv.astype(jnp.float32)
+    p = _sink_weights(jnp.einsum("bsnh,bth->bsnt", q.astype(jnp.float32), kv) * scale, mask, sink)
+    return jnp.einsum("bsnt,bth->bsnh", p, kv).astype(q.dtype)
+
+
+def sink_attention_selected(q: jax.Array, kv: jax.Array, mask: jax.Array, selected: jax.Array,
+                            selected_mask: jax.Array, sink: jax.Array, scale: float) -> jax.Array:
+    """`sink_attention` over the shared keys kv [B, T, H] (mask [B, S, T]) together with each query's
+    own keys selected [B, S, K, H] (selected_mask [B, S, K]): one softmax over both sets, so a CSA
+    query reads only its K gathered entries instead of scoring every compressed entry."""
+    q32, kv, selected = q.astype(jnp.float32), kv.astype(jnp.float32), selected.astype(jnp.float32)
+    logits = jnp.concatenate([jnp.einsum("bsnh,bth->bsnt", q32, kv),
+                              jnp.einsum("bsnh,bskh->bsnk", q32, selected)], axis=-1) * scale
+    p = _sink_weights(logits, jnp.concatenate([mask, selected_mask], axis=-1), sink)
+    t = kv.shape[1]
+    o = jnp.einsum("bsnt,bth->bsnh", p[..., :t], kv) + jnp.einsum("bsnk,bskh->bsnh", p[..., t:], selected)
+    return o.astype(q.dtype)
 
 
 def window_mask(q_pos: jax.Array, k_pos: jax.Array, window: int) -> jax.Array:
@@ -52,7 +72,7 @@ class Attention(nnx.Module):
         self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.wkv = Linear(c.hidden_size, c.head_dim, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
-        # wo_a is FP8 on disk but the reference applies it as a bf16 einsum: no activation rounding.
+        # wo_a: no activation rounding under QAT (the reference applies it as a bf16 einsum of the decoded weight).
         self.wo_a = Linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank,
                            dtype=dtype, rngs=rngs)
         self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype=dtype, rngs=rngs, fp8_input=qat)
@@ -81,9 +101,7 @@ class Attention(nnx.Module):
         """De-rotate at the query position, grouped low-rank projection wo_a per group, then wo_b."""
         b, s = o.shape[:2]
         o = apply_rope(o, positions, self.rope, inverse=True)
-        o = o.reshape(b, s, self.groups, -1)
-        wo_a = self.wo_a.weight[...].astype(o.dtype).reshape(self.groups, -1, o.shape[-1])
-        z = jnp.einsum("bsgk,grk->bsgr", o, wo_a, preferred_element_type=jnp.float32).astype(o.dtype)
+        z = self.wo_a.grouped(o.reshape(b, s, self.groups, -1))
         return self.wo_b(z.reshape(b, s, -1))
 
     def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
@@ -137,12 +155,17 @@ class Attention(nnx.Module):
 
     def _attend(self, x, q, qr, positions, keys, mask, entries, index_keys) -> jax.Array:
         """Sink attention over window keys (mask given) plus the visible compressed entries: all of
-        them (HCA) or the indexer's top-k (CSA); then de-rotation and the output projection."""
-        if entries is not None:
-            visible = jnp.arange(entries.shape[1]) < ((positions + 1) // self.ratio)[..., None]
-            if index_keys is not None:
-                visible = self.indexer.select(self.indexer.scores(x, qr, positions, index_keys), visible)
-            keys = jnp.concatenate([keys, entries], axis=1)
-            mask = jnp.concatenate([mask, visible], axis=-1)
-        o = sink_attention(q, keys, mask, self.attn_sink[...], self.head_dim ** -0.5)
+        them (HCA) or, gathered per query, only the indexer's top-k (CSA); then de-rotation and the
+        output projection."""
+        sink, scale = self.attn_sink[...], self.head_dim ** -0.5
+        if entries is None:
+            return self.output(sink_attention(q, keys, mask, sink, scale), positions)
+        visible = jnp.arange(entries.shape[1]) < ((positions + 1) // self.ratio)[..., None]
+        if index_keys is None:
+            o = sink_attention(q, jnp.concatenate([keys, entries], axis=1),
+                               jnp.concatenate([mask, visible], axis=-1), sink, scale)
+        else:
+            idx, valid = self.indexer.select(self.indexer.scores(x, qr, positions, index_keys), visible)
+            selected = jnp.take_along_axis(entries[:, None], idx[..., None], axis=2, mode="promise_in_bounds")
+            o = sink_attention_selected(q, keys, mask, selected, valid, sink, scale)  # selected [B, S, K, H]
         return self.output(o, positions)

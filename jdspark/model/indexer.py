@@ -39,12 +39,9 @@ class Indexer(nnx.Module):
         dots = jnp.einsum("bshc,btc->bsht", q.astype(jnp.float32), keys.astype(jnp.float32))
         return jnp.einsum("bsht,bsh->bst", jax.nn.relu(dots), w)
 
-    def select(self, scores: jax.Array, visible: jax.Array) -> jax.Array:
-        """Boolean [B, S, T]: the top-k visible entries per query (all of them if fewer than k)."""
-        t = scores.shape[-1]
-        k = min(self.topk, t)
-        if k == 0:
-            return visible
+    def select(self, scores: jax.Array, visible: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The top-k visible entries per query: indices [B, S, K] int32 and their validity [B, S, K],
+        K = min(topk, T); with fewer than K visible, the masked entries top_k fills in are invalid."""
+        k = min(self.topk, scores.shape[-1])
         _, idx = jax.lax.top_k(jnp.where(visible, scores, -jnp.inf), k)
-        chosen = jnp.any(idx[..., :, None] == jnp.arange(t), axis=-2)
-        return chosen & visible
+        return idx, jnp.take_along_axis(visible, idx, axis=-1, mode="promise_in_bounds")

@@ -70,6 +70,13 @@ class Linear(nnx.Module):
         weight in place here."""
         return jnp.einsum("...i,oi->...o", x, self.dense_weight(dtype), preferred_element_type=jnp.float32)
 
+    def grouped(self, x: jax.Array) -> jax.Array:
+        """A grouped linear in x.dtype (the attention's `wo_a`): x [..., G, in] -> [..., G, out/G],
+        group g through weight rows [g*out/G, (g+1)*out/G), float32 accumulation."""
+        w = self.dense_weight(x.dtype)
+        w = w.reshape(x.shape[-2], -1, w.shape[-1])
+        return jnp.einsum("...gk,grk->...gr", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
 
 class RMSNorm(nnx.Module):
     """w * x * rsqrt(mean(x^2) + eps) in fp32, cast back to the input dtype."""

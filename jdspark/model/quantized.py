@@ -7,9 +7,10 @@ name table of `jdspark.checkpoint.names` covers every layout. Bytes per paramete
 
 Which linears are FP8 on disk follows the official model: every `Linear` built with the default
 (FP8) dtype there, i.e. all except the compressors' wkv / wgate, the indexer's weights_proj and the
-head. `wo_a` is FP8 on disk, but the reference applies it as a bfloat16 einsum on the raw weight
-(its converter dequantizes it), and so does our attention: it stays in the model dtype and is
-dequantized at load.
+head. `wo_a` is FP8 on disk and the reference applies it as a bfloat16 einsum of the decoded weight
+(its converter dequantizes it): it stays FP8 here (half the bytes of bfloat16) and its grouped
+product decodes it exactly (e4m3 values are bfloat16 values), with float32 accumulation as the
+reference's einsum.
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from jdspark.config import DSV4Config
 from jdspark.model.dequant import FP4_BLOCK, FP8_BLOCK, fp4_dequant, fp8_block_dequant, fp8_block_matmul
 from jdspark.model.dsv4 import DSV4
 from jdspark.model.layers import Keys, Linear
-from jdspark.model.moe import ExpertWeights
+from jdspark.model.moe import KERNEL_MIN_WEIGHTS, ExpertWeights
+from pallas_kernels import fp8_linear as fp8_kernels
+from pallas_kernels import interpret_mode, resolve_implementation
 
 FP8_LINEARS = frozenset({"wq_a", "wq_b", "wkv", "wo_a", "wo_b", "w1", "w2", "w3", "e_proj", "h_proj", "main_proj"})
-DEQUANTIZED_AT_LOAD = frozenset({"wo_a"})
 _SCALE_DTYPES = {"e8m0": jnp.uint8, "float32": jnp.float32}
 
 
@@ -87,18 +89,49 @@ class FP8Linear(Linear):
         self.scale = nnx.Param(jnp.zeros(_block_shape(out_features, in_features), _SCALE_DTYPES[scale_dtype]))
         self.fp8_input = fp8_input
         self.compute_dtype = compute_dtype
+        self.implementation = "auto"  # the FP8 linear kernel's choice; set with `hyper.with_implementation`
+        self.sharded = False  # on a mesh (`jdspark.parallel.shard`): the XLA form, which XLA partitions
 
     def dense_weight(self, dtype) -> jax.Array:
         return fp8_block_dequant(self.weight[...], self.scale[...], dtype)
 
     def project(self, x: jax.Array, dtype) -> jax.Array:
-        """On accelerators the e4m3 weight is read in place (`fp8_block_matmul`). On the CPU the
-        weight is decoded: the block form's extra products cost more there (tiny model, S=6 extend,
-        a loaded 2-core machine: 97 against 34 ms), and the model then equals its
-        dequantized-at-load copy bit for bit (the block form sums in another order)."""
+        """Calls of at most `fp8_kernels.MAX_ROWS` rows (decode, verify) of an unsharded weight read
+        the e4m3 weight in place through the kernel (`pallas_kernels.fp8_linear`) where
+        `implementation` resolves to "pallas" (the GPU by default); other accelerator calls use
+        `fp8_block_matmul`. On the CPU the weight is decoded: the block form's extra products cost
+        more there (tiny model, S=6 extend, a loaded 2-core machine: 97 against 34 ms), and the model
+        then equals its dequantized-at-load copy bit for bit (the block form sums in another order)."""
+        weight, scale = self.weight[...], self.scale[...]
+        rows = math.prod(x.shape[:-1])
+        if self._kernel(rows):
+            y = fp8_kernels.fp8_linear(x.reshape(rows, -1).astype(dtype), weight, scale, interpret=interpret_mode())
+            return y.reshape(*x.shape[:-1], weight.shape[0])
         if jax.default_backend() == "cpu":
             return super().project(x, dtype)
-        return fp8_block_matmul(x, self.weight[...], self.scale[...], dtype)
+        return fp8_block_matmul(x, weight, scale, dtype)
+
+    def grouped(self, x: jax.Array) -> jax.Array:
+        """`Linear.grouped` with the e4m3 weight read in place by the kernel where `project` would use it
+        (x [..., G, in], at most `fp8_kernels.MAX_ROWS` rows), else on the decoded weight."""
+        weight, scale = self.weight[...], self.scale[...]
+        lead, groups = x.shape[:-2], x.shape[-2]
+        rows = math.prod(lead)
+        if self._kernel(rows, groups):
+            y = fp8_kernels.fp8_linear(x.reshape(rows, groups, -1), weight, scale, interpret=interpret_mode())
+            return y.reshape(*lead, groups, -1).astype(x.dtype)
+        return super().grouped(x)
+
+    def _kernel(self, rows: int, groups: int = 1) -> bool:
+        """Whether a call of `rows` rows takes `pallas_kernels.fp8_linear` (see `project`): "auto" takes
+        it for weights of at least KERNEL_MIN_WEIGHTS (measured at Flash dims; the embedded model's
+        small linears keep the XLA form they were measured with)."""
+        weight = self.weight
+        if self.sharded or resolve_implementation(self.implementation) != "pallas":
+            return False
+        if self.implementation == "auto" and weight.size < KERNEL_MIN_WEIGHTS:
+            return False
+        return fp8_kernels.supported(*weight.shape, rows, groups=groups) and self.scale.shape == _block_shape(*weight.shape)
 
 
 class FP8ExpertWeights(ExpertWeights):
@@ -150,8 +183,7 @@ def build(config: DSV4Config, dtype, storage: Storage, rngs: Keys, qat_sim: bool
     model = DSV4(config, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
     swaps = []
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, Linear) and storage.linears and is_fp8_linear((*path, "weight")) \
-                and path[-1] not in DEQUANTIZED_AT_LOAD:
+        if isinstance(node, Linear) and storage.linears and is_fp8_linear((*path, "weight")):
             out_features, in_features = node.weight.shape
             swaps.append((path, FP8Linear(in_features, out_features, scale_dtype=storage.scale_dtype,
                                           fp8_input=node.fp8_input, compute_dtype=node.compute_dtype)))

@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 
 from jdspark.model.model import Model
 from jdspark.model.moe import Experts
+from jdspark.model.quantized import FP8Linear
 from jdspark.parallel import rules
 from jdspark.parallel.mesh import TENSOR, make_mesh, place
 
@@ -42,9 +43,13 @@ def on_mesh(model: Model, mesh: Mesh) -> Model:
 
 def with_mesh(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh) -> nnx.GraphDef:
     """The graph with `mesh` set in every routed-expert module (a static field, like the kernel
-    choice of `hyper.with_implementation`): traced calls then take the expert-parallel path."""
+    choice of `hyper.with_implementation`): traced calls then take the expert-parallel path. FP8
+    linears are marked sharded: they take their XLA form, which XLA partitions from the weights'
+    shardings (the linear kernel is a custom call that XLA would run replicated)."""
     module = nnx.merge(graphdef, params)
     for _, node in nnx.iter_graph(module):
         if isinstance(node, Experts):
             node.mesh = mesh
+        elif isinstance(node, FP8Linear):
+            node.sharded = True
     return nnx.split(module)[0]

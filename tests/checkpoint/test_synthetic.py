@@ -54,7 +54,7 @@ def test_loaded_model_is_sane(checkpoint):
 
 def test_device_memory_is_what_the_formats_imply(checkpoint):
     """FP8 linears 1 + 1/128^2 bytes per weight, ds_fp4 experts 0.5 + 1/32, everything else at its
-    dtype, wo_a in bfloat16 (the reference applies it dequantized)."""
+    dtype."""
     model = jdspark.load_model(checkpoint, dtype="bfloat16", progress=False)
     arrays = {tuple(k.key for k in kp): v for kp, v in
               jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(model.params))[0]}

@@ -85,7 +85,7 @@ def test_kernel_rows_do_not_depend_on_the_call(gemv_rows):
     for r in range(6):
         idx = np.asarray(jnp.take(args[1], args[3][r]))[None]
         experts, dense = routed_slots(jnp.asarray(args[2][r][args[3][r]])[None], jnp.asarray(idx), E)
-        one = np.asarray(run(x[r:r + 1], experts, dense, jnp.searchsorted(experts, jnp.asarray(idx)), *ws))
+        one = np.asarray(run(x[r:r + 1], experts, dense, expert_slots(jnp.asarray(idx), E)[1], *ws))
         np.testing.assert_array_equal(one[0].view(np.uint32), full[r].view(np.uint32))
 
 
@@ -102,18 +102,19 @@ def test_reference_decoding_matches_the_numpy_decoder(fmt, scale_dtype):
 
 OTHER_TILES = Tiles(out=16, step_bf16=256, num_warps=8, num_stages=3, decode="bits")
 SWAP_TILES = Tiles(out=64, num_stages=3, decode="offset", swap=True)
+E4M3_TILES = Tiles(out=64, num_stages=3, decode="e4m3", swap=True)
 
 
 def test_e2m1_decodings_agree_on_every_code():
-    from pallas_kernels.moe import E2M1_DECODERS, _e2m1_pair
+    from pallas_kernels.moe import E2M1_DECODERS, E2M1_UNIT, _e2m1_pair
     from tests.model.dequant_ref import E2M1
     byte = np.arange(256, dtype=np.uint8)
     b = jnp.asarray(byte.view(np.int8).astype(np.int32))  # sign-extended, as the kernels load them
     for how in E2M1_DECODERS:
         lo, hi = jax.jit(lambda b: _e2m1_pair(b, how))(b)
         for got, code in ((lo, byte & 0xF), (hi, byte >> 4)):
-            want = E2M1[code]
-            if how == "offset":  # code 8 decodes to -0.0, which sums as +0.0
+            want = E2M1[code] / np.float32(E2M1_UNIT.get(how, 1.0))
+            if how in ("offset", "e4m3"):  # code 8 decodes to -0.0, which sums as +0.0
                 want = np.where(code == 8, np.float32(-0.0), want)
             np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32), err_msg=how)
 
@@ -125,6 +126,8 @@ def test_other_tiling_interpret():
 @pytest.mark.parametrize("fmt,scale_dtype", CASES[:2] + CASES[3:], ids=["fp4", "fp8", "bf16"])
 def test_swapped_dot_form_interpret(fmt, scale_dtype):
     check(fmt, scale_dtype, 6, jnp.float32, interpret=True, tiles=SWAP_TILES)
+    if fmt == "fp4":
+        check(fmt, scale_dtype, 6, jnp.float32, interpret=True, tiles=E4M3_TILES)
 
 
 @pytest.mark.gpu
@@ -134,6 +137,7 @@ def test_other_tiling_compiled(fmt, scale_dtype):
         pytest.skip("needs a GPU")
     check(fmt, scale_dtype, 6, jnp.bfloat16, interpret=False, tiles=OTHER_TILES)
     check(fmt, scale_dtype, 17, jnp.bfloat16, interpret=False, tiles=SWAP_TILES)
+    check(fmt, scale_dtype, 17, jnp.bfloat16, interpret=False, tiles=E4M3_TILES)
 
 
 GEMV_TILES = Tiles(num_stages=3, gemv_rows=8)
@@ -143,8 +147,8 @@ GEMV_TILES = Tiles(num_stages=3, gemv_rows=8)
 def test_gemv_form_interpret(fmt, scale_dtype, rows):
     check(fmt, scale_dtype, rows, jnp.bfloat16, interpret=True, tiles=GEMV_TILES)
     if fmt == "fp4":
-        offset = dataclasses.replace(GEMV_TILES, decode="offset")
-        check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=offset)
+        for how in ("offset", "e4m3"):
+            check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=dataclasses.replace(GEMV_TILES, decode=how))
     check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=dataclasses.replace(GEMV_TILES, skip_rows=True))
 
 
@@ -162,3 +166,4 @@ def test_gemv_form_compiled(fmt, scale_dtype, rows, dtype):
     check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=Tiles(out=64, num_warps=8, gemv_rows=8))
     check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=dataclasses.replace(GEMV_TILES, decode="offset",
                                                                                       skip_rows=True))
+    check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=dataclasses.replace(GEMV_TILES, decode="e4m3"))
