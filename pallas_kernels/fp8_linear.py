@@ -8,9 +8,11 @@ A grouped linear (the attention's `wo_a`: G groups, each its own input) takes x 
 features [g * N/G, (g+1) * N/G) read group g.
 
 Why a kernel: decode and verify multiply 1..6 rows by each weight, so a linear costs the bytes of
-its weight. The XLA formulations either write a decoded copy of the weight per call or do one
-product per (row, K block) (`jdspark.model.dequant.fp8_block_matmul`), several kernels and up to
-4x the weight's bytes in time on the H200 (docs/BENCHMARKS.md). Here one program owns `out` output
+its weight. The XLA formulations either write a decoded copy of the weight per call, or do one
+product per (row, K block) (`jdspark.model.dequant.fp8_block_matmul`: 2.5x the kernel's device
+time at 6 rows on the H200), or scale x per output block (`fp8_scaled_x_matmul`: faster than this
+kernel alone, but more kernels per linear); in the model this kernel made the 6-row verify 11-16%
+faster (docs/BENCHMARKS.md, "Decode at Flash dimensions"). Here one program owns `out` output
 features and a chunk of K: it loads each [out, 128] e4m3 tile once, converts it exactly to the
 compute dtype (e4m3 has fewer mantissa bits than bf16), multiplies it with the rows (w @ x^T: the
 weights on the MMA's M side, the rows padded to 16 on its N side) and adds the float32 partial

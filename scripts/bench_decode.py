@@ -18,14 +18,17 @@ share of the floor (bytes / copy bandwidth). The bytes are:
   visible entries) and the top-k selected entries, per HCA layer every visible entry.
 
 `--variants` compares implementations in one run: `current` (the code as it is: on the GPU the routed
-experts and the FP8 linears take their kernels at real dims), `fp8_xla` (the FP8 linears through XLA's
-block-scaled partial dots, `fp8_block_matmul`), `xla` (the routed experts through the XLA gather), `ref_moe` (the
-former routed-expert path: every expert decoded and run on every row), `dequant_linear` (FP8 linears
-decoding a bfloat16 weight per call), `fp8_scaled_x` (FP8 linears of <= 16 rows as one batched dot
+experts and the FP8 linears take their kernels at real dims), `fp8_xla` (the FP8 linears but `wo_a`
+through XLA's block-scaled partial dots, `fp8_block_matmul`; `wo_a`'s grouped product keeps the
+kernel), `xla` (the routed experts through the XLA gather), `ref_moe` (the former routed-expert path:
+every expert decoded and run on every row), `dequant_linear` (FP8 linears but `wo_a` decoding a
+bfloat16 weight per call), `fp8_scaled_x` (FP8 linears but `wo_a` of <= 16 rows as one batched dot
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
-former MoE and linears), `pallas` (the routed experts through
-the in-place kernel `pallas_kernels.moe`), `pallas_dot` (that kernel in its dot form, the former default
-tiling). JSON with every row: `--json PATH`.
+former MoE and linears), `pallas` (the routed experts through the in-place kernel
+`pallas_kernels.moe`), `pallas_dot` (that kernel in its dot form, the former default tiling).
+`--params packed separate` times both ways of passing the parameters (packed: as the engine does on
+the GPU). `--fp8-linears 1 6` and `--moe-layer 1 2 6 --sweep` first time the kernels alone, in
+device time (the kernels of a `jax.profiler` trace). JSON with every row: `--json PATH`.
 
     PYTHONPATH=$PWD python scripts/bench_decode.py --preset flash --layers 8 --experts 256 \
         --storage fp8+fp4 --rows 1 6 --context 4096 --json /tmp/bench_decode.json
@@ -366,8 +369,8 @@ def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[d
 _T = moe_kernels.Tiles
 _G16 = dict(out=16, num_stages=3, decode="offset", gemv_rows=moe_kernels.GEMV_MAX_ROWS)  # the R = 1 winner
 _S64 = dict(out=64, num_stages=3, decode="offset", swap=True)  # the R = 6 winner
-SWEEP = [moe_kernels.TILES, _T(**_G16), _T(**{**_G16, "decode": "e4m3"}), _T(**{**_G16, "step_fp4": 512, "decode": "e4m3"}),
-         _T(**_S64), _T(**{**_S64, "decode": "e4m3"}), _T(**{**_S64, "decode": "e4m3", "out": 32}),
+SWEEP = [moe_kernels.TILES, _T(**_G16), _T(**{**_G16, "decode": "e4m3"}),
+         _T(**{**_G16, "step_fp4": 512, "decode": "e4m3"}), _T(**_S64), _T(**{**_S64, "decode": "e4m3"}), _T(**{**_S64, "decode": "e4m3", "out": 32}),
          _T(**{**_S64, "decode": "e4m3", "num_stages": 2})]
 
 
@@ -462,7 +465,8 @@ def fp8_sweep(rows_list, runs, bandwidth) -> list[dict]:
             want = jax.jit(fp8_kernels.ref_fp8_linear)(x, w, s)
             forms = [("xla_block", jax.jit(partial(fp8_block_matmul, dtype=jnp.bfloat16))),
                      ("xla_scaled_x", jax.jit(partial(fp8_scaled_x_matmul, dtype=jnp.bfloat16)))]
-            forms += [(f"kernel {i}", jax.jit(partial(fp8_kernels.fp8_linear, tiles=t))) for i, t in enumerate(FP8_SWEEP)]
+            forms += [(f"kernel {i}", jax.jit(partial(fp8_kernels.fp8_linear, tiles=t)))
+                      for i, t in enumerate(FP8_SWEEP)]
             for form, fn in forms:
                 try:
                     err = float(jnp.abs(fn(x, w, s) - want).max() / jnp.abs(want).max())

@@ -72,7 +72,7 @@ class Attention(nnx.Module):
         self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.wkv = Linear(c.hidden_size, c.head_dim, dtype=dtype, rngs=rngs, fp8_input=qat)
         self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps, dtype=dtype)
-        # wo_a: no activation rounding under QAT (the reference applies it as a bf16 einsum of the decoded weight).
+        # wo_a: no activation rounding under QAT (the reference's bf16 einsum of the decoded weight).
         self.wo_a = Linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank,
                            dtype=dtype, rngs=rngs)
         self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype=dtype, rngs=rngs, fp8_input=qat)

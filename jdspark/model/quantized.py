@@ -105,15 +105,16 @@ class FP8Linear(Linear):
         weight, scale = self.weight[...], self.scale[...]
         rows = math.prod(x.shape[:-1])
         if self._kernel(rows):
-            y = fp8_kernels.fp8_linear(x.reshape(rows, -1).astype(dtype), weight, scale, interpret=interpret_mode())
+            y = fp8_kernels.fp8_linear(x.reshape(rows, -1).astype(dtype), weight, scale,
+                                       interpret=interpret_mode())
             return y.reshape(*x.shape[:-1], weight.shape[0])
         if jax.default_backend() == "cpu":
             return super().project(x, dtype)
         return fp8_block_matmul(x, weight, scale, dtype)
 
     def grouped(self, x: jax.Array) -> jax.Array:
-        """`Linear.grouped` with the e4m3 weight read in place by the kernel where `project` would use it
-        (x [..., G, in], at most `fp8_kernels.MAX_ROWS` rows), else on the decoded weight."""
+        """`Linear.grouped` with the e4m3 weight read in place by the kernel where `project` would
+        use it (x [..., G, in], at most `fp8_kernels.MAX_ROWS` rows), else on the decoded weight."""
         weight, scale = self.weight[...], self.scale[...]
         lead, groups = x.shape[:-2], x.shape[-2]
         rows = math.prod(lead)
@@ -131,7 +132,8 @@ class FP8Linear(Linear):
             return False
         if self.implementation == "auto" and weight.size < KERNEL_MIN_WEIGHTS:
             return False
-        return fp8_kernels.supported(*weight.shape, rows, groups=groups) and self.scale.shape == _block_shape(*weight.shape)
+        return (fp8_kernels.supported(*weight.shape, rows, groups=groups)
+                and self.scale.shape == _block_shape(*weight.shape))
 
 
 class FP8ExpertWeights(ExpertWeights):

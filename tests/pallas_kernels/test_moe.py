@@ -148,7 +148,8 @@ def test_gemv_form_interpret(fmt, scale_dtype, rows):
     check(fmt, scale_dtype, rows, jnp.bfloat16, interpret=True, tiles=GEMV_TILES)
     if fmt == "fp4":
         for how in ("offset", "e4m3"):
-            check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=dataclasses.replace(GEMV_TILES, decode=how))
+            tiles = dataclasses.replace(GEMV_TILES, decode=how)
+            check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=tiles)
     check(fmt, scale_dtype, rows, jnp.float32, interpret=True, tiles=dataclasses.replace(GEMV_TILES, skip_rows=True))
 
 

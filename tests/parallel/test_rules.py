@@ -54,10 +54,11 @@ def test_sizes_that_do_not_divide_name_the_field_and_the_fix():
 
 
 def test_a_split_inside_a_quantization_block_is_refused():
-    """tiny_config's wo_b input is 2 x 64 = 128 wide: one FP8 block, which TP 2 would cut."""
+    """tiny_config's wo_a output and wo_b input are 2 groups x 64 = 128 wide: one FP8 block, which TP 2
+    would cut (wo_a, stored FP8, comes first)."""
     config = tiny_config(expert_dtype="fp4", quantization=QuantConfig())
     _, params = abstract_model(config, jnp.float32, Storage.from_config(config))
-    with pytest.raises(ValueError, match=r"layers\.\d\.attn\.wo_b\.scale .*1 quantization block.*tensor=2"):
+    with pytest.raises(ValueError, match=r"layers\.\d\.attn\.wo_a\.scale .*1 quantization block.*tensor=2"):
         rules.check(params, SizesOnly(tensor=2))
     rules.check(params, SizesOnly(expert=8))
     _, float_params = abstract_model(config, jnp.float32, Storage())
