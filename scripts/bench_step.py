@@ -2,10 +2,12 @@
 
 The tiny model's steps are launch-bound, so the number of kernels (and of device loops: at least
 one launch per iteration) and of executable calls matters more than bytes. For each kernel
-variant — `kernel` (`implementation="pallas"`: the Pallas Sinkhorn, one launch per mHC site, and
-the Pallas race of the sampler) or `loop` (`implementation="xla"`: the jnp references, a device loop
-of 19 iterations per Sinkhorn site) — a fresh engine with widths 0 and gamma is compiled and
-measured:
+variant — `auto` (the engine's default, what `jdspark serve` runs: on the GPU the Pallas Sinkhorn
+and race, the routed-expert and FP8 linear kernels only for weights of real size, so the embedded
+model keeps their XLA forms), `kernel` (`implementation="pallas"`: every Pallas kernel wherever its
+sizes allow, the embedded model's 67 small FP8 linears and its experts too) or `loop`
+(`implementation="xla"`: the jnp references, a device loop of 19 iterations per Sinkhorn site) — a
+fresh engine with widths 0 and gamma is compiled and measured:
 - the synchronised cost of its `decode` and step[0], step[gamma] executables (medians), hence
   D = S(0) - decode and V(gamma) = S(gamma) - D as the engine's selector sees them;
 - the wall time of a whole Engine.step() on a T = 1 request at width gamma and target-only
@@ -16,7 +18,7 @@ measured:
 - the counts of fusions / custom calls / while loops in the optimised HLO of decode and step[gamma].
 Prints a table, writes JSON.
 
-    PYTHONPATH=$PWD python scripts/bench_step.py [--variants kernel loop] [--runs 21]
+    PYTHONPATH=$PWD python scripts/bench_step.py [--variants auto kernel loop] [--runs 21]
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.profile import busy_us, gpu_kernels
 from jdspark.engine.request import SamplingParams
 
-VARIANTS = {"kernel": "pallas", "loop": "xla"}  # the engine's implementation setting
+VARIANTS = {"auto": "auto", "kernel": "pallas", "loop": "xla"}  # the engine's implementation setting
 
 
 def kernel_counts(compiled) -> dict:
@@ -129,7 +131,7 @@ def measure(model, variant: str, runs: int, steps: int, cache_dir: str) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="+", default=["kernel"], choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["auto"], choices=list(VARIANTS))
     parser.add_argument("--runs", type=int, default=21)
     parser.add_argument("--steps", type=int, default=50, help="Engine.step() calls per timing, profile and trace")
     parser.add_argument("--dtype", default="bfloat16")

@@ -6,7 +6,7 @@
 # no part changes.
 # Environment: CORPUS (build/corpus), TARGET_MINUTES (3.2), DRAFTER_MINUTES (1.8 in `train`, 4.5 in
 # `drafter`), TARGET_ARGS / DRAFTER_ARGS / EVAL_ARGS (more arguments for those scripts), STEP_VARIANTS
-# (kernel), WHEELS (.whl), MODEL (the model `eval` measures; default: the embedded one or, after a part
+# (auto kernel), WHEELS (.whl), MODEL (the model `eval` measures; default: the embedded one or, after a part
 # that trains, the model it wrote).
 #   bash scripts/device_bench.sh train            (target + drafter from scratch)
 #   bash scripts/device_bench.sh corpus-large target   (the shipped target trained further on the larger
@@ -82,7 +82,7 @@ for part in "$@"; do
       PYTHONPATH=$SITE timeout 170 python3 scripts/bench_serve.py --requests 16 --max-tokens 64 --max-seconds 25 \
         --out "$OUT/bench_serve.json" 2>&1 | grep -v Warning | tee "$OUT/bench_serve.log" ;;
     step)
-      timeout 300 python3 scripts/bench_step.py --variants ${STEP_VARIANTS:-kernel} 2>&1 \
+      timeout 300 python3 scripts/bench_step.py --variants ${STEP_VARIANTS:-auto kernel} 2>&1 \
         | grep -v Warning | tee "$OUT/bench_step.log" ;;
     engine)
       timeout 420 python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_engine.py tests/engine/test_lossless.py \
