@@ -35,7 +35,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-BLOCK = 128  # the FP8 block: rows and columns per scale
+from pallas_kernels.moe import FP8_BLOCK, decode, scale_f32
+
+BLOCK = FP8_BLOCK  # rows and columns per scale
 MAX_ROWS = 64
 MAX_ELEMENTS = 2 ** 31  # Triton's int32 offsets
 TARGET_PROGRAMS = 256  # enough programs to keep every multiprocessor of an H200 (132) busy
@@ -65,20 +67,12 @@ class Tiles:
 TILES = Tiles()
 
 
-def scale_f32(s: jax.Array) -> jax.Array:
-    """e8m0 bytes -> 2^(b - 127) from the float32 bit pattern (exact; byte 0 -> 0); float32 as is."""
-    if s.dtype == jnp.uint8:
-        return jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
-    return s.astype(jnp.float32)
-
-
 def ref_fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, *, interpret: bool = False) -> jax.Array:
     """Plain jnp: x [R, K] (or [R, G, K]: group g feeds output rows g*N/G...) @ (e4m3 weight [N, K]
     times its block scales)^T in float32, [R, N]."""
     del interpret
     n, k = weight.shape
-    s = jnp.repeat(jnp.repeat(scale_f32(scale), BLOCK, axis=0), BLOCK, axis=1)[:n, :k]
-    w = weight.astype(jnp.float32) * s
+    w = decode("fp8", (weight, scale), jnp.float32)
     xg = x.reshape(x.shape[0], -1, k).astype(jnp.float32)
     y = jnp.einsum("rgk,gnk->rgn", xg, w.reshape(xg.shape[1], -1, k), precision=jax.lax.Precision.HIGHEST)
     return y.reshape(x.shape[0], n)

@@ -97,12 +97,12 @@ def decode(fmt: str, stored: tuple, dtype) -> jax.Array:
         packed, scale = stored
         b = jax.lax.bitcast_convert_type(packed, jnp.uint8).astype(jnp.int32)
         codes = jnp.stack([b & 0xF, b >> 4], axis=-1).reshape(*b.shape[:-1], 2 * b.shape[-1])
-        s = jnp.repeat(_scale_f32(scale), FP4_BLOCK, axis=-1)
+        s = jnp.repeat(scale_f32(scale), FP4_BLOCK, axis=-1)
         return (_e2m1(codes) * s).astype(dtype)
     if fmt == "fp8":
         weight, scale = stored
         n, k = weight.shape[-2:]
-        s = jnp.repeat(jnp.repeat(_scale_f32(scale), FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :n, :k]
+        s = jnp.repeat(jnp.repeat(scale_f32(scale), FP8_BLOCK, axis=-2), FP8_BLOCK, axis=-1)[..., :n, :k]
         return (weight.astype(jnp.float32) * s).astype(dtype)
     return stored[0].astype(dtype)
 
@@ -196,7 +196,7 @@ def _weights(fmt: str, stored: tuple) -> tuple[jax.Array, ...]:
     return (stored[0],)
 
 
-def _scale_f32(s: jax.Array) -> jax.Array:
+def scale_f32(s: jax.Array) -> jax.Array:
     """e8m0 bytes -> 2^(b - 127) from the float32 bit pattern (exact; byte 0 -> 0); float32 as is."""
     if s.dtype == jnp.uint8:
         return jax.lax.bitcast_convert_type(s.astype(jnp.int32) << 23, jnp.float32)
@@ -263,8 +263,7 @@ def _e2m1_pair(b: jax.Array, how: str) -> tuple[jax.Array, jax.Array]:
 def _fp4_scale(scale: jax.Array, how: str) -> jax.Array:
     """e8m0 scale bytes -> float32 block scales times the decoder's unit (a power of two: exact
     unless the scale is within 2^6 of float32's largest, which no checkpoint holds)."""
-    unit = E2M1_UNIT.get(how, 1.0)
-    return _scale_f32(scale) * unit if unit != 1.0 else _scale_f32(scale)
+    return scale_f32(scale) * E2M1_UNIT.get(how, 1.0)
 
 
 def _dot_t(a: jax.Array, b: jax.Array) -> jax.Array:
@@ -293,7 +292,7 @@ def _partial(fmt, e, row0, c, act_refs, w_refs, dtype, tiles):
     cols = pl.ds(pl.multiple_of(c * step, step), step)
     if fmt == "fp8":
         w_ref, scale_ref = w_refs
-        s = _scale_f32(scale_ref[e, row0 // FP8_BLOCK, c])  # one block scale per tile and step
+        s = scale_f32(scale_ref[e, row0 // FP8_BLOCK, c])  # one block scale per tile and step
         w = (w_ref[e, rows, cols].astype(jnp.float32) * s).astype(dtype)
     else:
         w = w_refs[0][e, rows, cols].astype(dtype)
@@ -402,7 +401,7 @@ def _gemv_weights(fmt, e, row0, c, w_refs, dtype, tiles) -> tuple[jax.Array, ...
     cols = pl.ds(pl.multiple_of(c * step, step), step)
     if fmt == "fp8":
         w_ref, scale_ref = w_refs
-        s = _scale_f32(scale_ref[e, row0 // FP8_BLOCK, c])
+        s = scale_f32(scale_ref[e, row0 // FP8_BLOCK, c])
         w = (w_ref[e, w_rows, cols].astype(jnp.float32) * s).astype(dtype)  # rounded as the reference rounds it
         return (w.astype(jnp.float32),)
     return (w_refs[0][e, w_rows, cols].astype(jnp.float32),)

@@ -111,8 +111,9 @@ for part in "$@"; do
         --storage bf16 --rows 1 6 --context 4096 --runs 10 --json "$OUT/bench_decode_bf16.json" 2>&1 \
         | grep -v Warning | tee "$OUT/bench_decode_bf16.log" ;;
     kernel-tests)  # the FP8 linear and routed-expert kernels compiled against their references, batch invariance
+      # (KERNEL_TEST_K: a pytest -k expression)
       timeout ${KERNEL_TEST_SECONDS:-240} python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu \
-        tests/pallas_kernels/test_fp8_linear.py tests/pallas_kernels/test_moe.py ${KERNEL_TEST_ARGS:-} 2>&1 | tail -12 \
+        tests/pallas_kernels/test_fp8_linear.py tests/pallas_kernels/test_moe.py ${KERNEL_TEST_K:+-k "$KERNEL_TEST_K"} 2>&1 | tail -12 \
         | tee "$OUT/kernel_gpu_tests.log" ;;
     sweep)  # issue 23: the routed-expert kernel's tilings alone (R = 1, 2, 6), then the 8-layer model with the
       # default tiling at S = 1, 2, 6 with the per-sublayer split

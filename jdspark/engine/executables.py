@@ -31,7 +31,8 @@ on the host. The prefill returns the same three columns (n_accepted 0).
 
 Kernels: `implementation` ("auto", "pallas", "xla"; `pallas_kernels.resolve_implementation`)
 chooses the Pallas kernels or their jnp references for the whole program: the rejection sampler's
-race and, through the model graph (`hyper.with_implementation`), the mHC Sinkhorn.
+race and, through the model graph (`hyper.with_implementation`), the mHC Sinkhorn, the routed
+experts and the FP8 linears ("auto" takes the last two only at real sizes, `KERNEL_MIN_WEIGHTS`).
 
 Every function takes the parameters as an argument (never baked in as constants; on the GPU packed
 into a few buffers, `jdspark.engine.packed`, since each argument buffer costs host time per call),

@@ -169,9 +169,10 @@ def sum_expert_outputs(out: jax.Array, dtype) -> jax.Array:
     return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
 
 
-# Smallest D x F for which "auto" picks the kernel on the GPU. Measured on the H200 (bench_decode,
-# 2026-12-01) at Flash dims, 8 layers, ds_fp4: extend S=1 5.9 ms against 9.3 ms for the gather, S=6
-# 16.1 against 35.2.
+# Smallest D x F (routed experts) or N x K (FP8 linears, `quantized.FP8Linear`) for which "auto" picks
+# the kernel on the GPU. Measured on the H200 (bench_decode, 2026-12-01) at Flash dims, 8 layers,
+# ds_fp4: extend S=1 5.9 ms against 9.3 ms for the gather, S=6 16.1 against 35.2; the FP8 linears:
+# docs/BENCHMARKS.md, "Decode at Flash dimensions".
 KERNEL_MIN_WEIGHTS = 1 << 20
 
 
