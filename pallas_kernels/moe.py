@@ -56,7 +56,8 @@ class Tiles:
     step_fp4: int = 256
     num_warps: int = 4
     num_stages: int = 2
-    decode: str = "select"  # E2M1 decode (`E2M1_DECODERS`): float selects, float32 bit patterns, offset bits, e4m3 cvt
+    decode: str = "select"  # E2M1 decode (`E2M1_DECODERS`): float selects, float32 bit patterns, offset bits, e4m3 cvt;
+    # or "prmt": byte permutes in inline PTX, four bytes at a time (`_E2M1_PRMT`, compiled only)
     gemv_rows: int = 0  # calls of at most this many rows (<= GEMV_MAX_ROWS) take the gemv form, the rest tl.dot
     gemv_out: int = 0  # output features per program in the gemv form (0: `out`)
     swap: bool = False  # the dot form as w_tile @ x^T (weights the MMA's M side, rows its N side) instead of x @ w^T
@@ -77,7 +78,7 @@ class Tiles:
 # program (R = 1: 0.216 ms, 0.258 with E2M1 by bit patterns, the former default; R = 2: 0.322 against
 # 0.389 for the dot form); above, the swapped dot form, 0.79-0.83 ms at R = 6 (1.546 for the former dot
 # form with selects). E2M1 by offset bits was fastest in every form.
-TILES = Tiles(out=64, num_stages=3, decode="offset", swap=True, gemv_rows=2, gemv_out=16)
+TILES = Tiles(out=64, num_stages=3, decode="prmt", swap=True, gemv_rows=2, gemv_out=16)
 GEMV_MAX_ROWS = 8  # the gemv form unrolls its rows in the kernel
 MAX_ELEMENTS = 2 ** 31  # a stored array the kernels index must have int32 offsets
 
@@ -153,6 +154,8 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
     if not supported(fmt, d, f, r, tiles, w1[0].shape[0]):
         raise ValueError(f"moe kernel: unsupported sizes fmt={fmt} D={d} F={f} rows={r}; use ref_moe")
     tiles = tiles.for_rows(r)
+    if interpret and tiles.decode == "prmt":  # inline PTX has no interpreter; "offset" gives the same values
+        tiles = dataclasses.replace(tiles, decode="offset")
     if tiles.gemv_rows:
         return _combine(_moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles), slot)
     dtype = x.dtype
@@ -245,7 +248,49 @@ def _e2m1_e4m3(b: jax.Array, shift: int) -> jax.Array:
     return e4m3.astype(jnp.float32)
 
 
-E2M1_DECODERS = ("select", "bits", "offset", "e4m3")
+# E2M1 x e8m0 -> bf16 for four bytes (eight codes) at a time, in 32-bit registers (inline PTX, so
+# compiled only; the interpreter takes "offset", which gives the same values). Each byte's low and
+# high nibble index byte tables by their magnitude bits (prmt: four lookups an instruction): the
+# high and low byte of the bf16 values 0, 0.5, 1, 1.5, 2, 3, 4, 6; the nibble's sign bit is moved to
+# the high byte's bit 7 (code 8 -> -0.0); the scale byte b becomes the bf16 2^(b - 127) as b << 7
+# (byte 0 -> 0), and one bf16x2 multiply per pair applies it (exact: three significant bits times a
+# power of two). $0 $1: low nibbles' values (bytes 0-1, 2-3), $2 $3: high nibbles', $4: the bytes,
+# $5: their scale bytes; the outputs are written last, as they may share registers with the inputs. About 3.5 instructions a value against about 10 for "offset" + scale.
+_E2M1_PRMT_NIBBLES = """
+shr.b32 t, m, 4; or.b32 t, t, m; prmt.b32 sel, t, z, 0x0020;
+prmt.b32 h, hl, hh, sel; prmt.b32 l, ll, lh, sel; or.b32 h, h, sg;
+prmt.b32 {0}, l, h, 0x5140; prmt.b32 {1}, l, h, 0x7362;
+mul.rn.bf16x2 {0}, {0}, s0; mul.rn.bf16x2 {1}, {1}, s1;"""
+_E2M1_PRMT = ("{\n.reg .b32 m, t, sel, h, l, sg, hl, hh, ll, lh, z, s0, s1, o0, o1, o2, o3;\n"
+              "mov.b32 hl, 0x3F3F3F00; mov.b32 hh, 0x40404040; mov.b32 ll, 0xC0800000; mov.b32 lh, 0xC0804000;\n"
+              "mov.b32 z, 0; prmt.b32 s0, $5, z, 0x4140; shl.b32 s0, s0, 7; prmt.b32 s1, $5, z, 0x4342; shl.b32 s1, s1, 7;\n"
+              "and.b32 m, $4, 0x07070707; shl.b32 sg, $4, 4; and.b32 sg, sg, 0x80808080;"
+              + _E2M1_PRMT_NIBBLES.format("o0", "o1")
+              + "\nshr.b32 m, $4, 4; and.b32 m, m, 0x07070707; and.b32 sg, $4, 0x80808080;"
+              + _E2M1_PRMT_NIBBLES.format("o2", "o3")
+              + "\nmov.b32 $0, o0; mov.b32 $1, o1; mov.b32 $2, o2; mov.b32 $3, o3;\n}")
+
+
+def _e2m1_prmt(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """ds_fp4 bytes (int8) and their e8m0 scale bytes (uint8, same shape) -> (low, high nibble)
+    values E2M1 x 2^(scale - 127) in bfloat16, inside a compiled Triton kernel (`_E2M1_PRMT`)."""
+    out = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
+    return tuple(pltriton.elementwise_inline_asm(_E2M1_PRMT, args=[packed, scale], constraints="=r,=r,=r,=r,r,r",
+                                                 pack=4, result_shape_dtypes=[out, out]))
+
+
+def _fp4_values(packed: jax.Array, scale: jax.Array, how: str, dtype) -> tuple[jax.Array, jax.Array]:
+    """A tile of ds_fp4 bytes [..., 16] (int8) and its e8m0 scales [..., 1] -> the weights of the
+    low and high nibbles, E2M1 x scale, in `dtype`."""
+    if how == "prmt":
+        lo, hi = _e2m1_prmt(packed, jnp.broadcast_to(scale, packed.shape))
+        return lo.astype(dtype), hi.astype(dtype)
+    s = _fp4_scale(scale, how)
+    lo, hi = _e2m1_pair(packed.astype(jnp.int32), how)
+    return (lo * s).astype(dtype), (hi * s).astype(dtype)
+
+
+E2M1_DECODERS = ("select", "bits", "offset", "e4m3")  # in jnp; "prmt" (inline PTX) runs compiled only
 E2M1_UNIT = {"e4m3": 64.0}  # what a decoder's values are multiplied by to give the E2M1 values (default 1)
 
 
@@ -282,11 +327,8 @@ def _partial(fmt, e, row0, c, act_refs, w_refs, dtype, tiles):
         even_ref, odd_ref = act_refs
         nb = step // FP4_BLOCK
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
-        b = packed_ref[e, rows, blocks, :].astype(jnp.int32)  # [out, nb, 16]
-        s = _fp4_scale(scale_ref[e, rows, blocks, :], tiles.decode)  # [out, nb, 1]
-        lo, hi = _e2m1_pair(b, tiles.decode)
-        lo = (lo * s).astype(dtype).reshape(out, step // 2)
-        hi = (hi * s).astype(dtype).reshape(out, step // 2)
+        lo, hi = _fp4_values(packed_ref[e, rows, blocks, :], scale_ref[e, rows, blocks, :], tiles.decode, dtype)
+        lo, hi = lo.reshape(out, step // 2), hi.reshape(out, step // 2)  # from [out, nb, 16]
         cols = pl.ds(pl.multiple_of(c * (step // 2), step // 2), step // 2)
         return _tile_dot(even_ref[:, cols], lo, tiles) + _tile_dot(odd_ref[:, cols], hi, tiles)
     cols = pl.ds(pl.multiple_of(c * step, step), step)
@@ -389,15 +431,18 @@ def _gemv_activations(fmt: str, a: jax.Array) -> tuple[jax.Array, ...]:
 
 def _gemv_weights(fmt, e, row0, c, w_refs, dtype, tiles) -> tuple[jax.Array, ...]:
     """One loop step's weight tile of expert e, decoded once for all rows: fp4 (low, high nibble
-    values [out, nb, 16], scales [out, nb]), otherwise (w [out, step] float32,)."""
+    values [out, nb, 16], scales [out, nb], or None where the values carry them), otherwise
+    (w [out, step] float32,)."""
     out, step = tiles.out, tiles.step(fmt)
     w_rows = pl.ds(row0, out)
     if fmt == "fp4":
         packed_ref, scale_ref = w_refs
         nb = step // FP4_BLOCK
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
-        b = packed_ref[e, w_rows, blocks, :].astype(jnp.int32)  # [out, nb, 16]
-        return (*_e2m1_pair(b, tiles.decode), _fp4_scale(scale_ref[e, w_rows, blocks, 0], tiles.decode))
+        packed, scale = packed_ref[e, w_rows, blocks, :], scale_ref[e, w_rows, blocks, :]  # [out, nb, 16 | 1]
+        if tiles.decode == "prmt":  # scaled as it decodes
+            return (*(v.astype(jnp.float32) for v in _fp4_values(packed, scale, "prmt", jnp.bfloat16)), None)
+        return (*_e2m1_pair(packed.astype(jnp.int32), tiles.decode), _fp4_scale(scale[..., 0], tiles.decode))
     cols = pl.ds(pl.multiple_of(c * step, step), step)
     if fmt == "fp8":
         w_ref, scale_ref = w_refs
@@ -413,7 +458,8 @@ def _gemv_product(fmt, w: tuple, act: tuple) -> jax.Array:
     if fmt == "fp4":
         lo, hi, s = w
         even, odd = (a.astype(jnp.float32)[None] for a in act)
-        return jnp.sum(lo * even + hi * odd, axis=2) * s
+        group_sums = jnp.sum(lo * even + hi * odd, axis=2)
+        return group_sums if s is None else group_sums * s
     return jnp.sum(w[0] * act[0].astype(jnp.float32)[None], axis=1)
 
 

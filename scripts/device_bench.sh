@@ -121,6 +121,11 @@ for part in "$@"; do
         --storage fp8+fp4 --moe-layer 1 2 6 --sweep --rows ${SWEEP_ROWS:-1 2 6} --runs 10 --profile \
         --params ${SWEEP_PARAMS:-packed} --json "$OUT/bench_decode_sweep.json" 2>&1 \
         | grep -v Warning | tee "$OUT/bench_decode_sweep.log" ;;
+    hlo)  # issue 23: the optimized HLO of the Flash-dims extend at S = 1 (each fusion's op_name names its source)
+      XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_module_re=jit_extend" timeout ${HLO_SECONDS:-150} \
+        python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 --storage fp8+fp4 --rows 1 \
+        --context 4096 --runs 3 --variants current 2>&1 | grep -v Warning | tail -5
+      gzip -r "$OUT/hlo" ;;
     moe-tests)  # the routed-expert kernel compiled against its reference (every form, format and decoder)
       timeout ${MOE_TEST_SECONDS:-200} python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu \
         tests/pallas_kernels/test_moe.py 2>&1 | tail -8 | tee "$OUT/moe_gpu_tests.log" ;;

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jdspark.model.moe import expert_slots, routed_slots
-from pallas_kernels.moe import Tiles, moe, ref_moe, supported
+from pallas_kernels.moe import TILES, Tiles, moe, ref_moe, supported
 
 D, F, E, K = 256, 256, 10, 3  # small: the interpret mode runs every program in Python
 
@@ -77,7 +77,8 @@ def test_kernel_rows_do_not_depend_on_the_call(gemv_rows):
     """Batch invariance: a row's output is bitwise the same alone and among 6 rows."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    run = jax.jit(lambda *a: moe(*a, fmt="fp4", limit=4.0, tiles=Tiles(num_stages=4, gemv_rows=gemv_rows)))
+    tiles = dataclasses.replace(TILES, gemv_rows=gemv_rows)  # the default tiling and decoder, in each form
+    run = jax.jit(lambda *a: moe(*a, fmt="fp4", limit=4.0, tiles=tiles))
     args = inputs("fp4", 6, seed=3, dtype=jnp.bfloat16)
     x, _, _, _, *ws = args
     full = np.asarray(run(*args))
@@ -168,3 +169,30 @@ def test_gemv_form_compiled(fmt, scale_dtype, rows, dtype):
     check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=dataclasses.replace(GEMV_TILES, decode="offset",
                                                                                       skip_rows=True))
     check(fmt, scale_dtype, rows, dtype, interpret=False, tiles=dataclasses.replace(GEMV_TILES, decode="e4m3"))
+
+
+@pytest.mark.gpu
+def test_prmt_decoder_on_every_code_and_scale():
+    """The inline-PTX E2M1 decoder (compiled only) against the table: all 256 bytes, each under
+    scales from byte 0 (-> 0) through 2^-125 .. 2^125, in one small Triton kernel."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from jax.experimental import pallas as pl
+    from pallas_kernels.moe import _fp4_values
+    from tests.model.dequant_ref import E2M1
+    scales = np.array([0, 2, 100, 120, 127, 128, 200, 252], np.uint8)
+    byte = np.tile(np.arange(256, dtype=np.uint8), (len(scales), 1)).reshape(len(scales), 16, 16)
+    scale = np.broadcast_to(scales[:, None, None], byte.shape[:2] + (1,))
+
+    def kernel(b_ref, s_ref, lo_ref, hi_ref):
+        lo, hi = _fp4_values(b_ref[...], s_ref[...], "prmt", jnp.float32)
+        lo_ref[...], hi_ref[...] = lo, hi
+
+    out = jax.ShapeDtypeStruct(byte.shape, jnp.float32)
+    got = [np.asarray(a) for a in pl.pallas_call(kernel, out_shape=(out, out))(
+        jnp.asarray(byte.view(np.int8)), jnp.asarray(np.ascontiguousarray(scale)))]
+    value = np.where(scales == 0, 0.0, np.exp2(scales.astype(np.float64) - 127))[:, None, None]
+    for g, code in ((got[0], byte & 0xF), (got[1], byte >> 4)):
+        want = (E2M1[code] * value).astype(np.float32)
+        want = np.where(code == 8, np.float32(-0.0), want)  # -0.0 (sums as +0.0)
+        np.testing.assert_array_equal(g.view(np.uint32), want.view(np.uint32))
