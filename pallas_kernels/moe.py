@@ -248,35 +248,37 @@ def _e2m1_e4m3(b: jax.Array, shift: int) -> jax.Array:
     return e4m3.astype(jnp.float32)
 
 
-# E2M1 x e8m0 -> bf16 for four bytes (eight codes) at a time, in 32-bit registers (inline PTX, so
-# compiled only; the interpreter takes "offset", which gives the same values). Each byte's low and
-# high nibble index byte tables by their magnitude bits (prmt: four lookups an instruction): the
-# high and low byte of the bf16 values 0, 0.5, 1, 1.5, 2, 3, 4, 6; the nibble's sign bit is moved to
-# the high byte's bit 7 (code 8 -> -0.0); the scale byte b becomes the bf16 2^(b - 127) as b << 7
-# (byte 0 -> 0), and one bf16x2 multiply per pair applies it (exact: three significant bits times a
-# power of two). $0 $1: low nibbles' values (bytes 0-1, 2-3), $2 $3: high nibbles', $4: the bytes,
-# $5: their scale bytes; the outputs are written last, as they may share registers with the inputs. About 3.5 instructions a value against about 10 for "offset" + scale.
-_E2M1_PRMT_NIBBLES = """
+# E2M1 x e8m0 -> bf16 for four bytes at a time, in 32-bit registers (inline PTX, so compiled only;
+# the interpreter takes "offset", which gives the same values). Each byte's low (or high) nibble
+# indexes byte tables by its magnitude bits (prmt: four lookups an instruction): the high and low
+# byte of the bf16 values 0, 0.5, 1, 1.5, 2, 3, 4, 6; the nibble's sign bit goes to the high byte's
+# bit 7 (code 8 -> -0.0); the scale byte b becomes the bf16 2^(b - 127) as b << 7 (byte 0 -> 0),
+# and one bf16x2 multiply per pair applies it (exact: three significant bits times a power of two).
+# $0 $1: the values of bytes 0-1 and 2-3, $2: the bytes, $3: their scale bytes; the outputs are
+# written last, as they may share registers with the inputs. One asm per nibble, since Pallas lowers
+# one result per asm; ptxas shares the tables and scales between the two. About 3.5 instructions a
+# value, against about 10 for "offset" and its scale.
+_E2M1_PRMT = """{{
+.reg .b32 m, t, sel, h, l, sg, hl, hh, ll, lh, z, s0, s1, o0, o1;
+mov.b32 hl, 0x3F3F3F00; mov.b32 hh, 0x40404040; mov.b32 ll, 0xC0800000; mov.b32 lh, 0xC0804000;
+mov.b32 z, 0; prmt.b32 s0, $3, z, 0x4140; shl.b32 s0, s0, 7; prmt.b32 s1, $3, z, 0x4342; shl.b32 s1, s1, 7;
+{nibble}
 shr.b32 t, m, 4; or.b32 t, t, m; prmt.b32 sel, t, z, 0x0020;
 prmt.b32 h, hl, hh, sel; prmt.b32 l, ll, lh, sel; or.b32 h, h, sg;
-prmt.b32 {0}, l, h, 0x5140; prmt.b32 {1}, l, h, 0x7362;
-mul.rn.bf16x2 {0}, {0}, s0; mul.rn.bf16x2 {1}, {1}, s1;"""
-_E2M1_PRMT = ("{\n.reg .b32 m, t, sel, h, l, sg, hl, hh, ll, lh, z, s0, s1, o0, o1, o2, o3;\n"
-              "mov.b32 hl, 0x3F3F3F00; mov.b32 hh, 0x40404040; mov.b32 ll, 0xC0800000; mov.b32 lh, 0xC0804000;\n"
-              "mov.b32 z, 0; prmt.b32 s0, $5, z, 0x4140; shl.b32 s0, s0, 7; prmt.b32 s1, $5, z, 0x4342; shl.b32 s1, s1, 7;\n"
-              "and.b32 m, $4, 0x07070707; shl.b32 sg, $4, 4; and.b32 sg, sg, 0x80808080;"
-              + _E2M1_PRMT_NIBBLES.format("o0", "o1")
-              + "\nshr.b32 m, $4, 4; and.b32 m, m, 0x07070707; and.b32 sg, $4, 0x80808080;"
-              + _E2M1_PRMT_NIBBLES.format("o2", "o3")
-              + "\nmov.b32 $0, o0; mov.b32 $1, o1; mov.b32 $2, o2; mov.b32 $3, o3;\n}")
+prmt.b32 o0, l, h, 0x5140; prmt.b32 o1, l, h, 0x7362;
+mul.rn.bf16x2 $0, o0, s0; mul.rn.bf16x2 $1, o1, s1;
+}}"""
+_PRMT_NIBBLE = {"low": "and.b32 m, $2, 0x07070707; shl.b32 sg, $2, 4; and.b32 sg, sg, 0x80808080;",
+                "high": "shr.b32 m, $2, 4; and.b32 m, m, 0x07070707; and.b32 sg, $2, 0x80808080;"}
 
 
 def _e2m1_prmt(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """ds_fp4 bytes (int8) and their e8m0 scale bytes (uint8, same shape) -> (low, high nibble)
     values E2M1 x 2^(scale - 127) in bfloat16, inside a compiled Triton kernel (`_E2M1_PRMT`)."""
     out = jax.ShapeDtypeStruct(packed.shape, jnp.bfloat16)
-    return tuple(pltriton.elementwise_inline_asm(_E2M1_PRMT, args=[packed, scale], constraints="=r,=r,=r,=r,r,r",
-                                                 pack=4, result_shape_dtypes=[out, out]))
+    return tuple(pltriton.elementwise_inline_asm(_E2M1_PRMT.format(nibble=_PRMT_NIBBLE[half]), args=[packed, scale],
+                                                 constraints="=r,=r,r,r", pack=4, result_shape_dtypes=[out])[0]
+                 for half in ("low", "high"))
 
 
 def _fp4_values(packed: jax.Array, scale: jax.Array, how: str, dtype) -> tuple[jax.Array, jax.Array]:

@@ -125,7 +125,7 @@ for part in "$@"; do
       XLA_FLAGS="--xla_dump_to=$OUT/hlo --xla_dump_hlo_module_re=jit_extend" timeout ${HLO_SECONDS:-150} \
         python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 --storage fp8+fp4 --rows 1 \
         --context 4096 --runs 3 --variants current 2>&1 | grep -v Warning | tail -5
-      gzip -r "$OUT/hlo" ;;
+      find "$OUT/hlo" -type f ! -name '*jit_extend*after_optimizations.txt' -delete; gzip -r "$OUT/hlo" ;;
     moe-tests)  # the routed-expert kernel compiled against its reference (every form, format and decoder)
       timeout ${MOE_TEST_SECONDS:-200} python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu \
         tests/pallas_kernels/test_moe.py 2>&1 | tail -8 | tee "$OUT/moe_gpu_tests.log" ;;
