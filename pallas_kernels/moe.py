@@ -62,6 +62,7 @@ class Tiles:
     gemv_out: int = 0  # output features per program in the gemv form (0: `out`)
     swap: bool = False  # the dot form as w_tile @ x^T (weights the MMA's M side, rows its N side) instead of x @ w^T
     skip_rows: bool = False  # the gemv form skips, per expert, the rows that did not select it
+    flat: bool = False  # the dot form loads ds_fp4 bytes as [out, step/2] (not [out, nb, 16]) and repeats the scales
 
     def step(self, fmt: str) -> int:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
@@ -170,13 +171,13 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
         out_shape=jax.ShapeDtypeStruct((m, rp, f), dtype),
         grid=(m, f // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
-    )(experts, dense_t, *_activations(fmt, xp), *_weights(fmt, w1), *_weights(fmt, w3))
+    )(experts, dense_t, *_activations(fmt, xp), *_weights(fmt, w1, tiles.flat), *_weights(fmt, w3, tiles.flat))
     out = pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(_weights(fmt, w2)), tiles=tiles),
         out_shape=jax.ShapeDtypeStruct((m, rp, d), dtype),
         grid=(m, d // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_down",
-    )(experts, *_activations(fmt, h), *_weights(fmt, w2))
+    )(experts, *_activations(fmt, h), *_weights(fmt, w2, tiles.flat))
     return _combine(out, slot)
 
 
@@ -187,14 +188,14 @@ def _activations(fmt: str, a: jax.Array) -> tuple[jax.Array, ...]:
     return (a,)
 
 
-def _weights(fmt: str, stored: tuple) -> tuple[jax.Array, ...]:
+def _weights(fmt: str, stored: tuple, flat: bool = False) -> tuple[jax.Array, ...]:
     """The stored arrays reshaped (free, in XLA) so the kernels load 3-D tiles that need no reshape
-    of the scales: fp4 bytes [E, out, in/32, 16] + scales [E, out, in/32, 1]."""
-    if fmt == "fp4":
+    of the scales: fp4 bytes [E, out, in/32, 16] + scales [E, out, in/32, 1] (as stored if `flat`)."""
+    if fmt == "fp4" and not flat:
         packed, scale = stored
         e, n, half = packed.shape
         return packed.reshape(e, n, half // 16, 16), scale.reshape(e, n, half // 16, 1)
-    if fmt == "fp8":
+    if fmt in ("fp8", "fp4"):
         return tuple(stored)
     return (stored[0],)
 
@@ -329,9 +330,13 @@ def _partial(fmt, e, row0, c, act_refs, w_refs, dtype, tiles):
         even_ref, odd_ref = act_refs
         nb = step // FP4_BLOCK
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
-        lo, hi = _fp4_values(packed_ref[e, rows, blocks, :], scale_ref[e, rows, blocks, :], tiles.decode, dtype)
-        lo, hi = lo.reshape(out, step // 2), hi.reshape(out, step // 2)  # from [out, nb, 16]
         cols = pl.ds(pl.multiple_of(c * (step // 2), step // 2), step // 2)
+        if tiles.flat:  # the bytes as stored, [out, step/2]; each scale repeated over its 16 bytes
+            scale = jnp.broadcast_to(scale_ref[e, rows, blocks][..., None], (out, nb, 16)).reshape(out, step // 2)
+            lo, hi = _fp4_values(packed_ref[e, rows, cols], scale, tiles.decode, dtype)
+        else:
+            lo, hi = _fp4_values(packed_ref[e, rows, blocks, :], scale_ref[e, rows, blocks, :], tiles.decode, dtype)
+            lo, hi = lo.reshape(out, step // 2), hi.reshape(out, step // 2)  # from [out, nb, 16]
         return _tile_dot(even_ref[:, cols], lo, tiles) + _tile_dot(odd_ref[:, cols], hi, tiles)
     cols = pl.ds(pl.multiple_of(c * step, step), step)
     if fmt == "fp8":
