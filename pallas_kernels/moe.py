@@ -25,7 +25,9 @@ not depend on the other rows of the call (no reduction over M).
 ds_fp4 codes are decoded by nibble: even input elements are low nibbles, odd ones high nibbles, so
 the activations are split into even and odd columns outside the kernel (x[:, 0::2], x[:, 1::2]) and
 the two halves meet in two dots; nothing is interleaved in registers. The E2M1 decode is chosen by
-`Tiles.decode` (`E2M1_DECODERS`). Rows are padded to a power of two >= 16 (Triton's smallest dot);
+`Tiles.decode` (`E2M1_DECODERS`, or "prmt": byte permutes in inline PTX, the default on the GPU). The
+dot form decodes the bytes in the layout they load in ([out, step/2], each scale repeated over its
+16 bytes); the gemv form loads [out, step/32, 16] tiles, one scale group per row. Rows are padded to a power of two >= 16 (Triton's smallest dot);
 under `Tiles.swap` each dot is w_tile @ x^T, so an expert's output features fill the MMA's M side and
 the few rows its N side. Calls of at most `Tiles.gemv_rows` rows take a third form, per-row products
 and sums with no dot (`_moe_gemv`). Block shapes are powers of two; every dimension must be a
@@ -62,7 +64,6 @@ class Tiles:
     gemv_out: int = 0  # output features per program in the gemv form (0: `out`)
     swap: bool = False  # the dot form as w_tile @ x^T (weights the MMA's M side, rows its N side) instead of x @ w^T
     skip_rows: bool = False  # the gemv form skips, per expert, the rows that did not select it
-    flat: bool = False  # the dot form loads ds_fp4 bytes as [out, step/2] (not [out, nb, 16]) and repeats the scales
 
     def step(self, fmt: str) -> int:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
@@ -75,11 +76,11 @@ class Tiles:
 
 
 # The tiling `moe` uses unless given one: the fastest of bench_decode --sweep on the H200 (2026-12-02,
-# Flash dims, ds_fp4, one layer, 6 experts per row): up to R = 2 the gemv form with 16 outputs per
-# program (R = 1: 0.216 ms, 0.258 with E2M1 by bit patterns, the former default; R = 2: 0.322 against
-# 0.389 for the dot form); above, the swapped dot form, 0.79-0.83 ms at R = 6 (1.546 for the former dot
-# form with selects). E2M1 by offset bits was fastest in every form.
-TILES = Tiles(out=64, num_stages=3, decode="prmt", swap=True, gemv_rows=2, gemv_out=16)
+# Flash dims, ds_fp4, one layer, 6 experts per row, device time): E2M1 by byte permutes ("prmt") in
+# every form (R = 1 gemv 0.065 ms against 0.085 by offset bits; R = 6 dot 0.404 against 0.569, then
+# 0.310 with the bytes decoded as loaded); one row in the gemv form with 16 outputs per program
+# (the dot form 0.079-0.101 ms), two or more in the swapped dot form (R = 2: 0.119 against 0.155).
+TILES = Tiles(out=64, num_stages=3, decode="prmt", swap=True, gemv_rows=1, gemv_out=16)
 GEMV_MAX_ROWS = 8  # the gemv form unrolls its rows in the kernel
 MAX_ELEMENTS = 2 ** 31  # a stored array the kernels index must have int32 offsets
 
@@ -171,13 +172,13 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
         out_shape=jax.ShapeDtypeStruct((m, rp, f), dtype),
         grid=(m, f // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
-    )(experts, dense_t, *_activations(fmt, xp), *_weights(fmt, w1, tiles.flat), *_weights(fmt, w3, tiles.flat))
+    )(experts, dense_t, *_activations(fmt, xp), *w1, *w3)
     out = pl.pallas_call(
-        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(_weights(fmt, w2)), tiles=tiles),
+        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(w2), tiles=tiles),
         out_shape=jax.ShapeDtypeStruct((m, rp, d), dtype),
         grid=(m, d // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_down",
-    )(experts, *_activations(fmt, h), *_weights(fmt, w2, tiles.flat))
+    )(experts, *_activations(fmt, h), *w2)
     return _combine(out, slot)
 
 
@@ -188,16 +189,14 @@ def _activations(fmt: str, a: jax.Array) -> tuple[jax.Array, ...]:
     return (a,)
 
 
-def _weights(fmt: str, stored: tuple, flat: bool = False) -> tuple[jax.Array, ...]:
-    """The stored arrays reshaped (free, in XLA) so the kernels load 3-D tiles that need no reshape
-    of the scales: fp4 bytes [E, out, in/32, 16] + scales [E, out, in/32, 1] (as stored if `flat`)."""
-    if fmt == "fp4" and not flat:
+def _by_group(fmt: str, stored: tuple) -> tuple[jax.Array, ...]:
+    """The stored arrays as the gemv form loads them (a free reshape in XLA): fp4 bytes
+    [E, out, in/32, 16] + scales [E, out, in/32, 1], one scale group per row of 16 bytes."""
+    if fmt == "fp4":
         packed, scale = stored
         e, n, half = packed.shape
         return packed.reshape(e, n, half // 16, 16), scale.reshape(e, n, half // 16, 1)
-    if fmt in ("fp8", "fp4"):
-        return tuple(stored)
-    return (stored[0],)
+    return tuple(stored)
 
 
 def scale_f32(s: jax.Array) -> jax.Array:
@@ -331,12 +330,10 @@ def _partial(fmt, e, row0, c, act_refs, w_refs, dtype, tiles):
         nb = step // FP4_BLOCK
         blocks = pl.ds(pl.multiple_of(c * nb, nb), nb)
         cols = pl.ds(pl.multiple_of(c * (step // 2), step // 2), step // 2)
-        if tiles.flat:  # the bytes as stored, [out, step/2]; each scale repeated over its 16 bytes
-            scale = jnp.broadcast_to(scale_ref[e, rows, blocks][..., None], (out, nb, 16)).reshape(out, step // 2)
-            lo, hi = _fp4_values(packed_ref[e, rows, cols], scale, tiles.decode, dtype)
-        else:
-            lo, hi = _fp4_values(packed_ref[e, rows, blocks, :], scale_ref[e, rows, blocks, :], tiles.decode, dtype)
-            lo, hi = lo.reshape(out, step // 2), hi.reshape(out, step // 2)  # from [out, nb, 16]
+        # the bytes as stored, [out, step/2], each scale repeated over its 16 bytes: decoding in the
+        # loaded layout beat decoding [out, nb, 16] tiles and reshaping the values (R = 6: 0.31 vs 0.40 ms)
+        scale = jnp.broadcast_to(scale_ref[e, rows, blocks][..., None], (out, nb, 16)).reshape(out, step // 2)
+        lo, hi = _fp4_values(packed_ref[e, rows, cols], scale, tiles.decode, dtype)
         return _tile_dot(even_ref[:, cols], lo, tiles) + _tile_dot(odd_ref[:, cols], hi, tiles)
     cols = pl.ds(pl.multiple_of(c * step, step), step)
     if fmt == "fp8":
@@ -417,15 +414,15 @@ def _moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles) -> ja
     experts, dense_t = experts.astype(jnp.int32), dense.T.astype(jnp.float32)
     kernel = functools.partial(_gemv_kernel, fmt=fmt, rows=r, limit=limit, dtype=dtype, tiles=tiles)
     h = pl.pallas_call(
-        functools.partial(kernel, k=d, n_w=2 * len(_weights(fmt, w1)), per_slot=False),
+        functools.partial(kernel, k=d, n_w=2 * len(w1), per_slot=False),
         out_shape=jax.ShapeDtypeStruct((m, r, f), dtype), grid=(m, f // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
-    )(experts, dense_t, *_gemv_activations(fmt, x), *_weights(fmt, w1), *_weights(fmt, w3))
+    )(experts, dense_t, *_gemv_activations(fmt, x), *_by_group(fmt, w1), *_by_group(fmt, w3))
     return pl.pallas_call(
-        functools.partial(kernel, k=f, n_w=len(_weights(fmt, w2)), per_slot=True),
+        functools.partial(kernel, k=f, n_w=len(w2), per_slot=True),
         out_shape=jax.ShapeDtypeStruct((m, r, d), dtype), grid=(m, d // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_down",
-    )(experts, dense_t, *_gemv_activations(fmt, h), *_weights(fmt, w2))
+    )(experts, dense_t, *_gemv_activations(fmt, h), *_by_group(fmt, w2))
 
 
 def _gemv_activations(fmt: str, a: jax.Array) -> tuple[jax.Array, ...]:

@@ -197,18 +197,3 @@ def test_prmt_decoder_on_every_code_and_scale():
         want = np.where(code == 8, np.float32(-0.0), want)  # -0.0 (sums as +0.0)
         np.testing.assert_array_equal(g.view(np.uint32), want.view(np.uint32))
 
-
-FLAT_TILES = Tiles(out=64, num_stages=3, decode="prmt", swap=True, flat=True)
-
-
-def test_flat_fp4_loads_interpret():
-    check("fp4", "e8m0", 6, jnp.float32, interpret=True, tiles=FLAT_TILES)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 6, 17])
-def test_flat_fp4_loads_compiled(rows):
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-    check("fp4", "e8m0", rows, jnp.bfloat16, interpret=False, tiles=FLAT_TILES)
-    check("fp4", "e8m0", rows, jnp.bfloat16, interpret=False, tiles=dataclasses.replace(FLAT_TILES, decode="offset"))
