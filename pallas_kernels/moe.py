@@ -76,11 +76,13 @@ class Tiles:
 
 
 # The tiling `moe` uses unless given one: the fastest of bench_decode --sweep on the H200 (2026-12-02,
-# Flash dims, ds_fp4, one layer, 6 experts per row, device time): E2M1 by byte permutes ("prmt") in
-# every form (R = 1 gemv 0.065 ms against 0.085 by offset bits; R = 6 dot 0.404 against 0.569, then
-# 0.310 with the bytes decoded as loaded); one row in the gemv form with 16 outputs per program
-# (the dot form 0.079-0.101 ms), two or more in the swapped dot form (R = 2: 0.119 against 0.155).
-TILES = Tiles(out=64, num_stages=3, decode="prmt", swap=True, gemv_rows=1, gemv_out=16)
+# Flash dims, ds_fp4, one layer, 6 experts per row, device time) among the forms that give a row the
+# same bits whatever the call's row count (1..16: rows are padded to 16): E2M1 by byte permutes
+# ("prmt"; R = 6: 0.404 ms against 0.569 by offset bits, then 0.310 with the bytes decoded as
+# loaded), the swapped dot form (R = 2: 0.119 ms). One row alone is faster in the gemv form (0.065
+# against 0.079 ms, same run), but a decode would then round differently from the verify of the same
+# row, so greedy speculative decoding would drift from greedy target-only: not the default.
+TILES = Tiles(out=64, num_stages=3, decode="prmt", swap=True)
 GEMV_MAX_ROWS = 8  # the gemv form unrolls its rows in the kernel
 MAX_ELEMENTS = 2 ** 31  # a stored array the kernels index must have int32 offsets
 

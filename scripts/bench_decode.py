@@ -25,7 +25,8 @@ every expert decoded and run on every row), `dequant_linear` (FP8 linears but `w
 bfloat16 weight per call), `fp8_scaled_x` (FP8 linears but `wo_a` of <= 16 rows as one batched dot
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
 former MoE and linears), `pallas` (the routed experts through the in-place kernel
-`pallas_kernels.moe`), `pallas_dot` (that kernel in its dot form, the former default tiling).
+`pallas_kernels.moe`), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
+faster alone, but a decode then rounds differently from the verify of the same row).
 `--params packed separate` times both ways of passing the parameters (packed: as the engine does on
 the GPU). `--fp8-linears 1 6` and `--moe-layer 1 2 6 --sweep` first time the kernels alone, in
 device time (the kernels of a `jax.profiler` trace). JSON with every row: `--json PATH`.
@@ -249,9 +250,9 @@ PATCHES["before"] = PATCHES["ref_moe"] + PATCHES["dequant_linear"]
 # Variants that set the routed experts' `implementation` in the graph ("pallas": pallas_kernels.moe).
 EXPERTS_IMPLEMENTATION = {"pallas": "pallas", "xla": "xla", "ref_moe": "xla", "before": "xla"}
 PATCHES["pallas"] = PATCHES["xla"] = []
-# "pallas_dot": the kernel's former default tiling (the dot form), to compare with the tiling in use.
-PATCHES["pallas_dot"] = [(moe_kernels, "TILES", dataclasses.replace(moe_kernels.TILES, gemv_rows=0))]
-EXPERTS_IMPLEMENTATION["pallas_dot"] = "pallas"
+# "pallas_gemv": one row in the kernel's gemv form (faster alone, not batch-invariant with the dot form).
+PATCHES["pallas_gemv"] = [(moe_kernels, "TILES", dataclasses.replace(moe_kernels.TILES, gemv_rows=1, gemv_out=16))]
+EXPERTS_IMPLEMENTATION["pallas_gemv"] = "pallas"
 
 
 def with_experts_implementation(graphdef, params, name: str):
@@ -499,7 +500,7 @@ SCOPES = [("jdspark.model.compressor", "Compressor", "extend", "compressor"),
           ("jdspark.model.dsv4", "DSV4", "logits_from_streams", "head"), ("jdspark.model.dsv4", "DSV4", "embed_streams", "embed")]
 SCOPE_ORDER = ["compressor", "indexer", "routed_moe", "router", "shared_expert", "attn_q", "attn_kv", "attn_core",
                "attn_out", "attention", "mhc", "head", "embed"]
-KERNEL_SCOPES = {"moe_gate_up": "routed_moe", "moe_down": "routed_moe", "sinkhorn": "mhc", "fp8_linear": "fp8_linears"}
+KERNEL_SCOPES = {"moe_gate_up": "routed_moe", "moe_down": "routed_moe", "mhc_sinkhorn": "mhc", "fp8_linear": "fp8_linears"}
 
 
 @contextlib.contextmanager
