@@ -27,10 +27,10 @@ the activations are split into even and odd columns outside the kernel (x[:, 0::
 the two halves meet in two dots; nothing is interleaved in registers. The E2M1 decode is chosen by
 `Tiles.decode` (`E2M1_DECODERS`, or "prmt": byte permutes in inline PTX, the default on the GPU). The
 dot form decodes the bytes in the layout they load in ([out, step/2], each scale repeated over its
-16 bytes); the gemv form loads [out, step/32, 16] tiles, one scale group per row. Rows are padded to a power of two >= 16 (Triton's smallest dot);
-under `Tiles.swap` each dot is w_tile @ x^T, so an expert's output features fill the MMA's M side and
-the few rows its N side. Calls of at most `Tiles.gemv_rows` rows take a third form, per-row products
-and sums with no dot (`_moe_gemv`). Block shapes are powers of two; every dimension must be a
+16 bytes); the gemv form loads [out, step/32, 16] tiles, one scale group per row. Rows are padded
+to a power of two >= 16 (Triton's smallest dot); under `Tiles.swap` each dot is w_tile @ x^T, so an
+expert's output features fill the MMA's M side and the few rows its N side. Calls of at most
+`Tiles.gemv_rows` rows take a third form, per-row products and sums with no dot (`_moe_gemv`). Block shapes are powers of two; every dimension must be a
 multiple of its tile (checked: `supported`).
 """
 
@@ -284,8 +284,8 @@ def _e2m1_prmt(packed: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Arra
 
 
 def _fp4_values(packed: jax.Array, scale: jax.Array, how: str, dtype) -> tuple[jax.Array, jax.Array]:
-    """A tile of ds_fp4 bytes [..., 16] (int8) and its e8m0 scales [..., 1] -> the weights of the
-    low and high nibbles, E2M1 x scale, in `dtype`."""
+    """A tile of ds_fp4 bytes (int8) and their e8m0 scales (uint8, broadcastable to the bytes' shape)
+    -> the weights of the low and high nibbles, E2M1 x scale, in `dtype`."""
     if how == "prmt":
         lo, hi = _e2m1_prmt(packed, jnp.broadcast_to(scale, packed.shape))
         return lo.astype(dtype), hi.astype(dtype)

@@ -500,7 +500,8 @@ SCOPES = [("jdspark.model.compressor", "Compressor", "extend", "compressor"),
           ("jdspark.model.dsv4", "DSV4", "logits_from_streams", "head"), ("jdspark.model.dsv4", "DSV4", "embed_streams", "embed")]
 SCOPE_ORDER = ["compressor", "indexer", "routed_moe", "router", "shared_expert", "attn_q", "attn_kv", "attn_core",
                "attn_out", "attention", "mhc", "head", "embed"]
-KERNEL_SCOPES = {"moe_gate_up": "routed_moe", "moe_down": "routed_moe", "mhc_sinkhorn": "mhc", "fp8_linear": "fp8_linears"}
+KERNEL_SCOPES = {"moe_gate_up": "routed_moe", "moe_down": "routed_moe", "mhc_sinkhorn": "mhc",
+                 "fp8_linear": "fp8_linears"}
 
 
 @contextlib.contextmanager
