@@ -30,8 +30,8 @@ dot form decodes the bytes in the layout they load in ([out, step/2], each scale
 16 bytes); the gemv form loads [out, step/32, 16] tiles, one scale group per row. Rows are padded
 to a power of two >= 16 (Triton's smallest dot); under `Tiles.swap` each dot is w_tile @ x^T, so an
 expert's output features fill the MMA's M side and the few rows its N side. Calls of at most
-`Tiles.gemv_rows` rows take a third form, per-row products and sums with no dot (`_moe_gemv`). Block shapes are powers of two; every dimension must be a
-multiple of its tile (checked: `supported`).
+`Tiles.gemv_rows` rows take a third form, per-row products and sums with no dot (`_moe_gemv`).
+Block shapes are powers of two; every dimension must be a multiple of its tile (checked: `supported`).
 """
 
 from __future__ import annotations
