@@ -203,7 +203,9 @@ def test_fp8_linear_kernel_in_the_model_equals_the_decoded_weights(scale_dtype):
     from jdspark.config import EngineConfig
     from jdspark.model import state as state_lib
     from jdspark.model.hyper import with_implementation
-    cfg = tiny_config(num_nextn_predict_layers=0, compress_ratios=(0, 0, 4, 16, 4, 16),
+    # One layer of each kind (window, CSA, HCA): every FP8 linear of every kind, each shape of the
+    # kernel (the tiny config's second window / CSA / HCA layers repeat the same 25 sites).
+    cfg = tiny_config(num_nextn_predict_layers=0, num_hidden_layers=3, compress_ratios=(0, 4, 16), num_hash_layers=1,
                       quantization=QuantConfig(scale_dtype=scale_dtype), expert_dtype="fp4")
     model = build(cfg, jnp.float32, Storage.from_config(cfg), Keys(3, concrete=True))
     rng = np.random.default_rng(4)
