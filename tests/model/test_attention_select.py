@@ -83,12 +83,16 @@ def test_attention_call_and_extend_equal_the_masked_form(layer, monkeypatch):
     cache = state.init_state(CFG, EngineConfig(max_seq_len=64, gamma=2, max_batch=2), jnp.float32).layers[layer]
 
     def run():
-        full = attn(x, jnp.broadcast_to(jnp.arange(43), (2, 43)))
-        first, c = attn.extend(x[:, :40], jnp.broadcast_to(jnp.arange(40), (2, 40)), cache,
-                               jnp.zeros(2, jnp.int32), jnp.array([40, 37], jnp.int32))
-        length = jnp.array([40, 37], jnp.int32)
-        second, _ = attn.extend(x[:, 40:], length[:, None] + jnp.arange(3), c, length, jnp.full(2, 3, jnp.int32))
-        return [np.asarray(a) for a in (full, first, second)]
+        # One compiled program instead of ~600 eager ops; a new function per call, so the second
+        # call traces again, with `_attend` patched.
+        def forward(attn, x, cache):
+            full = attn(x, jnp.broadcast_to(jnp.arange(43), (2, 43)))
+            first, c = attn.extend(x[:, :40], jnp.broadcast_to(jnp.arange(40), (2, 40)), cache,
+                                   jnp.zeros(2, jnp.int32), jnp.array([40, 37], jnp.int32))
+            length = jnp.array([40, 37], jnp.int32)
+            second, _ = attn.extend(x[:, 40:], length[:, None] + jnp.arange(3), c, length, jnp.full(2, 3, jnp.int32))
+            return full, first, second
+        return [np.asarray(a) for a in jax.jit(forward)(attn, x, cache)]
 
     got = run()
     monkeypatch.setattr(Attention, "_attend", old_attend)
