@@ -1,5 +1,7 @@
 """Nothing is hard-coded to one config: Flash and Pro instantiate and trace abstractly."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,10 +15,22 @@ from jdspark.model.model import Model
 from jdspark.model.state import init_state
 
 
+@functools.cache
+def abstract_model(make) -> DSV4:
+    """The full-size model of `make()`, instantiated abstractly (once per module: about 2 s each)."""
+    cfg = make()
+    return nnx.eval_shape(lambda: DSV4(cfg, dtype=jnp.bfloat16, rngs=Keys(0)))
+
+
+@functools.cache
+def tiny_float32_model() -> Model:
+    return Model.random(tiny_config(), "float32")
+
+
 @pytest.mark.parametrize("make,params_b", [(flash_config, 284), (pro_config, 1600)])
 def test_full_size_models_instantiate_and_trace(make, params_b):
     cfg = make()
-    model = nnx.eval_shape(lambda: DSV4(cfg, dtype=jnp.bfloat16, rngs=Keys(0)))
+    model = abstract_model(make)
     _, state = nnx.split(model)
     leaves = jax.tree_util.tree_leaves(nnx.to_pure_dict(state))
     total = sum(int(np.prod(x.shape)) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating))
@@ -37,7 +51,7 @@ def test_full_size_decode_state_and_extend_trace(make, entry_bytes_per_token):
     entries = [c.entries for layer in decode.layers for c in (layer.compressor, layer.indexer) if c is not None]
     per_token = sum(x.size * x.dtype.itemsize for x in entries) / engine.max_batch / engine.max_seq_len
     assert per_token == entry_bytes_per_token
-    model = nnx.eval_shape(lambda: DSV4(cfg, dtype=jnp.bfloat16, rngs=Keys(0)))
+    model = abstract_model(make)
     ids, n_valid = jax.ShapeDtypeStruct((2, 6), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)
     logits, features, new = jax.eval_shape(lambda m, d, i, n: m.extend(i, d, n, (40, 41, 42)), model, decode, ids, n_valid)
     assert logits.shape == (2, 6, cfg.vocab_size) and features.shape == (2, 6, 3 * cfg.hidden_size)
@@ -52,13 +66,13 @@ def test_bfloat16_residual_streams_and_float32_logits():
 
 
 def test_short_sequences_without_compressed_entries():
-    model = Model.random(tiny_config(), "float32")
+    model = tiny_float32_model()
     for length in (3, 5):  # fewer tokens than one CSA window; one CSA entry but no HCA entry
         assert np.isfinite(model.logits(np.arange(length))).all()
 
 
 def test_batch_rows_are_independent():
-    model = Model.random(tiny_config(), "float32")
+    model = tiny_float32_model()
     ids = np.random.default_rng(0).integers(0, 512, (2, 24))
     batched = np.asarray(model.forward(ids)[0])
     np.testing.assert_allclose(batched[1], model.logits(ids[1]), atol=1e-5)
@@ -75,7 +89,7 @@ def test_qat_simulation_is_wired_in_and_small():
 
 
 def test_bad_token_ids_raise_clear_errors():
-    model = Model.random(tiny_config(), "float32")
+    model = tiny_float32_model()
     with pytest.raises(ValueError, match="token id 512 is outside"):
         model.logits([1, 512])
     with pytest.raises(ValueError, match="1-D"):
