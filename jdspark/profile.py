@@ -91,6 +91,37 @@ def gpu_kernel_events(fn: Callable[[], object]) -> list[dict]:
                    and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")), key=lambda k: k["ts"])
 
 
+GAP_BUCKETS_US = (2.0, 4.0, 10.0, 50.0)
+
+
+def idle_gaps(kernels: list[dict], top: int = 8) -> dict:
+    """Where the GPU idles between `gpu_kernel_events` kernels: the idle time in gap-size buckets
+    (uniform few-us gaps are launch latency, inside a CUDA graph too; a few long ones are a sync, a
+    host callback or a command buffer split), the longest gaps with the kernels around them, and the
+    CUDA graphs the kernels ran in (kernels outside any graph were launched one by one)."""
+    buckets = {f"<{b:g}": [0, 0.0] for b in GAP_BUCKETS_US} | {f">={GAP_BUCKETS_US[-1]:g}": [0, 0.0]}
+    gaps, end, before = [], float("-inf"), None
+    for k in kernels:  # sorted by start
+        gap = k["ts"] - end
+        if before is not None and gap > 0:
+            label = next((f"<{b:g}" for b in GAP_BUCKETS_US if gap < b), f">={GAP_BUCKETS_US[-1]:g}")
+            buckets[label][0] += 1
+            buckets[label][1] += gap
+            gaps.append((gap, _kernel_label(before), _kernel_label(k)))
+        if k["ts"] + k["dur"] > end:
+            end, before = k["ts"] + k["dur"], k
+    graphs = {k["args"].get("cuda_graph_id") for k in kernels} - {None}
+    return {"idle_us": {label: {"gaps": n, "us": round(us, 1)} for label, (n, us) in buckets.items()},
+            "longest": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:top]],
+            "cuda_graphs": len(graphs),
+            "outside_graphs": sum("cuda_graph_id" not in k["args"] for k in kernels)}
+
+
+def _kernel_label(kernel: dict) -> str:
+    op = str(kernel["args"].get("hlo_op", ""))
+    return kernel["name"][:70] + ("" if not op or op.startswith("command_buffer") else f" [{op[:40]}]")
+
+
 def busy_us(kernels: list[tuple[float, float, str]]) -> float:
     """Time at least one kernel was running: the union of the kernels' intervals, in us."""
     busy, end = 0.0, float("-inf")

@@ -563,7 +563,7 @@ def kernel_scope(kernel: dict, scopes: dict[str, str]) -> str:
 
 def sublayer_split(kernels: list[dict], scopes: dict[str, str], wall_ms: float) -> dict:
     """us and kernel count per sublayer, the device-busy time, and what could not be mapped."""
-    from jdspark.profile import busy_us
+    from jdspark.profile import busy_us, idle_gaps
     split, unmapped = {}, {}
     for k in kernels:
         scope = kernel_scope(k, scopes)
@@ -572,12 +572,17 @@ def sublayer_split(kernels: list[dict], scopes: dict[str, str], wall_ms: float) 
         if scope == "unmapped":
             unmapped[k["name"][:80]] = unmapped.get(k["name"][:80], 0.0) + k["dur"]
     busy = busy_us([(k["ts"], k["dur"], k["name"]) for k in kernels]) / 1e3
-    print(f"  {len(kernels)} kernels, busy {busy:.3f} ms of {wall_ms:.3f} ms wall; by sublayer (ms, kernels):")
+    gaps = idle_gaps(kernels)
+    print(f"  {len(kernels)} kernels, busy {busy:.3f} ms of {wall_ms:.3f} ms wall; idle by gap size (us, count): "
+          f"{gaps['idle_us']}; CUDA graphs {gaps['cuda_graphs']}, kernels outside them {gaps['outside_graphs']}")
+    for g in gaps["longest"][:5]:
+        print(f"    gap {g['us']:8.1f} us after {g['after']} before {g['before']}")
+    print("  by sublayer (ms, kernels):")
     for scope, (us, count) in sorted(split.items(), key=lambda kv: -kv[1][0]):
         print(f"    {scope:>14} {us / 1e3:7.3f} ms {count:>5}")
     for name, us in sorted(unmapped.items(), key=lambda kv: -kv[1])[:6]:
         print(f"      unmapped {us:8.1f} us  {name}")
-    return {"busy_ms": busy, "kernels": len(kernels), "wall_ms": wall_ms,
+    return {"busy_ms": busy, "kernels": len(kernels), "wall_ms": wall_ms, "gaps": gaps,
             "split": {s: {"ms": us / 1e3, "kernels": c} for s, (us, c) in split.items()},
             "unmapped": dict(sorted(unmapped.items(), key=lambda kv: -kv[1])[:20]),
             "sample_args": [k["args"] for k in kernels[:5]]}

@@ -41,7 +41,7 @@ from jdspark.assets import default_model_dir
 from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine, SpecOptions
-from jdspark.profile import busy_us, gpu_kernels
+from jdspark.profile import busy_us, gpu_kernel_events, idle_gaps
 from jdspark.engine.request import SamplingParams
 
 VARIANTS = {"auto": "auto", "kernel": "pallas", "loop": "xla"}  # the engine's implementation setting
@@ -104,10 +104,16 @@ def device_busy(engine: Engine, speculative: bool, steps: int) -> dict | None:
             engine.step()
         timing["wall"] = time.perf_counter() - start
 
-    kernels = gpu_kernels(run_steps)
+    events = gpu_kernel_events(run_steps)
     engine.cancel(rid)
+    gaps = idle_gaps(events)
+    print(f"  {'speculative' if speculative else 'target-only'} idle by gap size (us, count): "
+          f"{gaps['idle_us']}; CUDA graphs {gaps['cuda_graphs']}, kernels outside them {gaps['outside_graphs']}")
+    for g in gaps["longest"][:5]:
+        print(f"    gap {g['us']:8.1f} us after {g['after']} before {g['before']}")
+    kernels = [(k["ts"], k["dur"], k["name"]) for k in events]
     return {"busy_ms": busy_us(kernels) / steps / 1e3, "kernels_per_step": len(kernels) / steps,
-            "wall_ms": timing["wall"] / steps * 1e3}
+            "wall_ms": timing["wall"] / steps * 1e3, "gaps": gaps}
 
 
 def measure(model, variant: str, runs: int, steps: int, cache_dir: str) -> dict:

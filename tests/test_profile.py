@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdspark.profile import busy_us, gpu_kernels
+from jdspark.profile import busy_us, gpu_kernels, idle_gaps
 
 
 @pytest.mark.parametrize("kernels, busy", [
@@ -19,6 +19,20 @@ def test_busy_time_is_the_union_of_kernel_intervals(kernels, busy):
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU has no GPU streams")
+def test_idle_gaps_bucket_the_idle_time_between_kernels():
+    def kernel(ts, dur, name, graph="1"):
+        return {"ts": ts, "dur": dur, "name": name, "args": {} if graph is None else {"cuda_graph_id": graph}}
+    # a: 0-10, b: 11-15 (gap 1), c: 12-30 overlaps b (no gap), d: 33-34 (gap 3), e: 134-135 (gap 100)
+    gaps = idle_gaps([kernel(0, 10, "a"), kernel(11, 4, "b"), kernel(12, 18, "c"), kernel(33, 1, "d", "2"),
+                      kernel(134, 1, "e", None)])
+    assert gaps["idle_us"]["<2"] == {"gaps": 1, "us": 1.0}
+    assert gaps["idle_us"]["<4"] == {"gaps": 1, "us": 3.0}
+    assert gaps["idle_us"][">=50"] == {"gaps": 1, "us": 100.0}
+    assert gaps["longest"][0] == {"us": 100.0, "after": "d", "before": "e"}
+    assert gaps["longest"][1]["after"] == "c"  # the kernel that ended last, not the one that started last
+    assert (gaps["cuda_graphs"], gaps["outside_graphs"]) == (2, 1)
+
+
 def test_no_gpu_kernels_on_the_cpu():
     assert gpu_kernels(lambda: jax.block_until_ready(jnp.ones(3) + 1)) == []
 
