@@ -75,8 +75,9 @@ def gpu_kernels(fn: Callable[[], object]) -> list[tuple[float, float, str]]:
     return [(k["ts"], k["dur"], k["name"]) for k in gpu_kernel_events(fn)]
 
 
-def gpu_kernel_events(fn: Callable[[], object]) -> list[dict]:
-    """`gpu_kernels` as trace events: ts, dur (us), name and args (e.g. the HLO op a kernel runs)."""
+def gpu_kernel_events(fn: Callable[[], object], host: list | None = None) -> list[dict]:
+    """`gpu_kernels` as trace events: ts, dur (us), name and args (e.g. the HLO op a kernel runs).
+    host: a list that receives the host threads' events of the same trace (see `host_summary`)."""
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             fn()
@@ -86,9 +87,24 @@ def gpu_kernel_events(fn: Callable[[], object]) -> list[dict]:
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
            and "GPU" in e["args"].get("name", "")}
+    if host is not None:
+        host.extend({"ts": e["ts"], "dur": e["dur"], "name": e["name"]} for e in events
+                    if e.get("ph") == "X" and e["pid"] not in gpu)
     return sorted(({"ts": e["ts"], "dur": e["dur"], "name": e["name"], "args": e.get("args", {})} for e in events
                    if e.get("ph") == "X" and e["pid"] in gpu
                    and threads.get((e["pid"], e.get("tid")), "").startswith("Stream")), key=lambda k: k["ts"])
+
+
+def host_summary(events: list[dict], top: int = 15) -> list[dict]:
+    """The host events of a trace by total time (us) and count, longest first: what the host did while
+    the GPU waited (a name's total includes the events nested in it)."""
+    totals: dict[str, list] = {}
+    for e in events:
+        total = totals.setdefault(e["name"][:100], [0.0, 0])
+        total[0] += e["dur"]
+        total[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [{"name": name, "us": round(us, 1), "count": n} for name, (us, n) in ranked]
 
 
 GAP_BUCKETS_US = (2.0, 4.0, 10.0, 50.0)

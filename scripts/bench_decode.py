@@ -63,7 +63,7 @@ from jdspark.model.dequant import (E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_
 from jdspark.model.moe import Experts, expert_slots, routed_slots, swiglu
 from jdspark.model.quant_sim import fp8_sim
 from jdspark.model.quantized import FP8Linear, Storage, abstract_model, is_expert
-from jdspark.profile import gpu_kernel_events
+from jdspark.profile import gpu_kernel_events, host_summary
 from pallas_kernels import fp8_linear as fp8_kernels
 from pallas_kernels import moe as moe_kernels
 
@@ -308,11 +308,13 @@ class Stepper:
                                                                  self.n_valid).compile()
         self.compile_s = time.perf_counter() - start
         self.commit = jax.jit(state_lib.commit, donate_argnums=0)
+        self.dispatch_s: list[float] = []  # per call: until the call returned (enqueued), before the sync
 
     def __call__(self) -> float:
         """Seconds of one extend call (dispatch to logits ready); the rollback after it is not timed."""
         start = time.perf_counter()
         logits, self.decode = self.compiled(self.params, self.decode, self.ids, self.n_valid)
+        self.dispatch_s.append(time.perf_counter() - start)
         logits.block_until_ready()
         seconds = time.perf_counter() - start
         self.decode = self.commit(self.decode, self.zero)
@@ -594,14 +596,21 @@ def profile_row(graphdef, params, config, engine, dtype, batch, rows, context) -
     with named_scopes():
         step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context)
     wall_ms = statistics.median([step() for _ in range(13)][3:]) * 1e3
-    kernels = gpu_kernel_events(step)
+    dispatch_ms = statistics.median(step.dispatch_s[3:]) * 1e3
+    print(f"  wall {wall_ms:.3f} ms a call, of which {dispatch_ms:.3f} ms until the call returned (host dispatch)")
+    host: list[dict] = []
+    kernels = gpu_kernel_events(step, host)
+    print("  host events (total us, count):")
+    for event in host_summary(host):
+        print(f"    {event['us']:9.1f} us {event['count']:>5} x  {event['name']}")
     by_name: dict[str, list[float]] = {}
     for k in kernels:
         by_name.setdefault(k["name"], []).append(k["dur"])
     top = sorted(({"name": n, "us": sum(v), "count": len(v)} for n, v in by_name.items()), key=lambda r: -r["us"])
     for r in top[:8]:
         print(f"    {r['us']:9.1f} us {r['count']:>4} x  {r['name'][:90]}")
-    return {"top": top[:40], **sublayer_split(kernels, hlo_scopes(step.compiled.as_text()), wall_ms)}
+    return {"top": top[:40], "host": host_summary(host, 40), "dispatch_ms": dispatch_ms,
+            **sublayer_split(kernels, hlo_scopes(step.compiled.as_text()), wall_ms)}
 
 
 def model_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
