@@ -177,7 +177,7 @@ def gpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, bank_exper
     import jax
     import jax.numpy as jnp
     from pallas_kernels import moe as kmoe
-    from jdspark.model.moe import routed_slots
+    from jdspark.model.moe import expert_slots, routing_matrix
     fmt, scale = FORMATS[fmt_name]
     n = max(bank_experts, TOP_K)
     bank = random_bank(fmt, dim, inter, n, scale_dtype=scale)
@@ -199,8 +199,8 @@ def gpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, bank_exper
 
         @jax.jit
         def step(x, weights, idx):
-            experts, dense = routed_slots(weights, idx, n)
-            slot = jnp.searchsorted(experts, idx.astype(jnp.int32), side="left")
+            experts, slot = expert_slots(idx, n)
+            dense = routing_matrix(weights, slot, experts.shape[0])
             return kmoe.moe(x, experts, dense, slot, *stored, fmt=kfmt, limit=10.0, interpret=interpret)
 
         calls = []
