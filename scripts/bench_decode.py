@@ -601,8 +601,9 @@ def profile_row(graphdef, params, config, engine, dtype, batch, rows, context) -
     host: list[dict] = []
     kernels = gpu_kernel_events(step, host)
     print("  host events (total us, count):")
-    for event in host_summary(host):
-        print(f"    {event['us']:9.1f} us {event['count']:>5} x  {event['name']}")
+    for event in host_summary(host, 60):  # the outer frames, then what the command buffer thunk did
+        if event in host_summary(host) or event["name"].startswith(("command_buffer::", "cuGraph")):
+            print(f"    {event['us']:9.1f} us {event['count']:>5} x  {event['name']}")
     by_name: dict[str, list[float]] = {}
     for k in kernels:
         by_name.setdefault(k["name"], []).append(k["dur"])
