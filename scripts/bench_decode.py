@@ -291,10 +291,10 @@ class Stepper:
     fixed. packed: the parameters travel as the engine passes them on the GPU (`jdspark.engine.packed`:
     the small tensors in a few flat buffers), else one argument per tensor."""
 
-    def __init__(self, graphdef, params, config, engine, dtype, batch, rows, context, packed=True):
+    def __init__(self, graphdef, params, config, engine, dtype, batch, rows, context, packed=True, donated=False):
         pack = PackedParams(params, SMALL_BYTES if packed else None)
 
-        def extend(arrays, decode, ids, n_valid):
+        def extend(arrays, decode, ids, n_valid, out):
             logits, _, new = nnx.merge(graphdef, pack.unpack(arrays)).extend(ids, decode, n_valid)
             return logits, new
 
@@ -303,9 +303,13 @@ class Stepper:
         self.ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, rows)), jnp.int32)
         self.n_valid, self.zero = jnp.full((batch,), rows, jnp.int32), jnp.zeros((batch,), jnp.int32)
         self.params = pack.arrays
+        # donated: the logits are written into the previous call's logits (a donated argument of their shape), so
+        # every buffer the call's CUDA graph touches keeps its address and XLA need not update the graph
+        logits = jax.eval_shape(extend, self.params, self.decode, self.ids, self.n_valid, None)[0]
+        self.out = jnp.zeros(logits.shape, logits.dtype) if donated else None
         start = time.perf_counter()
-        self.compiled = jax.jit(extend, donate_argnums=1).lower(self.params, self.decode, self.ids,
-                                                                 self.n_valid).compile()
+        self.compiled = jax.jit(extend, donate_argnums=(1, 4) if donated else 1).lower(
+            self.params, self.decode, self.ids, self.n_valid, self.out).compile()
         self.compile_s = time.perf_counter() - start
         self.commit = jax.jit(state_lib.commit, donate_argnums=0)
         self.dispatch_s: list[float] = []  # per call: until the call returned (enqueued), before the sync
@@ -313,17 +317,20 @@ class Stepper:
     def __call__(self) -> float:
         """Seconds of one extend call (dispatch to logits ready); the rollback after it is not timed."""
         start = time.perf_counter()
-        logits, self.decode = self.compiled(self.params, self.decode, self.ids, self.n_valid)
+        logits, self.decode = self.compiled(self.params, self.decode, self.ids, self.n_valid, self.out)
         self.dispatch_s.append(time.perf_counter() - start)
         logits.block_until_ready()
+        if self.out is not None:
+            self.out = logits
         seconds = time.perf_counter() - start
         self.decode = self.commit(self.decode, self.zero)
         return seconds
 
 
-def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2, packed=True):
+def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2, packed=True,
+                donated=False):
     """(median ms, compile s) of extend at [batch, rows] after `context` tokens, rolled back each time."""
-    step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context, packed)
+    step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context, packed, donated)
     times = [step() for _ in range(warmup + runs)][warmup:]
     return statistics.median(times) * 1e3, step.compile_s
 
@@ -590,11 +597,12 @@ def sublayer_split(kernels: list[dict], scopes: dict[str, str], wall_ms: float) 
             "sample_args": [k["args"] for k in kernels[:5]]}
 
 
-def profile_row(graphdef, params, config, engine, dtype, batch, rows, context) -> dict:
+def profile_row(graphdef, params, config, engine, dtype, batch, rows, context, mode="packed") -> dict:
     """The top kernels and the per-sublayer split of one extend call at [batch, rows] after `context`
     (the timed call itself: state donated and written, then rolled back)."""
     with named_scopes():
-        step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context)
+        step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context, mode != "separate",
+                       mode == "donated")
     wall_ms = statistics.median([step() for _ in range(13)][3:]) * 1e3
     dispatch_ms = statistics.median(step.dispatch_s[3:]) * 1e3
     print(f"  wall {wall_ms:.3f} ms a call, of which {dispatch_ms:.3f} ms until the call returned (host dispatch)")
@@ -634,7 +642,7 @@ def time_row(graphdef, params, config, sizes, dtype, bandwidth, label, mode, con
     key = {"variant": label, "params": mode, "context": context, "batch": batch, "rows": rows}
     try:
         ms, compile_s = time_extend(graphdef, params, config, engine, dtype, batch, rows, context, args.runs,
-                                    packed=mode == "packed")
+                                    packed=mode != "separate", donated=mode == "donated")
     except Exception as err:  # a variant that fails to build: recorded, the rest still run
         print(f"{label:>14} {context:>6} {batch:>3} {rows:>2} failed: {type(err).__name__}: {str(err)[:300]}",
               flush=True)
@@ -656,8 +664,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, nargs="+", default=[4096])
     ap.add_argument("--variants", nargs="+", default=["current"])
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--params", nargs="+", choices=["packed", "separate"], default=["packed"],
-                    help="how the parameters travel: packed as the engine passes them on the GPU, or one argument each")
+    ap.add_argument("--params", nargs="+", choices=["packed", "separate", "donated"], default=["packed"],
+                    help="how the parameters travel: packed as the engine passes them on the GPU, or one argument "
+                         "each; donated: packed, and the logits written into a donated buffer (stable addresses)")
     ap.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth array size (default 2048 GPU, 64 CPU)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="with --moe-layer: time the kernel's tilings (GPU)")
@@ -708,18 +717,17 @@ def main(argv=None) -> dict:
         graphdef_v = with_experts_implementation(graphdef, params, name)
         with variant(name):
             for mode in args.params:
-                label = name if mode == "packed" else f"{name}/separate"
+                label = name if mode == "packed" else f"{name}/{mode}"
                 for context in args.context:
                     for batch in args.batch:
                         for rows in args.rows:
                             row = time_row(graphdef_v, params, config, sizes, dtype, bandwidth, label, mode, context,
                                            batch, rows, args)
                             report["rows"].append(row)
-                            if args.profile and gpu and name == args.variants[0] and mode == args.params[0] \
-                                    and "error" not in row:
+                            if args.profile and gpu and name == args.variants[0] and "error" not in row:
                                 engine = EngineConfig(max_seq_len=_seq_len(context), max_batch=batch)
                                 row["profile"] = profile_row(graphdef_v, params, config, engine, dtype, batch, rows,
-                                                             context)
+                                                             context, mode)
                             if args.json:  # after every row: a run cut short keeps what it measured
                                 args.json.write_text(json.dumps(report, indent=1))
     return report
