@@ -62,7 +62,7 @@ from jdspark.model.dequant import (E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_
                                    fp8_scaled_x_matmul)
 from jdspark.model.moe import Experts, expert_slots, routed_slots, swiglu
 from jdspark.model.quant_sim import fp8_sim
-from jdspark.model.quantized import FP8Linear, Storage, abstract_model, is_expert
+from jdspark.model.quantized import FP8Linear, Storage, abstract_model, is_expert, is_weight_scale
 from jdspark.profile import gpu_kernel_events, host_summary
 from pallas_kernels import fp8_linear as fp8_kernels
 from pallas_kernels import moe as moe_kernels
@@ -291,8 +291,10 @@ class Stepper:
     fixed. packed: the parameters travel as the engine passes them on the GPU (`jdspark.engine.packed`:
     the small tensors in a few flat buffers), else one argument per tensor."""
 
-    def __init__(self, graphdef, params, config, engine, dtype, batch, rows, context, packed=True, donated=False):
-        pack = PackedParams(params, SMALL_BYTES if packed else None)
+    def __init__(self, graphdef, params, config, engine, dtype, batch, rows, context, mode="packed"):
+        donated = mode == "donated"
+        pack = PackedParams(params, None if mode == "separate" else SMALL_BYTES,
+                            apart=is_weight_scale if mode == "scales-apart" else None)
 
         def extend(arrays, decode, ids, n_valid, out):
             logits, _, new = nnx.merge(graphdef, pack.unpack(arrays)).extend(ids, decode, n_valid)
@@ -327,10 +329,9 @@ class Stepper:
         return seconds
 
 
-def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2, packed=True,
-                donated=False):
+def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2, mode="packed"):
     """(median ms, compile s) of extend at [batch, rows] after `context` tokens, rolled back each time."""
-    step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context, packed, donated)
+    step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context, mode)
     times = [step() for _ in range(warmup + runs)][warmup:]
     return statistics.median(times) * 1e3, step.compile_s
 
@@ -601,8 +602,7 @@ def profile_row(graphdef, params, config, engine, dtype, batch, rows, context, m
     """The top kernels and the per-sublayer split of one extend call at [batch, rows] after `context`
     (the timed call itself: state donated and written, then rolled back)."""
     with named_scopes():
-        step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context, mode != "separate",
-                       mode == "donated")
+        step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context, mode)
     wall_ms = statistics.median([step() for _ in range(13)][3:]) * 1e3
     dispatch_ms = statistics.median(step.dispatch_s[3:]) * 1e3
     print(f"  wall {wall_ms:.3f} ms a call, of which {dispatch_ms:.3f} ms until the call returned (host dispatch)")
@@ -642,7 +642,7 @@ def time_row(graphdef, params, config, sizes, dtype, bandwidth, label, mode, con
     key = {"variant": label, "params": mode, "context": context, "batch": batch, "rows": rows}
     try:
         ms, compile_s = time_extend(graphdef, params, config, engine, dtype, batch, rows, context, args.runs,
-                                    packed=mode != "separate", donated=mode == "donated")
+                                    mode=mode)
     except Exception as err:  # a variant that fails to build: recorded, the rest still run
         print(f"{label:>14} {context:>6} {batch:>3} {rows:>2} failed: {type(err).__name__}: {str(err)[:300]}",
               flush=True)
@@ -664,9 +664,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, nargs="+", default=[4096])
     ap.add_argument("--variants", nargs="+", default=["current"])
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--params", nargs="+", choices=["packed", "separate", "donated"], default=["packed"],
+    ap.add_argument("--params", nargs="+", choices=["packed", "separate", "donated", "scales-apart"],
+                    default=["packed"],
                     help="how the parameters travel: packed as the engine passes them on the GPU, or one argument "
-                         "each; donated: packed, and the logits written into a donated buffer (stable addresses)")
+                         "each; donated: packed, and the logits written into a donated buffer (stable addresses); "
+                         "scales-apart: packed but the FP8 block scales, each an argument of its own")
     ap.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth array size (default 2048 GPU, 64 CPU)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="with --moe-layer: time the kernel's tilings (GPU)")

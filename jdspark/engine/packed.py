@@ -15,6 +15,7 @@ compilation by ~30% (docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +27,17 @@ class PackedParams:
     """`arrays`: the buffers to pass to an executable; `unpack(arrays)` (inside it) rebuilds the
     parameter pytree with the original shapes, dtypes and values."""
 
-    def __init__(self, params, small_bytes: int | None = SMALL_BYTES):
-        """small_bytes=None packs nothing: every tensor is an argument of its own."""
-        leaves, self.treedef = jax.tree.flatten(params)
+    def __init__(self, params, small_bytes: int | None = SMALL_BYTES, apart: Callable[[tuple], bool] | None = None):
+        """small_bytes=None packs nothing: every tensor is an argument of its own. apart(path) True
+        keeps that tensor an argument of its own too (path: the pytree keys as plain names), e.g.
+        one a Pallas kernel reads whole: sliced out of a packed buffer, XLA copies it into a buffer
+        of its own before every kernel call."""
+        with_paths, self.treedef = jax.tree_util.tree_flatten_with_path(params)
         arrays, groups = [], {}
         self._layout: list[tuple[int, int | None, tuple[int, ...]]] = []  # (array, offset or None: whole, shape)
-        for leaf in leaves:
-            if small_bytes is None or leaf.nbytes > small_bytes or not leaf.sharding.is_fully_replicated:
+        for key_path, leaf in with_paths:
+            if (small_bytes is None or leaf.nbytes > small_bytes or not leaf.sharding.is_fully_replicated
+                    or (apart is not None and apart(key_names(key_path)))):
                 self._layout.append((len(arrays), None, leaf.shape))
                 arrays.append(leaf)
                 continue
@@ -60,3 +65,10 @@ class PackedParams:
         """The unpacking (every tensor's buffer, offset and shape: the buffers' dtypes are the
         executables' argument types), which a trace depends on."""
         return repr((str(self.treedef), self._layout))
+
+
+def key_names(key_path) -> tuple:
+    """A parameter's pytree key path as the checkpoint's names, e.g. ('layers', 0, 'attn', 'wq_a',
+    'scale') (an nnx.State path's trailing 'value', the Variable's field, dropped)."""
+    names = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in key_path)
+    return names[:-1] if names[-1:] == ("value",) else names

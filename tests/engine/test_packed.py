@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdspark.engine.packed import PackedParams
+from jdspark.engine.packed import PackedParams, key_names
 from jdspark.model.model import Model
 from tests.conftest import SPEC_CONFIG
 
@@ -23,3 +23,17 @@ def test_unpack_inside_jit_returns_every_parameter_exactly():
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
 
+
+
+def test_tensors_kept_apart_stay_arguments_of_their_own():
+    params = Model.random(SPEC_CONFIG, "bfloat16", seed=3).params
+    names = [key_names(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    norms = [n for n in names if n[-2:] == ("attn_norm", "weight")]
+    assert norms and all(isinstance(part, (str, int)) for part in norms[0])
+    packed = PackedParams(params, apart=lambda path: path[-2:] == ("attn_norm", "weight"))
+    together = PackedParams(params)
+    assert len(packed.arrays) == len(together.arrays) + len(norms)
+    leaves = dict(zip(names, jax.tree.leaves(params)))
+    assert all(any(a is leaves[n] for a in packed.arrays) for n in norms)  # passed as they are, not copied
+    for got, want in zip(jax.tree.leaves(packed.unpack(packed.arrays)), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
