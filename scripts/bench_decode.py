@@ -315,9 +315,11 @@ class Stepper:
         self.compile_s = time.perf_counter() - start
         self.commit = jax.jit(state_lib.commit, donate_argnums=0)
         self.dispatch_s: list[float] = []  # per call: until the call returned (enqueued), before the sync
+        self.addresses: list[tuple[int, ...]] = []  # per call: the state's device buffer addresses
 
     def __call__(self) -> float:
         """Seconds of one extend call (dispatch to logits ready); the rollback after it is not timed."""
+        self.addresses.append(buffer_addresses(self.decode))
         start = time.perf_counter()
         logits, self.decode = self.compiled(self.params, self.decode, self.ids, self.n_valid, self.out)
         self.dispatch_s.append(time.perf_counter() - start)
@@ -327,6 +329,12 @@ class Stepper:
         seconds = time.perf_counter() - start
         self.decode = self.commit(self.decode, self.zero)
         return seconds
+
+
+def buffer_addresses(tree) -> tuple[int, ...]:
+    """Device addresses of a pytree's buffers (an address that changes between calls makes XLA update
+    the call's CUDA graph)."""
+    return tuple(x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree))
 
 
 def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2, mode="packed"):
@@ -606,6 +614,8 @@ def profile_row(graphdef, params, config, engine, dtype, batch, rows, context, m
     wall_ms = statistics.median([step() for _ in range(13)][3:]) * 1e3
     dispatch_ms = statistics.median(step.dispatch_s[3:]) * 1e3
     print(f"  wall {wall_ms:.3f} ms a call, of which {dispatch_ms:.3f} ms until the call returned (host dispatch)")
+    moved = sum(a != b for a, b in zip(step.addresses[-2], step.addresses[-1]))
+    print(f"  state buffers at another address than in the call before: {moved} of {len(step.addresses[-1])}")
     host: list[dict] = []
     kernels = gpu_kernel_events(step, host)
     print("  host events (total us, count):")
@@ -619,7 +629,7 @@ def profile_row(graphdef, params, config, engine, dtype, batch, rows, context, m
     for r in top[:8]:
         print(f"    {r['us']:9.1f} us {r['count']:>4} x  {r['name'][:90]}")
     return {"top": top[:40], "host": host_summary(host, 40), "dispatch_ms": dispatch_ms,
-            **sublayer_split(kernels, hlo_scopes(step.compiled.as_text()), wall_ms)}
+            "state_buffers_moved": moved, **sublayer_split(kernels, hlo_scopes(step.compiled.as_text()), wall_ms)}
 
 
 def model_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:

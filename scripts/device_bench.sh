@@ -128,16 +128,19 @@ for part in "$@"; do
       find "$OUT/hlo" -type f ! -name '*jit_extend*after_optimizations.txt' -delete; gzip -r "$OUT/hlo" ;;
     cmdbuf)  # issue 23: which buffers make XLA update the step's command buffer (CUDA graph) on every call:
       # the XLA build's command-buffer flags, then the S = 1 extend with the update log and the buffer assignment,
-      # then S = 1 under each of CMDBUF_ENVS ('|'-separated environment settings) with the host/GPU split
+      # then S = 1 under each of CMDBUF_ENVS ('|'-separated environment settings) with the host/GPU split;
+      # e.g. CMDBUF_ENVS="XLA_FLAGS=--xla_gpu_enable_command_buffer=-DYNAMIC_SLICE_FUSION|XLA_PYTHON_CLIENT_ALLOCATOR=bfc"
       for so in $(python3 -c "import importlib.util as u, pathlib as p; [print(f) for n in ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jaxlib') if u.find_spec(n) for f in p.Path(u.find_spec(n).origin).parent.rglob('*.so') if f.stat().st_size > 5e7]"); do
         echo "$so"; grep -aoE "xla_gpu_(command_buffer|graph)[a-z_]*|(SKIP_TEMP|VMM_PERSISTENT_TEMP|DYNAMIC_ALLOCATE|ALWAYS_UPDATE|NEVER_UPDATE)" "$so" | sort -u
       done 2>&1 | tee "$OUT/cmdbuf_flags.log"
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_cmd=2,gpu_executable=3 \
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,gpu_executable_buffer_allocator=3,gpu_executable=3 \
         XLA_FLAGS="--xla_dump_to=$WORK/cmdbuf-dump --xla_dump_hlo_module_re=jit_extend" timeout 150 \
         python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 --storage fp8+fp4 --rows 1 \
         --context 4096 --runs 6 --variants current > "$WORK/cmdbuf_vlog.txt" 2>&1
-      grep -E "^[IW][0-9]" "$WORK/cmdbuf_vlog.txt" | cut -d']' -f2- | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn \
-        | head -25 | cut -c1-200 | tee "$OUT/cmdbuf_updates.log"
+      grep -iE "updated_allocs|needs_update|Updated [0-9]+ command|copy.protect|command buffer" "$WORK/cmdbuf_vlog.txt" \
+        | cut -d']' -f2- | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -25 | cut -c1-250 \
+        | tee "$OUT/cmdbuf_updates.log"
+      grep -iE "updated_allocs|needs_update" "$WORK/cmdbuf_vlog.txt" | tail -4 | cut -c1-400 | tee -a "$OUT/cmdbuf_updates.log"
       for idx in $(grep -oE "require update [0-9]+" "$WORK/cmdbuf_vlog.txt" | awk '{print $3}' | sort -un | head -20); do
         grep -h -m1 -E "^allocation $idx:" "$WORK"/cmdbuf-dump/*jit_extend*buffer-assignment.txt
       done | cut -c1-300 | tee -a "$OUT/cmdbuf_updates.log"
@@ -146,7 +149,7 @@ for part in "$@"; do
         echo "--- $setting"
         env $setting timeout 150 python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 \
           --storage fp8+fp4 --rows ${CMDBUF_ROWS:-1} --context 4096 --runs 10 --profile --variants current 2>&1 \
-          | grep -E "^ +current|wall |command_buffer::|cuGraph|kernels, busy|Error|error" | cut -c1-250
+          | grep -E "^ +current|wall |state buffers|command_buffer::|cuGraph|kernels, busy|Error|error" | cut -c1-250
       done 2>&1 | tee "$OUT/cmdbuf_flags_timing.log" ;;
     moe-tests)  # the routed-expert kernel compiled against its reference (every form, format and decoder)
       timeout ${MOE_TEST_SECONDS:-200} python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu \
