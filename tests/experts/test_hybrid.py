@@ -1,6 +1,6 @@
 """Hybrid MoE layers (experts split between the device and host banks) compute what the all-device
 model does: per layer in every storage, the logits of a tiny model, vmap, clear errors; the engine's
-greedy tokens (slow). On the CPU: float32 within 1e-6 (the host GEMV sums in another order than
+greedy tokens and the losslessness of speculative sampling (slow). On the CPU: float32 within 1e-6 (the host GEMV sums in another order than
 XLA's dot; logits within 3e-6, those differences carried through the layers), bfloat16 within one
 bf16 rounding of an intermediate."""
 
@@ -139,3 +139,18 @@ def test_load_model_with_gpu_memory_places_experts_on_the_host(fp4_checkpoint, c
     assert rel(hybrid.logits(ids), model.logits(ids)) <= 3e-6
     with pytest.raises(ValueError, match="not routed experts"):
         load_model(fp4_checkpoint, "float32", progress=False, gpu_memory=1000)
+
+
+@pytest.mark.slow
+def test_speculative_sampling_with_host_experts_is_lossless():
+    """The fast tier of tests/engine/test_lossless.py (2560 requests at T = 1, each row verified at
+    width 1 or 2) through a model with part of its experts in host banks: one host callback per
+    hybrid MoE layer in every executable. The exact joint is the all-device model's (their logits
+    agree within 3e-6, far below what 2560 samples resolve). Mutation caught: the host callback
+    returning zeros (the host experts' share lost): pair p-values 4e-38, 7e-15, 2e-7."""
+    from tests.engine.test_lossless import ALPHA, STAT_CONFIG, WARPS, lossless_p_values, stat_engine_for
+    model = bf16_valued(Model.random(STAT_CONFIG, "float32", seed=3))
+    hybrid = with_host_experts(model, {0: [0, 3, 6], 2: [1, 2]})
+    p_values, widths, mixed = lossless_p_values(stat_engine_for(hybrid, "xla"), model, WARPS["T=1"], 10)
+    assert min(p_values) > ALPHA, p_values
+    assert widths[1] > 0 and widths[2] > 0 and mixed > 0
