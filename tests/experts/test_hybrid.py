@@ -1,8 +1,8 @@
 """Hybrid MoE layers (experts split between the device and host banks) compute what the all-device
 model does: per layer in every storage, the logits of a tiny model, vmap, clear errors; the engine's
-greedy tokens and the losslessness of speculative sampling (slow). On the CPU: float32 within 1e-6 (the host GEMV sums in another order than
-XLA's dot; logits within 3e-6, those differences carried through the layers), bfloat16 within one
-bf16 rounding of an intermediate."""
+greedy tokens and the losslessness of speculative sampling (slow). On the CPU: float32 within 1e-6
+(the host GEMV sums in another order than XLA's dot; logits within 3e-6, those differences carried
+through the layers), bfloat16 within one bf16 rounding of an intermediate."""
 
 import jax
 import jax.numpy as jnp
