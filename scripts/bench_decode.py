@@ -310,7 +310,7 @@ class Stepper:
         logits = jax.eval_shape(extend, self.params, self.decode, self.ids, self.n_valid, None)[0]
         self.out = jnp.zeros(logits.shape, logits.dtype) if donated else None
         start = time.perf_counter()
-        self.compiled = jax.jit(extend, donate_argnums=(1, 4) if donated else 1).lower(
+        self.compiled = jax.jit(extend, donate_argnums=(1, 4) if donated else 1, keep_unused=True).lower(
             self.params, self.decode, self.ids, self.n_valid, self.out).compile()
         self.compile_s = time.perf_counter() - start
         self.commit = jax.jit(state_lib.commit, donate_argnums=0)

@@ -285,7 +285,11 @@ class Executables:
         def layout(tree):
             return jax.tree.map(lambda a: a.sharding, tree)
 
-        kept = dict(donate_argnums=(1, 2), out_shardings=(decode.length.sharding, layout(decode), layout(draft_cache)))
+        # keep_unused: a donated input the program does not read (the state's `written`) would be dropped from
+        # it, its output would get a new buffer every call, and the outputs of its shape would pair with
+        # other inputs: state buffers moving between calls, each move an update of the call's CUDA graph
+        kept = dict(donate_argnums=(1, 2), keep_unused=True,
+                    out_shardings=(decode.length.sharding, layout(decode), layout(draft_cache)))
         programs = {}  # (bucket, "prefill" | "decode" | width) -> (function, example arguments)
         for b in self.buckets:
             slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)

@@ -2,7 +2,7 @@
 way, unpacked exactly (bit-cast floats and unsigned seeds included); non-finite logits come back as
 the invalid flag; the kernel setting is validated before compiling; a float32
 model's executables compute every dot product at full float32 precision whatever the ambient
-default."""
+default; every call leaves the donated state in the buffers it came in."""
 
 import re
 
@@ -16,6 +16,7 @@ from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import executables
 from jdspark.engine.engine import Engine
+from jdspark.engine.request import SamplingParams
 from jdspark.model import hyper
 from tests.conftest import SPEC_CONFIG
 
@@ -137,3 +138,26 @@ def test_auto_lowers_to_the_pallas_kernels_on_the_gpu_and_xla_does_not(spec_mode
         texts[name] = jax.jit(exe.step_function(5)).lower(exe.params.arrays, decode, cache, slots).as_text()
     assert "rejection_race" in texts["auto"] and "mhc_sinkhorn" in texts["auto"]
     assert "rejection_race" not in texts["xla"] and "mhc_sinkhorn" not in texts["xla"]
+
+
+def test_every_step_keeps_the_state_and_draft_buffers_in_place(spec_engine):
+    """The donated state and draft cache come back in the same device buffers on every call of
+    prefill, decode and step[k]. A buffer that moved would make XLA update the call's CUDA graph
+    (the commands reading it) on the GPU. It failed while the programs dropped the donated inputs
+    they do not read (the state's `written`): that output got a new buffer every call, and the
+    draft cache's length took the freed one."""
+    engine = spec_engine
+
+    def addresses():
+        leaves = jax.tree_util.tree_flatten_with_path((engine.state, engine.draft_cache))[0]
+        return {jax.tree_util.keystr(path): leaf.unsafe_buffer_pointer() for path, leaf in leaves}
+
+    for speculative in (True, False):
+        engine.set_policy(speculative=speculative, width_policy=lambda confidence: 2)
+        before = addresses()
+        rid = engine.add(np.array([5, 9, 2, 14], np.int32),
+                         SamplingParams(max_tokens=12, temperature=1.0, seed=1, ignore_eos=True))
+        for _ in range(4):
+            engine.step()
+            assert addresses() == before, speculative
+        engine.cancel(rid)
