@@ -182,9 +182,9 @@ def expert_slots(idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
 
     Unused slots repeat the last expert E-1 (a valid index, so gathers stay in bounds, and the
     order stays sorted); every choice maps to the first slot holding its expert, so padding slots
-    are never chosen. jnp.unique (a sort) and jnp.searchsorted (all pairs compared). One row (decode) needs neither: its
-    K choices are distinct already (top-k, or a row of the hash table), so they are the slots, in
-    router order (~12 fewer kernels per MoE layer). A pairwise count over all choices
+    are never chosen. jnp.unique (a sort) and jnp.searchsorted (all pairs compared). One row
+    (decode) needs neither: its K choices are distinct already (top-k, or a row of the hash table),
+    so they are the slots, in router order (~12 fewer kernels per MoE layer). A pairwise count over all choices
     (5aa3aae) gives the same slots in fewer kernels (standalone on the H200: 2 / 5 kernels, 0.10 ms,
     against 22 / 35 and 0.18 / 0.34 ms at N = 1 / 6), yet made the whole step slower there (one run
     at 57cf0e2, Flash dims, 8 layers, ds_fp4, context 4K): extend S=1 7.09 against 5.78 ms with the

@@ -95,12 +95,15 @@ def test_dequantize_at_load_gives_the_decoded_values(stored):
             np.testing.assert_array_equal(bits(value), bits(want), err_msg=p)
 
 
-def test_dequantize_at_load_gives_identical_logits(floats, tmp_path):
+def test_dequantize_at_load_gives_the_same_logits(floats, tmp_path):
+    """Up to float32 summation order: the weights are the same bits (the test above), but XLA fuses
+    the compact model's in-program decode and the expanded model's dense weights differently (the
+    logits were identical bits until a change elsewhere in the MoE program moved a fusion; 2e-6 since)."""
     tensors, dtype_names = quantize_tensors(floats, STORAGES["flash"])
     path = write(tmp_path, tensors, config_with(CFG, STORAGES["flash"]), dtype_names=dtype_names)
     compact = jdspark.load_model(path, dtype="float32", progress=False)
     expanded = jdspark.load_model(path, dtype="float32", dequantize=True, progress=False)
-    np.testing.assert_array_equal(expanded.logits(IDS), compact.logits(IDS))
+    np.testing.assert_allclose(expanded.logits(IDS), compact.logits(IDS), rtol=1e-5, atol=1e-5)
 
 
 def test_format_is_detected_from_the_tensors(stored):
