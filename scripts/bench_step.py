@@ -41,7 +41,7 @@ from jdspark.assets import default_model_dir
 from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine, SpecOptions
-from jdspark.profile import busy_us, gpu_kernel_events, idle_gaps
+from jdspark.profile import busy_us, gpu_kernel_events, host_summary, idle_gaps
 from jdspark.engine.request import SamplingParams
 
 VARIANTS = {"auto": "auto", "kernel": "pallas", "loop": "xla"}  # the engine's implementation setting
@@ -104,8 +104,12 @@ def device_busy(engine: Engine, speculative: bool, steps: int) -> dict | None:
             engine.step()
         timing["wall"] = time.perf_counter() - start
 
-    events = gpu_kernel_events(run_steps)
+    host: list[dict] = []
+    events = gpu_kernel_events(run_steps, host)
     engine.cancel(rid)
+    updates = {e["name"]: e for e in host_summary(host, 80) if e["name"].startswith("command_buffer::")}
+    print(f"  {'speculative' if speculative else 'target-only'} command buffers per step (us, count): "
+          + ", ".join(f"{n} {e['us'] / steps:.0f} us x {e['count'] / steps:.1f}" for n, e in updates.items()))
     gaps = idle_gaps(events)
     print(f"  {'speculative' if speculative else 'target-only'} idle by gap size (us, count): "
           f"{gaps['idle_us']}; CUDA graphs {gaps['cuda_graphs']}, kernels outside them {gaps['outside_graphs']}")
@@ -113,7 +117,7 @@ def device_busy(engine: Engine, speculative: bool, steps: int) -> dict | None:
         print(f"    gap {g['us']:8.1f} us after {g['after']} before {g['before']}")
     kernels = [(k["ts"], k["dur"], k["name"]) for k in events]
     return {"busy_ms": busy_us(kernels) / steps / 1e3, "kernels_per_step": len(kernels) / steps,
-            "wall_ms": timing["wall"] / steps * 1e3, "gaps": gaps}
+            "wall_ms": timing["wall"] / steps * 1e3, "gaps": gaps, "command_buffers": updates}
 
 
 def measure(model, variant: str, runs: int, steps: int, cache_dir: str) -> dict:
