@@ -141,9 +141,9 @@ for part in "$@"; do
         | cut -d']' -f2- | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -25 | cut -c1-250 \
         | tee "$OUT/cmdbuf_updates.log"
       grep -iE "updated_allocs|needs_update" "$WORK/cmdbuf_vlog.txt" | tail -4 | cut -c1-400 | tee -a "$OUT/cmdbuf_updates.log"
-      for idx in $(grep -oE "require update [0-9]+" "$WORK/cmdbuf_vlog.txt" | awk '{print $3}' | sort -un | head -20); do
-        grep -h -m1 -E "^allocation $idx:" "$WORK"/cmdbuf-dump/*jit_extend*buffer-assignment.txt
-      done | cut -c1-300 | tee -a "$OUT/cmdbuf_updates.log"
+      for f in "$WORK"/cmdbuf-dump/*jit_extend*buffer-assignment.txt; do  # allocation indices -> buffers
+        [ -f "$f" ] && gzip -c "$f" > "$OUT/cmdbuf_buffer_assignment.txt.gz" && break
+      done
       IFS='|' read -ra SETTINGS <<< "${CMDBUF_ENVS:-}"
       for setting in "" "${SETTINGS[@]}"; do  # each: environment assignments, e.g. XLA_FLAGS=--xla_gpu_graph_level=0
         echo "--- $setting"
