@@ -5,7 +5,8 @@ Writes into the output directory: `trace/` (a jax.profiler trace for TensorBoard
 stats) and `profile.png` (V(k) and D, E(k)/(D+V(k)) for the observed mean confidence profile, and
 acceptance by draft position).
 
-`gpu_kernels` / `gpu_kernel_events` / `busy_us` read the device side of a trace for the benchmark scripts.
+`gpu_kernels` / `gpu_kernel_events` / `busy_us` / `idle_gaps` / `host_summary` read a trace for the
+benchmark scripts.
 """
 
 from __future__ import annotations
@@ -131,6 +132,13 @@ def idle_gaps(kernels: list[dict], top: int = 8) -> dict:
             "longest": [{"us": round(g, 1), "after": a, "before": b} for g, a, b in sorted(gaps, reverse=True)[:top]],
             "cuda_graphs": len(graphs),
             "outside_graphs": sum("cuda_graph_id" not in k["args"] for k in kernels)}
+
+
+def gap_lines(gaps: dict, longest: int = 5) -> list[str]:
+    """`idle_gaps` as printable lines: the buckets and graphs, then the longest gaps."""
+    return ([f"idle by gap size (us, count): {gaps['idle_us']}; CUDA graphs {gaps['cuda_graphs']}, "
+             f"kernels outside them {gaps['outside_graphs']}"]
+            + [f"  gap {g['us']:8.1f} us after {g['after']} before {g['before']}" for g in gaps["longest"][:longest]])
 
 
 def _kernel_label(kernel: dict) -> str:

@@ -306,7 +306,8 @@ class Stepper:
         self.n_valid, self.zero = jnp.full((batch,), rows, jnp.int32), jnp.zeros((batch,), jnp.int32)
         self.params = pack.arrays
         # donated: the logits are written into the previous call's logits (a donated argument of their shape), so
-        # every buffer the call's CUDA graph touches keeps its address and XLA need not update the graph
+        # every buffer the call's CUDA graph touches keeps its address. keep_unused: extend reads neither that
+        # argument nor the state's `written`; dropped from the program, their outputs would move every call
         logits = jax.eval_shape(extend, self.params, self.decode, self.ids, self.n_valid, None)[0]
         self.out = jnp.zeros(logits.shape, logits.dtype) if donated else None
         start = time.perf_counter()
@@ -581,7 +582,7 @@ def kernel_scope(kernel: dict, scopes: dict[str, str]) -> str:
 
 def sublayer_split(kernels: list[dict], scopes: dict[str, str], wall_ms: float) -> dict:
     """us and kernel count per sublayer, the device-busy time, and what could not be mapped."""
-    from jdspark.profile import busy_us, idle_gaps
+    from jdspark.profile import busy_us, gap_lines, idle_gaps
     split, unmapped = {}, {}
     for k in kernels:
         scope = kernel_scope(k, scopes)
@@ -591,10 +592,9 @@ def sublayer_split(kernels: list[dict], scopes: dict[str, str], wall_ms: float) 
             unmapped[k["name"][:80]] = unmapped.get(k["name"][:80], 0.0) + k["dur"]
     busy = busy_us([(k["ts"], k["dur"], k["name"]) for k in kernels]) / 1e3
     gaps = idle_gaps(kernels)
-    print(f"  {len(kernels)} kernels, busy {busy:.3f} ms of {wall_ms:.3f} ms wall; idle by gap size (us, count): "
-          f"{gaps['idle_us']}; CUDA graphs {gaps['cuda_graphs']}, kernels outside them {gaps['outside_graphs']}")
-    for g in gaps["longest"][:5]:
-        print(f"    gap {g['us']:8.1f} us after {g['after']} before {g['before']}")
+    print(f"  {len(kernels)} kernels, busy {busy:.3f} ms of {wall_ms:.3f} ms wall")
+    for line in gap_lines(gaps):
+        print("  " + line)
     print("  by sublayer (ms, kernels):")
     for scope, (us, count) in sorted(split.items(), key=lambda kv: -kv[1][0]):
         print(f"    {scope:>14} {us / 1e3:7.3f} ms {count:>5}")
@@ -619,8 +619,9 @@ def profile_row(graphdef, params, config, engine, dtype, batch, rows, context, m
     host: list[dict] = []
     kernels = gpu_kernel_events(step, host)
     print("  host events (total us, count):")
-    for event in host_summary(host, 60):  # the outer frames, then what the command buffer thunk did
-        if event in host_summary(host) or event["name"].startswith(("command_buffer::", "cuGraph")):
+    events = host_summary(host, 60)
+    for i, event in enumerate(events):  # the outer frames, then what the command buffer thunk did
+        if i < 15 or event["name"].startswith(("command_buffer::", "cuGraph")):
             print(f"    {event['us']:9.1f} us {event['count']:>5} x  {event['name']}")
     by_name: dict[str, list[float]] = {}
     for k in kernels:
@@ -628,7 +629,7 @@ def profile_row(graphdef, params, config, engine, dtype, batch, rows, context, m
     top = sorted(({"name": n, "us": sum(v), "count": len(v)} for n, v in by_name.items()), key=lambda r: -r["us"])
     for r in top[:8]:
         print(f"    {r['us']:9.1f} us {r['count']:>4} x  {r['name'][:90]}")
-    return {"top": top[:40], "host": host_summary(host, 40), "dispatch_ms": dispatch_ms,
+    return {"top": top[:40], "host": events[:40], "dispatch_ms": dispatch_ms,
             "state_buffers_moved": moved, **sublayer_split(kernels, hlo_scopes(step.compiled.as_text()), wall_ms)}
 
 

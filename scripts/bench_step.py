@@ -41,7 +41,7 @@ from jdspark.assets import default_model_dir
 from jdspark.checkpoint.loader import load_model
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine, SpecOptions
-from jdspark.profile import busy_us, gpu_kernel_events, host_summary, idle_gaps
+from jdspark.profile import busy_us, gap_lines, gpu_kernel_events, host_summary, idle_gaps
 from jdspark.engine.request import SamplingParams
 
 VARIANTS = {"auto": "auto", "kernel": "pallas", "loop": "xla"}  # the engine's implementation setting
@@ -111,10 +111,8 @@ def device_busy(engine: Engine, speculative: bool, steps: int) -> dict | None:
     print(f"  {'speculative' if speculative else 'target-only'} command buffers per step (us, count): "
           + ", ".join(f"{n} {e['us'] / steps:.0f} us x {e['count'] / steps:.1f}" for n, e in updates.items()))
     gaps = idle_gaps(events)
-    print(f"  {'speculative' if speculative else 'target-only'} idle by gap size (us, count): "
-          f"{gaps['idle_us']}; CUDA graphs {gaps['cuda_graphs']}, kernels outside them {gaps['outside_graphs']}")
-    for g in gaps["longest"][:5]:
-        print(f"    gap {g['us']:8.1f} us after {g['after']} before {g['before']}")
+    for line in gap_lines(gaps):
+        print(f"  {'speculative' if speculative else 'target-only'} {line}")
     kernels = [(k["ts"], k["dur"], k["name"]) for k in events]
     return {"busy_ms": busy_us(kernels) / steps / 1e3, "kernels_per_step": len(kernels) / steps,
             "wall_ms": timing["wall"] / steps * 1e3, "gaps": gaps, "command_buffers": updates}

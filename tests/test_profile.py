@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jdspark.profile import busy_us, gpu_kernels, idle_gaps
+from jdspark.profile import busy_us, gap_lines, gpu_kernels, idle_gaps
 
 
 @pytest.mark.parametrize("kernels, busy", [
@@ -31,6 +31,9 @@ def test_idle_gaps_bucket_the_idle_time_between_kernels():
     assert gaps["longest"][0] == {"us": 100.0, "after": "d", "before": "e"}
     assert gaps["longest"][1]["after"] == "c"  # the kernel that ended last, not the one that started last
     assert (gaps["cuda_graphs"], gaps["outside_graphs"]) == (2, 1)
+    lines = gap_lines(gaps, longest=2)
+    assert len(lines) == 3 and "CUDA graphs 2, kernels outside them 1" in lines[0]
+    assert lines[1].split() == ["gap", "100.0", "us", "after", "d", "before", "e"]
 
 
 def test_no_gpu_kernels_on_the_cpu():

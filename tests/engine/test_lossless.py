@@ -1,9 +1,10 @@
 """Losslessness of speculative sampling through the engine: the emitted tokens' joint distribution
 equals the target's, computed exactly by enumeration over the 16-token vocabulary of a tiny
 model (STAT_CONFIG; chi-square on the pairs (t1, t2), (t2, t3), (t3, t4)), with the jnp rejection
-sampler (and, on the GPU, the Pallas one) and the width selector choosing 1 or 2 per row, so that the bonus token of both widths
-is observed (t3 after width 1, t4 after width 2); a negative control that the test catches a biased
-sampler; and batch-mate independence (a seeded request's tokens do not depend on its batch-mate)."""
+sampler (and, on the GPU, the Pallas one) and the width selector choosing 1 or 2 per row, so that
+the bonus token of both widths is observed (t3 after width 1, t4 after width 2); a negative control
+that the test catches a biased sampler; and batch-mate independence (a seeded request's tokens do
+not depend on its batch-mate)."""
 
 import functools
 
