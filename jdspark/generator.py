@@ -101,7 +101,10 @@ class Run:
                 if delta.final:
                     self.completion = delta.completion
                     return
-                delta = self.engine.step()[rid]
+                deltas = self.engine.step()
+                while rid not in deltas:  # an overlapped step reads the call issued the step before
+                    deltas = self.engine.step()
+                delta = deltas[rid]
         finally:
             if self.completion is None:
                 self.engine.cancel(rid)

@@ -302,6 +302,7 @@ class Stepper:
 
         decode = jax.tree.map(jnp.zeros_like, state_lib.init_state(config, engine, dtype))  # finite pooled entries
         self.decode = decode.replace(length=jnp.full((batch,), context, jnp.int32))
+        self.room = engine.max_seq_len - context  # tokens the calls may append
         self.ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, rows)), jnp.int32)
         self.n_valid, self.zero = jnp.full((batch,), rows, jnp.int32), jnp.zeros((batch,), jnp.int32)
         self.params = pack.arrays
@@ -331,6 +332,38 @@ class Stepper:
         self.decode = self.commit(self.decode, self.zero)
         return seconds
 
+    def queued(self, calls: int) -> float:
+        """Seconds a call when `calls` calls are issued back to back and synced once at the end: the
+        rate of a decode loop that issues a call before the one before it finished, so the host's
+        dispatch overlaps the device's work (`__call__` serializes them). The calls append, as decoding
+        does (no rollback between them: its own small launches would sit between the graphs), so the
+        context grows by rows a call; the Stepper is spent afterwards."""
+        calls = min(calls, self.room // self.ids.shape[1] - 1)  # the appended tokens fit the cache
+        # a first call (its dispatch not timed, as a loop's first would be)
+        logits, self.decode = self.compiled(self.params, self.decode, self.ids, self.n_valid, self.out)
+        self.out = logits if self.out is not None else None
+        jax.block_until_ready(self.decode)
+        start = time.perf_counter()
+        for _ in range(calls):
+            logits, self.decode = self.compiled(self.params, self.decode, self.ids, self.n_valid, self.out)
+            self.out = logits if self.out is not None else None
+        jax.block_until_ready((logits, self.decode))
+        return (time.perf_counter() - start) / calls
+
+    def empty_dispatch_s(self, calls: int = 20) -> float:
+        """Median seconds until an empty program with this call's arguments returns (same donation):
+        what JAX and the runtime cost per call before any of the model's work is launched."""
+        logits = self.compiled.out_info[0]
+        empty = jax.jit(lambda arrays, decode, ids, n_valid, out: (jnp.zeros(logits.shape, logits.dtype), decode),
+                        donate_argnums=1, keep_unused=True)
+        times = []
+        for _ in range(calls + 3):
+            start = time.perf_counter()
+            out, self.decode = empty(self.params, self.decode, self.ids, self.n_valid, self.out)
+            times.append(time.perf_counter() - start)
+            jax.block_until_ready((out, self.decode))
+        return statistics.median(times[3:])
+
 
 def buffer_addresses(tree) -> tuple[int, ...]:
     """Device addresses of a pytree's buffers (an address that changes between calls makes XLA update
@@ -339,10 +372,11 @@ def buffer_addresses(tree) -> tuple[int, ...]:
 
 
 def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2, mode="packed"):
-    """(median ms, compile s) of extend at [batch, rows] after `context` tokens, rolled back each time."""
+    """(median ms, queued ms, compile s) of extend at [batch, rows] after `context` tokens, rolled back each
+    time: one call at a time (dispatch to logits ready), and the rate of calls issued back to back."""
     step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context, mode)
     times = [step() for _ in range(warmup + runs)][warmup:]
-    return statistics.median(times) * 1e3, step.compile_s
+    return statistics.median(times) * 1e3, step.queued(runs) * 1e3, step.compile_s
 
 
 def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[dict]:
@@ -614,6 +648,9 @@ def profile_row(graphdef, params, config, engine, dtype, batch, rows, context, m
     wall_ms = statistics.median([step() for _ in range(13)][3:]) * 1e3
     dispatch_ms = statistics.median(step.dispatch_s[3:]) * 1e3
     print(f"  wall {wall_ms:.3f} ms a call, of which {dispatch_ms:.3f} ms until the call returned (host dispatch)")
+    arguments = len(jax.tree.leaves((step.params, step.decode, step.ids, step.n_valid, step.out)))
+    empty_ms = step.empty_dispatch_s() * 1e3
+    print(f"  an empty program with the call's {arguments} argument buffers: {empty_ms:.3f} ms until it returned")
     moved = sum(a != b for a, b in zip(step.addresses[-2], step.addresses[-1]))
     print(f"  state buffers at another address than in the call before: {moved} of {len(step.addresses[-1])}")
     host: list[dict] = []
@@ -629,7 +666,8 @@ def profile_row(graphdef, params, config, engine, dtype, batch, rows, context, m
     top = sorted(({"name": n, "us": sum(v), "count": len(v)} for n, v in by_name.items()), key=lambda r: -r["us"])
     for r in top[:8]:
         print(f"    {r['us']:9.1f} us {r['count']:>4} x  {r['name'][:90]}")
-    return {"top": top[:40], "host": events[:40], "dispatch_ms": dispatch_ms,
+    return {"top": top[:40], "host": events[:40], "dispatch_ms": dispatch_ms, "arguments": arguments,
+            "empty_dispatch_ms": empty_ms,
             "state_buffers_moved": moved, **sublayer_split(kernels, hlo_scopes(step.compiled.as_text()), wall_ms)}
 
 
@@ -652,8 +690,8 @@ def time_row(graphdef, params, config, sizes, dtype, bandwidth, label, mode, con
     engine = EngineConfig(max_seq_len=_seq_len(context), max_batch=batch)
     key = {"variant": label, "params": mode, "context": context, "batch": batch, "rows": rows}
     try:
-        ms, compile_s = time_extend(graphdef, params, config, engine, dtype, batch, rows, context, args.runs,
-                                    mode=mode)
+        ms, queued_ms, compile_s = time_extend(graphdef, params, config, engine, dtype, batch, rows, context,
+                                               args.runs, mode=mode)
     except Exception as err:  # a variant that fails to build: recorded, the rest still run
         print(f"{label:>14} {context:>6} {batch:>3} {rows:>2} failed: {type(err).__name__}: {str(err)[:300]}",
               flush=True)
@@ -662,9 +700,11 @@ def time_row(graphdef, params, config, sizes, dtype, bandwidth, label, mode, con
     floor_ms = moved["total"] / bandwidth * 1e3
     gbps = moved["total"] / (ms / 1e3) / 1e9
     row = {**key, "ms": ms, "bytes": moved, "floor_ms": floor_ms, "GBps": gbps,
-           "bandwidth_achieved": gbps * 1e9 / bandwidth, "compile_s": compile_s}
+           "bandwidth_achieved": gbps * 1e9 / bandwidth, "queued_ms": queued_ms,
+           "queued_bandwidth_achieved": floor_ms / queued_ms, "compile_s": compile_s}
     print(f"{label:>14} {context:>6} {batch:>3} {rows:>2} {ms:>9.3f} {moved['total'] / 1e6:>9.1f} "
-          f"{floor_ms:>8.3f} {gbps:>7.1f} {row['bandwidth_achieved']:>17.1%} {compile_s:>9.1f}", flush=True)
+          f"{floor_ms:>8.3f} {gbps:>7.1f} {row['bandwidth_achieved']:>17.1%} {queued_ms:>9.3f} "
+          f"{row['queued_bandwidth_achieved']:>9.1%} {compile_s:>9.1f}", flush=True)
     return row
 
 
@@ -724,7 +764,7 @@ def main(argv=None) -> dict:
         if args.json:
             args.json.write_text(json.dumps(report, indent=1))
     header = (f"{'variant':>14} {'ctx':>6} {'B':>3} {'S':>2} {'ms':>9} {'MB moved':>9} {'floor ms':>8} "
-              f"{'GB/s':>7} {'bandwidth achieved':>18} {'compile s':>9}")
+              f"{'GB/s':>7} {'bandwidth achieved':>18} {'queued ms':>9} {'achieved':>9} {'compile s':>9}")
     print(header)
     for name in args.variants:
         graphdef_v = with_experts_implementation(graphdef, params, name)

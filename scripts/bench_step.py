@@ -11,7 +11,9 @@ fresh engine with widths 0 and gamma is compiled and measured:
 - the synchronised cost of its `decode` and step[0], step[gamma] executables (medians), hence
   D = S(0) - decode and V(gamma) = S(gamma) - D as the engine's selector sees them;
 - the wall time of a whole Engine.step() on a T = 1 request at width gamma and target-only
-  (median, no profiler), then the host functions that fill a speculative step (cProfile);
+  (median, no profiler), overlapped (the engine's default: a step issues its call before reading
+  the previous one's) and one call at a time; then the host functions that fill a speculative
+  step (cProfile);
 - with a GPU, the device's busy time per Engine.step() from a jax.profiler trace (the union of
   the kernels' intervals on the GPU streams): busy much below the step's wall time means the
   host, not the device, sets the pace;
@@ -54,9 +56,9 @@ def kernel_counts(compiled) -> dict:
             "whiles": len(re.findall(r" while\(", text))}
 
 
-def start_request(engine: Engine, speculative: bool) -> int:
+def start_request(engine: Engine, speculative: bool, overlap: bool = True) -> int:
     """A long T = 1 request, 3 steps in; its request id (cancel it when done)."""
-    engine.set_policy(speculative=speculative)
+    engine.set_policy(speculative=speculative, overlap=overlap)
     rid = engine.add(list(range(4, 68)), SamplingParams(max_tokens=400, temperature=1.0, seed=0,
                                                         ignore_eos=True)).request_id
     for _ in range(3):
@@ -64,9 +66,9 @@ def start_request(engine: Engine, speculative: bool) -> int:
     return rid
 
 
-def step_times(engine: Engine, speculative: bool, steps: int) -> float:
+def step_times(engine: Engine, speculative: bool, steps: int, overlap: bool = True) -> float:
     """Median wall ms of Engine.step() on one T = 1 request, no profiler attached."""
-    rid = start_request(engine, speculative)
+    rid = start_request(engine, speculative, overlap)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -130,6 +132,8 @@ def measure(model, variant: str, runs: int, steps: int, cache_dir: str) -> dict:
            "step_exe_ms": [cost["step0"] * 1e3, cost["step5"] * 1e3], "draft_ms": draft * 1e3,
            "verify5_ms": (cost["step5"] - draft) * 1e3,
            "engine_step_ms": step_times(engine, True, steps), "engine_decode_ms": step_times(engine, False, steps),
+           "engine_step_sync_ms": step_times(engine, True, steps, overlap=False),
+           "engine_decode_sync_ms": step_times(engine, False, steps, overlap=False),
            "decode_kernels": kernel_counts(engine.exe.decode), "step5_kernels": kernel_counts(engine.exe.step[5])}
     row["trace_step"] = device_busy(engine, True, steps)
     row["trace_decode"] = device_busy(engine, False, steps)
@@ -152,14 +156,15 @@ def main():
             result["rows"].append(measure(model, variant, args.runs, args.steps, cache_dir))
             print(result["rows"][-1], flush=True)
     print(f"{'variant':>8} {'decode':>7} {'S(0)':>6} {'S(5)':>6} {'D':>6} {'V(5)':>6} {'step':>6} {'t-only':>6} "
-          f"{'ratio':>6} {'busy step/t-only':>16} {'decode fus/cc/while':>19} {'step5 fus/cc/while':>19}   (ms)")
+          f"{'ratio':>6} {'sync step/t-only':>16} {'busy step/t-only':>16} {'decode fus/cc/while':>19} {'step5 fus/cc/while':>19}   (ms)")
     for r in result["rows"]:
         d, v = r["decode_kernels"], r["step5_kernels"]
         traced = r["trace_step"] is not None
         busy = f"{r['trace_step']['busy_ms']:.2f}/{r['trace_decode']['busy_ms']:.2f}" if traced else "—"
         print(f"{r['variant']:>8} {r['decode_ms']:7.2f} {r['step_exe_ms'][0]:6.2f} {r['step_exe_ms'][1]:6.2f} "
               f"{r['draft_ms']:6.2f} {r['verify5_ms']:6.2f} {r['engine_step_ms']:6.2f} {r['engine_decode_ms']:6.2f} "
-              f"{r['engine_step_ms'] / r['engine_decode_ms']:6.2f} {busy:>16} "
+              f"{r['engine_step_ms'] / r['engine_decode_ms']:6.2f} "
+              f"{r['engine_step_sync_ms']:>8.2f}/{r['engine_decode_sync_ms']:<7.2f} {busy:>16} "
               f"{d['fusions']:>9}/{d['custom_calls']}/{d['whiles']:<5} "
               f"{v['fusions']:>9}/{v['custom_calls']}/{v['whiles']}")
     out = Path(args.out)

@@ -40,11 +40,11 @@ def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:
 
 def call_inputs(slots: np.ndarray, sequences: list[Sequence | None], active: set[int],
                 widths: dict[int, int] | None = None) -> np.ndarray:
-    """slot_inputs for rows `slots`: anchors, sampling and widths of the active ones; padding rows
-    are greedy and inactive. The counter is the request's own step count, so its noise does not
-    depend on the other rows."""
+    """slot_inputs for rows `slots`: sampling and widths of the active ones; padding rows are greedy
+    and inactive. The counter is the request's own count of calls, so its noise does not depend on
+    the other rows (and never repeats, however many calls are in flight)."""
     n = len(slots)
-    columns = {"anchor": np.zeros(n, np.int32), "active": np.zeros(n, bool), "temperature": np.zeros(n, np.float32),
+    columns = {"active": np.zeros(n, bool), "temperature": np.zeros(n, np.float32),
                "top_k": np.zeros(n, np.int32), "top_p": np.ones(n, np.float32), "seed": np.zeros(n, np.uint32),
                "counter": np.zeros(n, np.int32), "slot": slots, "width": np.zeros(n, np.int32)}
     for i, b in enumerate(slots.tolist()):
@@ -53,9 +53,9 @@ def call_inputs(slots: np.ndarray, sequences: list[Sequence | None], active: set
             continue
         p = seq.params
         columns["temperature"][i], columns["top_k"][i], columns["top_p"][i] = p.temperature, p.top_k, p.top_p
-        columns["seed"][i], columns["counter"][i] = seq.seed, seq.steps
+        columns["seed"][i], columns["counter"][i] = seq.seed, seq.calls
         if b in active:
-            columns["anchor"][i], columns["active"][i] = seq.anchor, True
+            columns["active"][i] = True
             columns["width"][i] = (widths or {}).get(b, 0)
     return slot_inputs(**columns)
 

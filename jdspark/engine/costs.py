@@ -99,7 +99,7 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     config, exe = engine.config, engine.exe.buckets[n]
     active = np.arange(config.max_batch) < n
     zeros = np.zeros(n, np.int32)
-    slots = slot_inputs(anchor=zeros, active=np.ones(n, bool), temperature=np.zeros(n, np.float32), top_k=zeros,
+    slots = slot_inputs(active=np.ones(n, bool), temperature=np.zeros(n, np.float32), top_k=zeros,
                         top_p=np.ones(n, np.float32), seed=zeros, counter=zeros, slot=np.arange(n),
                         width=np.full(n, config.gamma))
     calls = {"decode": exe.decode, **{f"step{k}": exe.step[k] for k in sorted(exe.step)}}

@@ -8,6 +8,14 @@ drafted tokens and their confidences come back to the host, as one small array. 
 free slot and leave it when they finish. `add_many` prefills its prompts at once (offline use);
 `admit` spreads them over the coming steps, `prefill_budget` prompt tokens per step, so running
 requests keep decoding while a new one is prefilled (serving).
+
+Overlap (the default): a step issues its calls, then reads the previous step's. No call's inputs
+wait on the one before (each leaves its sampled token in the state as the next anchor; widths
+read the confidences already on the host), so the device runs one step while the host reads the
+last, emits its tokens and prepares the next: a step costs about the larger of the host's and the
+device's work instead of their sum. A request that finishes in the step read has the call issued
+after it wasted and its tokens dropped; a request near max_tokens waits for its reads, so its
+state never outgrows what `room` reserved (`Sequence.may_issue`).
 """
 
 from __future__ import annotations
@@ -53,7 +61,8 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig, *, tokenizer: Tokenizer | None = None,
                  speculative: bool = True, prefill_chunk: int = 256, options: SpecOptions = SpecOptions(),
                  width_policy: WidthPolicy | None = None, widths: tuple[int, ...] | None = None,
-                 implementation: str = "auto", pack_params: bool | None = None, prefill_budget: int | None = None):
+                 implementation: str = "auto", pack_params: bool | None = None, prefill_budget: int | None = None,
+                 overlap: bool = True):
         """`tokenizer` turns tokens into text deltas and enables stop strings; `widths`: the step
         widths to compile (default 0..gamma; only 0 without speculation; a row's width rounds up to
         the next compiled one's executable); `prefill_budget`: prompt tokens a `step` prefills
@@ -61,9 +70,14 @@ class Engine:
         the width choice (a function of a request's stale confidences); `implementation` ("auto",
         "pallas", "xla") picks the Pallas kernels or their jnp references (rejection sampler,
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
-        buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU."""
+        buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU; `overlap`: a step issues
+        its calls before it reads the previous step's (`step`), so the host's work per step (the
+        calls' dispatch, reading, emitting, choosing widths) runs while the device computes."""
         widths = self._check_setup(model, config, speculative, widths, options.width)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
+        self.overlap = overlap
+        self._unread: list[_Prefill | _Verify] = []  # calls issued and not yet read (the previous step's)
+        self._last_read = 0.0  # when a verify call was last read (perf_counter)
         self.tokenizer = tokenizer
         self._new_breaker()  # validates the fallback options before anything is compiled
         on_gpu = jax.default_backend() == "gpu"
@@ -141,6 +155,7 @@ class Engine:
         self._slots = [None] * self.config.max_batch
         self._slot_of.clear()
         self._pending.clear()
+        self._unread = []
         self.state, self.draft_cache = self._fresh_state()
         return failed
 
@@ -206,25 +221,41 @@ class Engine:
         return None if self.options.first_confidence == "ones" else self.prior.value
 
     def _prefill_call(self, live: list[int]) -> dict[int, Delta]:
+        """One prefill call, issued and read (`add_many`)."""
+        return self._read_prefill(self._issue_prefill(live))
+
+    def _issue_prefill(self, live: list[int]) -> "_Prefill":
         """One prefill call: the next chunk of each of these slots' prompts, in the smallest bucket
-        that holds them. A prompt that ends in it gets its first token (its first Delta)."""
+        that holds them. A prompt whose last chunk it holds is no longer pending: its request runs
+        from the next step on (its first token, the call's sample, is the state's anchor)."""
         bucket = self.exe.prefill_bucket(len(live))
         rows = call_slots(live, bucket, self.config.max_batch)
         ids, n_valid, reset = prefill_inputs(rows, self._pending, self.exe.prefill_chunk)
         out, self.state, self.draft_cache = self.exe.buckets[bucket].prefill(
             self.exe.params.arrays, self.state, self.draft_cache, ids, n_valid, reset,
             call_inputs(rows, self._slots, set()))
-        out = read_output(out, self.config.gamma)
-        deltas = {}
+        prompts = {}
         for i, b in enumerate(rows.tolist()):
-            pending = self._pending.get(b) if b in live else None
-            if pending is None:
+            if b in live:
+                pending = self._pending[b]
+                pending.done += int(n_valid[i])
+                last = pending.done == len(pending.ids)
+                if last:
+                    del self._pending[b]
+                prompts[b] = (self._slots[b], pending, last)
+        return _Prefill(out, rows, prompts)
+
+    def _read_prefill(self, call: "_Prefill") -> dict[int, Delta]:
+        """The first Delta of each request whose prompt ended in the call (an error if any of its
+        chunks came back with non-finite logits)."""
+        out = read_output(call.out, self.config.gamma)
+        deltas = {}
+        for i, b in enumerate(call.rows.tolist()):
+            seq, pending, last = call.prompts.get(b, (None, None, False))
+            if seq is None or self._slots[b] is not seq:
                 continue
-            pending.done += int(n_valid[i])
             pending.invalid |= bool(out.invalid[i])
-            if pending.done == len(pending.ids):
-                del self._pending[b]
-                seq = self._slots[b]
+            if last:
                 seq.stats.time_to_first_token_s = time.perf_counter() - seq.started
                 deltas[seq.request_id] = self._emit(b, [int(out.token[i])], pending.invalid)
         return deltas
@@ -269,16 +300,24 @@ class Engine:
 
     def policy(self) -> dict:
         """How the engine speculates now, as `set_policy` takes it."""
-        return {"speculative": self.speculative, "width_policy": self.width_policy, "options": self.options}
+        return {"speculative": self.speculative, "width_policy": self.width_policy, "options": self.options,
+                "overlap": self.overlap}
 
     def set_policy(self, *, speculative: bool | None = None, width_policy: WidthPolicy | None = None,
-                   options: SpecOptions | None = None) -> None:
+                   options: SpecOptions | None = None, overlap: bool | None = None) -> None:
         """Change how the engine speculates, between steps, on the executables it compiled: speculation
         on or off, the width policy (`selector` is the measured adaptive one), the options (a new
-        breaker applies to requests admitted afterwards). Benchmarks and tests compare policies so."""
+        breaker applies to requests admitted afterwards), overlapped steps or not (only while no
+        call is unread). Benchmarks and tests compare policies so."""
         if speculative and not self.exe.step:
             raise EngineError("speculative=True: this engine compiled no step widths (it was built with "
                               "speculative=False); build one with speculative=True")
+        if overlap is not None and overlap != self.overlap:
+            if self.running:
+                raise EngineError(f"overlap={overlap}: requests are running; change it when none runs")
+            for call in self._unread:  # calls of requests that ended before their reads: nothing to emit
+                read_output(call.out, self.config.gamma)
+            self._unread, self.overlap = [], overlap
         if options is not None:
             self._new_breaker(options)  # validates before anything changes
             self.options = options
@@ -299,50 +338,75 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> dict[int, Delta]:
-        """One step: a prefill call for the prompts still coming in (`prefill_budget` tokens), then
-        one draft + verify call for every running request. Returns each request's Delta by request
-        id (a request whose prompt ended here gets its first). Finished requests' slots are free
-        afterwards; `last_step` is the verify call's record (None when only a prefill ran).
+        """One step: issue a prefill call for the prompts still coming in (`prefill_budget` tokens),
+        then one draft + verify call for every running request; read calls and return each
+        request's Delta by request id (a request whose prompt ended gets its first). Finished
+        requests' slots are free afterwards; `last_step` is the verify call's record (None when only
+        a prefill was read).
 
-        Widths come from confidences the host already holds (the previous step's), so the choice
-        never waits on the device and never sees the block it applies to. Speculation is skipped
-        (a plain decode call, no drafting) when every running request's breaker is cooling down.
+        With `overlap`, the calls read are the previous step's: this step's run on the device while
+        the host reads, emits and chooses the next (a request that finished meanwhile has its extra
+        call's tokens dropped). Without, a step reads its own calls.
+
+        Widths come from confidences the host already holds (the last read proposal's), so the
+        choice never waits on the device and never sees the block it applies to. Speculation is
+        skipped (a plain decode call, no drafting) when every running request's breaker is cooling
+        down.
         """
         self.last_step = None
-        running = [b for b, seq in enumerate(self._slots) if seq is not None and b not in self._pending]
-        deltas = self._prefill_call(list(self._pending)[:self.prefill_rows]) if self._pending else {}
+        running = [b for b, seq in enumerate(self._slots)
+                   if seq is not None and b not in self._pending and seq.may_issue()]
+        issued = [self._issue_prefill(list(self._pending)[:self.prefill_rows])] if self._pending else []
         if running:
-            deltas.update(self._verify_call(running))
+            issued.append(self._issue_verify(running))
+        if self.overlap:
+            issued, self._unread = self._unread, issued
+        deltas: dict[int, Delta] = {}
+        for call in issued:
+            deltas.update(self._read_prefill(call) if isinstance(call, _Prefill) else self._read_verify(call))
         return deltas
 
-    def _verify_call(self, active: list[int]) -> dict[int, Delta]:
-        started = time.perf_counter()
+    def _issue_verify(self, active: list[int]) -> "_Verify":
         bucket = self.config.bucket(len(active))
-        stale = {b: self._slots[b].confidence for b in active}  # the previous step's: what the choice reads
+        stale = {b: self._slots[b].confidence for b in active}  # the last read proposal's: what the choice reads
         width, widths, call = self._choose(stale, bucket)
         rows = call_slots(active, bucket, self.config.max_batch)
-        out, self.state, self.draft_cache = call(self.exe.params.arrays, self.state, self.draft_cache,
-                                                 call_inputs(rows, self._slots, set(active), widths))
-        n_acc, token, drafts, confidence, invalid = read_output(out, self.config.gamma)
-        row_of = {b: i for i, b in enumerate(rows.tolist())}
+        inputs = call_inputs(rows, self._slots, set(active), widths)
+        started = time.perf_counter()
+        out, self.state, self.draft_cache = call(self.exe.params.arrays, self.state, self.draft_cache, inputs)
         sequences = {b: self._slots[b] for b in active}
+        for b, seq in sequences.items():
+            seq.issued(widths.get(b, 0))
+        return _Verify(out, rows, sequences, stale, width, widths, bucket, call is not self.exe.buckets[bucket].decode,
+                       started)
+
+    def _read_verify(self, call: "_Verify") -> dict[int, Delta]:
+        """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
+        finished, cancelled or failed after the call was issued has them dropped)."""
+        n_acc, token, drafts, confidence, invalid = read_output(call.out, self.config.gamma)
+        now = time.perf_counter()  # the step's cost: since the call was issued or, overlapped, the last read
+        seconds, self._last_read = now - max(call.started, self._last_read), now
+        row_of = {b: i for i, b in enumerate(call.rows.tolist())}
+        live = {b: seq for b, seq in call.sequences.items() if self._slots[b] is seq}
+        if not live:  # every request it ran for ended before it was read: a call wasted, no step to record
+            return {}
         deltas = {}
-        for b in active:
+        for b in live:
             i = row_of[b]
-            new = [*drafts[i, :n_acc[i]].tolist(), int(token[i])] if width else [int(token[i])]
-            deltas[sequences[b].request_id] = self._emit(b, new, bool(invalid[i]))
-        cost = self.cost_summary(bucket)
-        records = tuple(RowRecord(seq.request_id, stale[b], int(n_acc[row_of[b]]), deltas[seq.request_id].tokens,
-                                  widths.get(b, 0)) for b, seq in sequences.items())
-        record = StepRecord(width, time.perf_counter() - started, records, cost["draft_cost_s"],
-                            None if cost["verify_costs_s"] is None else tuple(cost["verify_costs_s"]), bucket,
-                            drafted_call=call is not self.exe.buckets[bucket].decode)
-        for (b, seq), row in zip(sequences.items(), records):
+            new = [*drafts[i, :n_acc[i]].tolist(), int(token[i])] if call.width else [int(token[i])]
+            deltas[live[b].request_id] = self._emit(b, new, bool(invalid[i]))
+        records = tuple(RowRecord(seq.request_id, call.stale[b], int(n_acc[row_of[b]]), deltas[seq.request_id].tokens,
+                                  call.widths.get(b, 0)) for b, seq in live.items())
+        cost = self.cost_summary(call.bucket)
+        record = StepRecord(call.width, seconds, records, cost["draft_cost_s"],
+                            None if cost["verify_costs_s"] is None else tuple(cost["verify_costs_s"]), call.bucket,
+                            drafted_call=call.drafted)
+        for (b, seq), row in zip(live.items(), records):
             seq.record(record, row, None if confidence is None else confidence[row_of[b]])
-        if confidence is not None:
-            self.prior.update(confidence[[row_of[b] for b in active]])
+        if confidence is not None and live:
+            self.prior.update(confidence[[row_of[b] for b in live]])
         if self.live is not None:
-            self.live.observe(bucket, record.drafted_call, width, record.seconds)
+            self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds)
         self._publish(record)
         return deltas
 
@@ -398,3 +462,27 @@ class Engine:
             self._slots[b] = None
             del self._slot_of[delta.request_id]
         return delta
+
+
+@dataclasses.dataclass
+class _Prefill:
+    """A prefill call issued and not yet read."""
+
+    out: jax.Array
+    rows: np.ndarray
+    prompts: dict[int, tuple[Sequence, PendingPrompt, bool]]  # slot -> (request, prompt, its last chunk)
+
+
+@dataclasses.dataclass
+class _Verify:
+    """A verify (or plain decode) call issued and not yet read: what reading it needs."""
+
+    out: jax.Array
+    rows: np.ndarray
+    sequences: dict[int, Sequence]  # slot -> the request it ran for
+    stale: dict[int, np.ndarray]  # slot -> the confidences its width was chosen from
+    width: int  # the executable's
+    widths: dict[int, int]  # slot -> its own width
+    bucket: int
+    drafted: bool  # a step[k] call (else a plain decode)
+    started: float

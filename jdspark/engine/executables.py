@@ -6,7 +6,8 @@ instead of tracing and compiling (`exe_cache`).
   the first token sampled from each slot's last real row;
 - decode: one plain target step (no drafting): the width-0 verification, which emits one token;
 - step[k] for k = 0..gamma: one DSpark proposal (gamma tokens, their distributions q, confidences)
-  and, in the same executable, the target extend over [anchor, first k drafts], exact rejection
+  and, in the same executable, the target extend over [anchor, first k drafts] (the anchor: the
+  token the slot's last call sampled, kept in the state), exact rejection
   sampling with each row at its own width <= k (the `width` slot input), commit of the accepted
   prefix + 1 in the target state and the committed rows' features pushed into the drafter's
   context. Width 0 drafts too: its confidences choose the next step's width.
@@ -22,8 +23,10 @@ lone request on a 16-slot engine computes one row, and the state stays one array
 still copies some full buffers around the write-back: `take_rows`).
 
 One executable per engine step, one small array in and one out: each call costs host time on its
-own (argument handling, launch), and each device-to-host read waits for the device. Per-slot
-inputs go in as `slot_inputs` (int32 [n, 9], floats bit-cast), results come back as one int32
+own (argument handling, launch), and each device-to-host read waits for the device. No input
+depends on the call before: each call leaves the token it sampled in the state as the slot's next
+anchor, so the engine can issue a step before it reads the one before (`Engine(overlap=True)`).
+Per-slot inputs go in as `slot_inputs` (int32 [n, 8], floats bit-cast), results come back as one int32
 array: per slot n_accepted, the emitted token, the invalid flag (1: the slot's logits, temperature
 or draft probabilities were not finite; its token is -1 and it must end with an error), then for
 step[k] the gamma drafted tokens and the gamma confidences (float32 bits); `read_output` splits it
@@ -68,7 +71,7 @@ from pallas_kernels import resolve_implementation
 
 _PREFILL, _DRAFT, _VERIFY = 1, 2, 3  # key purposes: independent streams per kind of draw
 # Per-slot inputs of every call, in column order, with the dtype each is bit-cast from (active: 0/1).
-SLOT_FIELDS = {"anchor": jnp.int32, "active": jnp.int32, "temperature": jnp.float32, "top_k": jnp.int32,
+SLOT_FIELDS = {"active": jnp.int32, "temperature": jnp.float32, "top_k": jnp.int32,
                "top_p": jnp.float32, "seed": jnp.uint32, "counter": jnp.int32, "slot": jnp.int32,
                "width": jnp.int32}
 
@@ -88,7 +91,6 @@ class Rows(NamedTuple):
     """A call's rows on the device: which state slot each is, and its per-row inputs ([n] each)."""
 
     slot: jax.Array  # i32: the decode-state slot the row reads and writes
-    anchor: jax.Array  # i32: the last emitted token
     active: jax.Array  # bool: the row runs (False: padding, its slot is left as it was)
     width: jax.Array  # i32: drafts this row verifies (clipped to the executable's width)
     sampling: SlotSampling
@@ -106,7 +108,7 @@ class StepOutput(NamedTuple):
 
 
 def slot_inputs(**fields) -> np.ndarray:
-    """Every per-row input of a call (the SLOT_FIELDS, each [n]) as one int32 [n, 9] host array."""
+    """Every per-row input of a call (the SLOT_FIELDS, each [n]) as one int32 [n, 8] host array."""
     return np.stack([np.asarray(fields[name], dtype).view(np.int32) for name, dtype in SLOT_FIELDS.items()], axis=1)
 
 
@@ -115,7 +117,7 @@ def unpack_slots(slots: jax.Array) -> Rows:
     column = {name: jax.lax.bitcast_convert_type(slots[:, i], dtype)
               for i, (name, dtype) in enumerate(SLOT_FIELDS.items())}
     sampling = SlotSampling(**{name: column[name] for name in ("temperature", "top_k", "top_p", "seed", "counter")})
-    return Rows(column["slot"], column["anchor"], column["active"] != 0, column["width"], sampling)
+    return Rows(column["slot"], column["active"] != 0, column["width"], sampling)
 
 
 def take_rows(tree, rows: Rows, batch: int):
@@ -146,6 +148,12 @@ def read_output(out, gamma: int) -> StepOutput:
     if out.shape[1] == 3:
         return StepOutput(out[:, 0], out[:, 1], None, None, invalid)
     return StepOutput(out[:, 0], out[:, 1], out[:, 3:3 + gamma], out[:, 3 + gamma:].view(np.float32), invalid)
+
+
+def with_anchor(decode, verdict: Verdict, where: jax.Array):
+    """The state with each `where` row's anchor set to the token the call sampled (invalid: 0; such a
+    request ends, and a call issued before the host saw it runs on a valid id)."""
+    return decode.replace(anchor=jnp.where(where, jnp.maximum(verdict.token, 0), decode.anchor))
 
 
 def pack_output(verdict: Verdict, drafts: jax.Array | None = None, confidence: jax.Array | None = None) -> jax.Array:
@@ -340,12 +348,13 @@ class Executables:
         verdict = rejection_sample(last, jnp.zeros((b, 0, v), jnp.float32), jnp.zeros((b, 0), jnp.int32),
                                    jnp.zeros((b, 0), jnp.float32), noise, sampling.temperature, sampling.top_k,
                                    sampling.top_p, implementation=self.implementation)  # width 0: a draw from p
+        decode = with_anchor(decode, verdict, n_valid > 0)  # a prompt's last chunk leaves its first token
         return (pack_output(verdict), put_rows(full_state, decode, rows, batch),
                 put_rows(full_cache, draft_cache, rows, batch))
 
     def _decode(self, params, full_state, full_cache, slots):
         rows, batch = unpack_slots(slots), full_state.batch
-        b = rows.anchor.shape[0]
+        b = rows.slot.shape[0]
         no_drafts = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, self.config.vocab_size), jnp.float32)
         verdict, decode, draft_cache = self.verify(self.module(params), take_rows(full_state, rows, batch),
                                                    take_rows(full_cache, rows, batch), rows, *no_drafts)
@@ -358,7 +367,7 @@ class Executables:
             model = self.module(params)
             rows, batch = unpack_slots(slots), full_state.batch
             decode, draft_cache = take_rows(full_state, rows, batch), take_rows(full_cache, rows, batch)
-            proposal = self.propose(model, draft_cache, rows.anchor, rows.sampling)
+            proposal = self.propose(model, draft_cache, decode.anchor, rows.sampling)
             verdict, decode, draft_cache = self.verify(model, decode, draft_cache, rows, proposal.tokens[:, :k],
                                                        proposal.q[:, :k])
             return (pack_output(verdict, proposal.tokens, proposal.confidence),
@@ -375,7 +384,7 @@ class Executables:
         sampling at each row's width, commit, drafter context. -> (Verdict, decode, draft_cache)."""
         k = drafts.shape[1]
         sampling, width = rows.sampling, jnp.clip(rows.width, 0, k)
-        ids = jnp.concatenate([rows.anchor[:, None], drafts], axis=1)
+        ids = jnp.concatenate([decode.anchor[:, None], drafts], axis=1)
         logits, features, decode = model.extend(ids, decode, jnp.where(rows.active, width + 1, 0),
                                                 self.feature_layers)
         keys = _keys(sampling, _VERIFY)
@@ -384,7 +393,7 @@ class Executables:
         verdict = rejection_sample(logits, q, drafts, uniforms, noise, sampling.temperature, sampling.top_k,
                                    sampling.top_p, width, implementation=self.implementation)
         n_keep = jnp.where(rows.active, verdict.n_accepted + 1, 0)
-        decode = state.commit(decode, n_keep)
+        decode = with_anchor(state.commit(decode, n_keep), verdict, rows.active)
         if draft_cache is not None:
             draft_cache = dspark.push_context(model, draft_cache, features, n_keep)
         return verdict, decode, draft_cache

@@ -46,10 +46,10 @@ class Sequence:
                                                       else {eos_token_id})
         self.detok = Detokenizer(tokenizer, params.stop) if tokenizer is not None else None
         self.tokens: list[int] = []  # generated so far
-        self.anchor = 0  # the last emitted token: the next block's anchor (not yet in the state)
         # the previous proposal's (stale on purpose); a new request starts at `confidence` (ones if None)
         self.confidence = np.ones(gamma, np.float32) if confidence is None else np.array(confidence, np.float32)
-        self.steps = 0  # engine steps run: the counter of the request's own noise
+        self.calls = 0  # verify calls issued for it: the counter of the request's own noise
+        self.unread = 0  # tokens its issued calls not yet read may emit (each at most its width + 1)
         self.stats = CompletionStats.empty(prompt_len, gamma)
         self.started = time.perf_counter()
         self.finish_reason: str | None = None
@@ -82,9 +82,19 @@ class Sequence:
         """Its confidences make drafting pay again: the next pause is `steps` long."""
         self.pauses_in_a_row = 0
 
+    def may_issue(self) -> bool:
+        """Whether another call may run for it: even if the calls not yet read emit all they can, it
+        stays short of max_tokens (so its state never outgrows what `room` reserved)."""
+        return len(self.tokens) + self.unread < self.params.max_tokens
+
+    def issued(self, width: int) -> None:
+        """A verify call of this width now runs for it."""
+        self.calls += 1
+        self.unread += width + 1
+
     def record(self, step: StepRecord, row: RowRecord, confidence: np.ndarray | None) -> None:
         """What the engine learned of this request in a step (before its tokens are emitted)."""
-        self.steps += 1
+        self.unread -= row.width + 1
         self.stats.record(step, row)
         if row.width and self.breaker is not None:
             self.breaker.record(row.n_accepted, row.width)
@@ -112,7 +122,6 @@ class Sequence:
             if finish is not None:
                 text += self.detok.finish()
         self.tokens.extend(out)
-        self.anchor = out[-1]
         self.stats.generated_tokens = len(self.tokens)
         self.stats.elapsed_s = time.perf_counter() - self.started
         if finish is None:

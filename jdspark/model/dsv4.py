@@ -72,7 +72,7 @@ class DSV4(nnx.Module):
             if i in feature_layers:
                 features.append(_stream_mean(x))
         logits = self.logits_from_streams(x, self.hc_head, self.norm)
-        new = DecodeState(layers=tuple(caches), length=length + n_valid, written=n_valid)
+        new = decode.replace(layers=tuple(caches), length=length + n_valid, written=n_valid)
         return logits, _concat(features), new
 
     def embed_streams(self, ids: jax.Array) -> jax.Array:

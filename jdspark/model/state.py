@@ -45,6 +45,9 @@ class DecodeState:
     layers: tuple[LayerCache, ...]
     length: jax.Array  # [B] int32: tokens held (committed + written by the last extend)
     written: jax.Array  # [B] int32: tokens the last extend wrote (what commit may roll back)
+    # [B] int32: the token after the held ones, not yet written: the next block's first input. The engine's
+    # calls set it from the token they sample, so a call can be issued before the host read the one before
+    anchor: jax.Array
 
     @property
     def batch(self) -> int:
@@ -92,8 +95,9 @@ def init_state(config: DSV4Config, engine: EngineConfig, dtype) -> DecodeState:
             window=jnp.zeros((b, rings.window, config.head_dim), dtype),
             compressor=compressor(ratio, config.head_dim) if kind != "window" else None,
             indexer=compressor(CSA_RATIO, config.index_head_dim) if kind == "csa" else None))
-    zeros = jnp.zeros((b,), jnp.int32)
-    return DecodeState(layers=tuple(layers), length=zeros, written=jnp.zeros((b,), jnp.int32))  # distinct: both are donated
+    def zeros():  # a buffer each: all are donated
+        return jnp.zeros((b,), jnp.int32)
+    return DecodeState(layers=tuple(layers), length=zeros(), written=zeros(), anchor=zeros())
 
 
 def commit(state: DecodeState, n_keep: jax.Array) -> DecodeState:

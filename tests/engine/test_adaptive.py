@@ -24,8 +24,10 @@ GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture
 def engine(spec_engine):
-    """The shared engine, restored to its defaults afterwards."""
+    """The shared engine, restored to its defaults afterwards; each step reads its own call (no
+    overlap), since these tests follow the width choice step by step."""
     saved = spec_engine.policy()
+    spec_engine.set_policy(overlap=False)
     yield spec_engine
     spec_engine.set_policy(**saved)
 

@@ -74,7 +74,7 @@ def scripted_step(exe, k: int):
         model = exe.module(params)
         rows, batch = executables.unpack_slots(slots), full_state.batch
         decode, cache = executables.take_rows(full_state, rows, batch), executables.take_rows(full_cache, rows, batch)
-        proposal = exe.propose(model, cache, rows.anchor, rows.sampling)
+        proposal = exe.propose(model, cache, decode.anchor, rows.sampling)
         verdict, decode, cache = exe.verify(model, decode, cache, rows, tokens[:, :k], proposal.q[:, :k])
         return (executables.pack_output(verdict, tokens, proposal.confidence),
                 executables.put_rows(full_state, decode, rows, batch), executables.put_rows(full_cache, cache, rows, batch))
@@ -89,7 +89,8 @@ def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greed
     scripted = scripted_step(engine.exe, 5)
 
     def scripted_call(params, decode, cache, slots):
-        done = 1 + sum(len(step.rows[0].emitted) for step in records)  # the prefill's token, then steps
+        slot = slots[slots[:, 0] == 1, list(executables.SLOT_FIELDS).index("slot")][0]  # the active row's
+        done = int(decode.length[slot]) - len(PROMPT) + 1  # tokens so far (the last: the anchor, not in the state)
         tokens = np.array([greedy_reference[min(done + i, len(greedy_reference) - 1)] for i in range(5)], np.int32)
         bad = rng.integers(0, 7)  # 5 or 6: all correct
         if bad < 5:
@@ -97,8 +98,7 @@ def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greed
         return scripted(params, decode, cache, slots, np.tile(tokens, (len(slots), 1)))
 
     monkeypatch.setitem(engine.exe.buckets[2].step, 5, scripted_call)  # the engine's one bucket
-    with engine.record_steps() as records:
-        slot = run(engine, PROMPT, GREEDY, 5)
+    slot = run(engine, PROMPT, GREEDY, 5)
     assert slot.token_ids == greedy_reference
     accepted = np.array(slot.stats.accepted_at)
     assert (accepted > 0).all() and slot.stats.tau > 2.0, slot.stats.as_dict()
@@ -107,7 +107,7 @@ def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greed
 def test_draft_cache_holds_exactly_the_committed_positions(engine, model):
     """Mid-generation (accepts and rejections behind it), the drafter's context rows equal those
     recomputed from scratch over the committed tokens."""
-    engine.set_policy(speculative=True, width_policy=lambda confidence: 3)
+    engine.set_policy(speculative=True, width_policy=lambda confidence: 3, overlap=False)  # each step read whole
     first = engine.add(PROMPT, SamplingParams(max_tokens=60, temperature=1.0, seed=5, ignore_eos=True))
     rid, b, tokens = first.request_id, engine.slot_of(first.request_id), list(first.tokens)
     for _ in range(12):
@@ -122,6 +122,7 @@ def test_draft_cache_holds_exactly_the_committed_positions(engine, model):
     for got, want in zip(engine.draft_cache.windows, fresh.windows):
         np.testing.assert_allclose(np.asarray(got)[b, slots_held], np.asarray(want)[0, slots_held], atol=1e-5)
     engine.cancel(rid)
+    engine.set_policy(overlap=True)
 
 
 def test_no_compilation_after_warm_up_at_any_mix_of_widths(engine, compile_counter):

@@ -22,7 +22,6 @@ from tests.conftest import SPEC_CONFIG
 
 
 def test_slot_inputs_unpack_exactly_on_the_device():
-    anchor = np.array([7, 0, 8191], np.int32)
     active = np.array([True, False, True])
     temperature = np.array([0.7, 0.0, 1.3], np.float32)
     top_k = np.array([50, 0, 3], np.int32)
@@ -30,12 +29,12 @@ def test_slot_inputs_unpack_exactly_on_the_device():
     seed = np.array([2 ** 32 - 1, 0, 2 ** 31], np.uint32)
     counter = np.array([0, 5, 123456], np.int32)
     slot, width = np.array([3, 0, 15], np.int32), np.array([5, 0, 2], np.int32)
-    packed = executables.slot_inputs(anchor=anchor, active=active, temperature=temperature, top_k=top_k,
+    packed = executables.slot_inputs(active=active, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, counter=counter, slot=slot, width=width)
     assert packed.dtype == np.int32 and packed.shape == (3, len(executables.SLOT_FIELDS))
     rows = jax.jit(executables.unpack_slots)(packed)
     sampling = rows.sampling
-    for got, want in ((rows.anchor, anchor), (rows.active, active), (rows.slot, slot), (rows.width, width)):
+    for got, want in ((rows.active, active), (rows.slot, slot), (rows.width, width)):
         np.testing.assert_array_equal(got, want)
     for name, want in [("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed),
                        ("counter", counter)]:
@@ -70,7 +69,7 @@ def test_non_finite_logits_come_back_as_the_invalid_flag(spec_engine):
     assert not engine.running
     b = engine.config.max_batch
     poisoned = jax.tree.map(lambda a: a * jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else a, exe.params.arrays)
-    slots = executables.slot_inputs(anchor=np.full(b, 4), active=np.ones(b, bool), temperature=np.ones(b),
+    slots = executables.slot_inputs(active=np.ones(b, bool), temperature=np.ones(b),
                                     top_k=np.zeros(b), top_p=np.ones(b), seed=np.arange(b), counter=np.zeros(b),
                                     slot=np.arange(b), width=np.full(b, 3))
     ids = np.full((b, exe.prefill_chunk), 5, np.int32)

@@ -55,7 +55,7 @@ def fresh_proposal(model, committed: np.ndarray, anchor: int) -> dspark.Proposal
 
 def test_drafts_equal_a_recomputation_over_the_committed_context(spec_engine, spec_model):
     engine = spec_engine
-    engine.set_policy(speculative=True, width_policy=lambda confidence: 3)
+    engine.set_policy(speculative=True, width_policy=lambda confidence: 3, overlap=False)  # each step read whole
     first = engine.add(PROMPT, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
     rid, tokens = first.request_id, list(first.tokens)
     contexts = []  # (committed tokens, anchor) before each step
@@ -64,6 +64,7 @@ def test_drafts_equal_a_recomputation_over_the_committed_context(spec_engine, sp
             contexts.append((np.concatenate([PROMPT, tokens[:-1]]).astype(np.int32), tokens[-1]))
             tokens += engine.step()[rid].tokens
     engine.cancel(rid)
+    engine.set_policy(overlap=True)
     accepted = [r.rows[0].n_accepted for r in records]
     assert 0 in accepted[2:] and max(accepted) > 0, accepted  # rejections and acceptances behind the checks
     for step in (3, 6, 8):

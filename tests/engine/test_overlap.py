@@ -1,0 +1,74 @@
+"""Overlapped steps (`Engine(overlap=True)`, the default): a step issues its calls, then reads the
+previous step's, so the device computes while the host reads, emits and chooses."""
+
+import numpy as np
+import pytest
+
+from jdspark.engine.request import SamplingParams
+
+PROMPT = np.array([5, 9, 2, 14, 7, 7, 1, 12, 0, 4, 8, 11], np.int32)
+OTHER = np.array([3, 3, 8, 1, 13, 6], np.int32)
+
+
+def greedy(max_tokens, **more):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **more)
+
+
+@pytest.fixture
+def engine(spec_engine):
+    """The shared engine at a fixed width (the same widths with and without overlap), restored."""
+    saved = spec_engine.policy()
+    spec_engine.set_policy(speculative=True, width_policy=lambda confidence: 5, overlap=True)
+    yield spec_engine
+    spec_engine.set_policy(**saved)
+
+
+def together(engine, requests, overlap: bool) -> list[list[int]]:
+    """The second request admitted while the first runs; each one's tokens."""
+    engine.set_policy(overlap=overlap)
+    first = engine.add(*requests[0])
+    engine.step()
+    second = engine.add(*requests[1])
+    done = engine.complete([first, second])
+    engine.set_policy(overlap=True)
+    return [c.token_ids for c in done]
+
+
+def test_an_overlapped_engine_emits_the_tokens_of_a_step_by_step_one(engine):
+    """Greedy and seeded sampled requests sharing steps: the same tokens whether each step reads its
+    own call or the one before (a request's noise counts its own calls, the anchor comes from the
+    state). Mutation caught: the noise counter taken from the reads (two calls in flight draw the
+    same noise)."""
+    requests = [(PROMPT, SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)),
+                (OTHER, greedy(25))]
+    assert together(engine, requests, overlap=True) == together(engine, requests, overlap=False)
+
+
+def tracked(engine, params, overlap: bool) -> tuple[list[int], int]:
+    """(tokens, the longest its slot's state grew) of one request."""
+    engine.set_policy(overlap=overlap)
+    first = engine.add(PROMPT, params)
+    rid, slot, tokens, longest = first.request_id, engine.slot_of(first.request_id), list(first.tokens), 0
+    while rid in engine.running:
+        delta = engine.step().get(rid)
+        tokens += delta.tokens if delta else ()
+        longest = max(longest, int(engine.state.length[slot]))
+    engine.set_policy(overlap=True)
+    return tokens, longest
+
+
+def test_requests_that_end_while_their_next_call_runs(engine):
+    """A stop token ends a request in the step read while its next call already runs: it emits what a
+    step-by-step engine emits, and a new request takes its slot at once and decodes as alone. Near
+    max_tokens a request waits for its reads (`Sequence.may_issue`), so it runs exactly the calls a
+    step-by-step engine runs: its state grows as far, never past what `room` reserved. Mutation
+    caught: may_issue always true (a call past max_tokens)."""
+    reference = tracked(engine, greedy(40), overlap=False)[0]
+    stop = reference[9]
+    ended = engine.complete([engine.add(PROMPT, greedy(40, stop_token_ids=(stop,)))])[0]
+    assert ended.token_ids == reference[:reference.index(stop) + 1] and ended.finish_reason == "stop"
+    assert engine.complete([engine.add(PROMPT, greedy(40))])[0].token_ids == reference
+    for max_tokens in (2, 7, 13, 40):
+        tokens, longest = tracked(engine, greedy(max_tokens), overlap=True)
+        assert tokens == reference[:max_tokens]
+        assert longest == tracked(engine, greedy(max_tokens), overlap=False)[1], max_tokens
