@@ -9,7 +9,11 @@ rolled back by `commit(0)` so the context stays fixed).
 
 Per row it prints ms per call, the bytes the call must read, the achieved GB/s and that as a share of
 the copy bandwidth measured in the same run ("bandwidth achieved", as gpt-fast prints it), and the
-share of the floor (bytes / copy bandwidth). The bytes are:
+share of the floor (bytes / copy bandwidth); then the same for calls queued back to back ("queued":
+issued without waiting for the one before, synced once, each appending to the state the one before
+left, as an overlapped engine steps), where the host's dispatch hides behind the device's work.
+`--profile` also prints how long an empty program with the call's argument buffers takes to return
+(the host's per-argument cost). The bytes are:
 - every non-routed parameter once (attention, compressor, indexer, shared expert, router, mHC, norms,
   head), the embedding rows of the call's tokens only;
 - the distinct routed experts of the call, per layer: E * (1 - (1 - K/E)^(B*S)), the expected count

@@ -1,5 +1,5 @@
 """What one executable call runs on: its rows (state slots, padded to a batch bucket) and their
-inputs, and the prompt chunks of requests still being prefilled.
+inputs, the prompt chunks of requests still being prefilled, and what reading an issued call needs.
 
 A call of bucket n has n rows, each naming a distinct state slot (the executables gather and
 scatter those slots, `executables`). The live rows come first in slot order; padding rows take
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from jdspark.engine.executables import slot_inputs
@@ -60,6 +61,22 @@ def call_inputs(slots: np.ndarray, sequences: list[Sequence | None], active: set
     return slot_inputs(**columns)
 
 
+def advance_prompts(rows: np.ndarray, live: list[int], n_valid: np.ndarray, pending: dict[int, PendingPrompt],
+                    sequences: list[Sequence | None]) -> dict[int, tuple[Sequence, PendingPrompt, bool]]:
+    """After a prefill call is issued: each live row's prompt advanced by its chunk, and no longer
+    pending where that was its last. {slot: (request, prompt, whether its last chunk)}."""
+    prompts = {}
+    for i, b in enumerate(rows.tolist()):
+        if b in live:
+            prompt = pending[b]
+            prompt.done += int(n_valid[i])
+            last = prompt.done == len(prompt.ids)
+            if last:
+                del pending[b]
+            prompts[b] = (sequences[b], prompt, last)
+    return prompts
+
+
 def prefill_inputs(slots: np.ndarray, pending: dict[int, PendingPrompt], chunk: int):
     """(ids [n, chunk], n_valid [n], reset [n]) of one prefill call: each pending row's next chunk
     (reset on its first), padding rows empty."""
@@ -71,3 +88,27 @@ def prefill_inputs(slots: np.ndarray, pending: dict[int, PendingPrompt], chunk: 
             ids[i, :len(piece)] = piece
             n_valid[i], reset[i] = len(piece), pending[b].done == 0
     return ids, n_valid, reset
+
+
+@dataclasses.dataclass
+class IssuedPrefill:
+    """A prefill call issued and not yet read."""
+
+    out: jax.Array
+    rows: np.ndarray
+    prompts: dict[int, tuple[Sequence, PendingPrompt, bool]]  # slot -> (request, prompt, its last chunk)
+
+
+@dataclasses.dataclass
+class IssuedVerify:
+    """A verify (or plain decode) call issued and not yet read: what reading it needs."""
+
+    out: jax.Array
+    rows: np.ndarray
+    sequences: dict[int, Sequence]  # slot -> the request it ran for
+    stale: dict[int, np.ndarray]  # slot -> the confidences its width was chosen from
+    width: int  # the executable's
+    widths: dict[int, int]  # slot -> its own width
+    bucket: int
+    drafted: bool  # a step[k] call (else a plain decode)
+    started: float

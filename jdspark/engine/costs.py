@@ -27,6 +27,7 @@ import numpy as np
 
 from jdspark.drafter import dspark
 from jdspark.engine.executables import slot_inputs
+from jdspark.engine.widths import executable_width
 from jdspark.model import state
 from jdspark.parallel import distributed
 from jdspark.speculative.selector import AdaptiveWidth
@@ -156,3 +157,15 @@ class LiveCosts:
         offsets = self.offsets[bucket]
         offsets[kind] += self.weight * (seconds - profiled - offsets[kind])
         self._policies.pop(bucket, None)
+
+
+def measured_selector(engine, bucket: int) -> AdaptiveWidth:
+    """The adaptive width policy of an engine's batch bucket: (V(0..gamma), D) and the decode call's
+    cost measured there. A step[k] call drafts and verifies, so it costs S(k) = D + V(k) as a whole;
+    D is S(0) less a plain decode call (the same verification without the draft), V(k) = S(k) - D.
+    A width that is not compiled runs in the next compiled one's executable and costs its S."""
+    measured = engine.measure_call_costs(bucket)
+    step = [measured[f"step{executable_width({0: k}, engine.exe.step)}"] for k in range(engine.config.gamma + 1)]
+    draft = max(step[0] - measured["decode"], 0.0)
+    return AdaptiveWidth([s - draft for s in step], draft, engine.config.gamma,
+                         decode_cost=max(measured["decode"], 1e-6))

@@ -7,25 +7,16 @@ statistics); the device owns the model state. Per call only (n_accepted, token) 
 drafted tokens and their confidences come back to the host, as one small array. Requests join a
 free slot and leave it when they finish. `add_many` prefills its prompts at once (offline use);
 `admit` spreads them over the coming steps, `prefill_budget` prompt tokens per step, so running
-requests keep decoding while a new one is prefilled (serving).
-
-Overlap (the default): a step issues its calls, then reads the previous step's. No call's inputs
-wait on the one before (each leaves its sampled token in the state as the next anchor; widths
-read the confidences already on the host), so the device runs one step while the host reads the
-last, emits its tokens and prepares the next: a step costs about the larger of the host's and the
-device's work instead of their sum. A request that finishes in the step read has the call issued
-after it wasted and its tokens dropped; a request near max_tokens waits for its reads, so its
-state never outgrows what `room` reserved (`Sequence.may_issue`).
+requests keep decoding while a new one is prefilled (serving). With overlap (the default) a step
+reads the previous step's calls after issuing its own (docs/ARCHITECTURE.md, "Overlapped steps").
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -33,14 +24,15 @@ import numpy as np
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import costs
-from jdspark.engine.batch import PendingPrompt, call_inputs, call_slots, prefill_inputs
+from jdspark.engine.batch import (IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs, call_slots,
+                                  prefill_inputs)
 from jdspark.engine.errors import CapacityError, EngineError
 from jdspark.engine.executables import Executables, read_output
 from jdspark.engine.options import SpecOptions, WidthPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
 from jdspark.engine.sequence import ConfidencePrior, Sequence
-from jdspark.engine.stats import LogCounters, RowRecord, StepRecord
-from jdspark.engine.widths import executable_width, pause_where_drafting_does_not_pay, price_for_the_batch, row_widths
+from jdspark.engine.stats import RowRecord, StepReaders, StepRecord
+from jdspark.engine.widths import choose, compiled_widths
 from jdspark.model import state
 from jdspark.model.model import Model
 from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
@@ -71,12 +63,11 @@ class Engine:
         "pallas", "xla") picks the Pallas kernels or their jnp references (rejection sampler,
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
         buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU; `overlap`: a step issues
-        its calls before it reads the previous step's (`step`), so the host's work per step (the
-        calls' dispatch, reading, emitting, choosing widths) runs while the device computes."""
-        widths = self._check_setup(model, config, speculative, widths, options.width)
+        its calls before it reads the previous step's (`step`)."""
+        widths = compiled_widths(model.config, config, speculative, widths, options.width)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
         self.overlap = overlap
-        self._unread: list[_Prefill | _Verify] = []  # calls issued and not yet read (the previous step's)
+        self._unread: list[IssuedPrefill | IssuedVerify] = []  # calls issued and not yet read (the previous step's)
         self._last_read = 0.0  # when a verify call was last read (perf_counter)
         self.tokenizer = tokenizer
         self._new_breaker()  # validates the fallback options before anything is compiled
@@ -103,28 +94,7 @@ class Engine:
         log.info("engine ready in %.1f s (compile cache %s)", time.perf_counter() - start,
                  jax.config.jax_compilation_cache_dir or "off")
         self.last_step: StepRecord | None = None
-        self._log = LogCounters()
-        self._recorders: list[list[StepRecord]] = []
-
-    @staticmethod
-    def _check_setup(model: Model, config: EngineConfig, speculative: bool, widths, width) -> tuple[int, ...]:
-        """The widths to compile, after checking the model can speculate at them (and at the fixed
-        `width`, if any) — before anything compiles."""
-        if speculative and model.config.dspark is None:
-            raise EngineError("speculative=True needs a checkpoint with a DSpark drafter (dspark_* config keys and "
-                              "mtp.* drafter tensors); this one has none: use speculative=False")
-        dspark_cfg = model.config.dspark
-        if dspark_cfg is not None and dspark_cfg.block_size != config.gamma:
-            raise EngineError(f"gamma={config.gamma} but the drafter was built for dspark_block_size="
-                              f"{dspark_cfg.block_size}; use gamma={dspark_cfg.block_size}")
-        if widths is None:
-            widths = tuple(range(config.gamma + 1)) if speculative else (0,)
-        bad = [k for k in widths if not 0 <= k <= config.gamma or (k and not speculative)]
-        if bad or not widths:
-            raise EngineError(f"widths={widths}: each must be in 0..gamma={config.gamma} (only 0 without speculation)")
-        if speculative and width is not None and width not in widths:
-            raise EngineError(f"width={width}: must be one of the compiled widths {sorted(widths)}")
-        return tuple(widths)
+        self._readers = StepReaders()
 
     def _width_policy(self, policy: WidthPolicy | None, widths: tuple[int, ...]) -> WidthPolicy:
         """The given policy, a fixed width, or the adaptive selector over measured costs."""
@@ -136,7 +106,7 @@ class Engine:
         if gamma not in widths:
             raise EngineError(f"adaptive width needs width gamma={gamma} compiled (every width rounds up to a "
                               f"compiled one), got {widths}")
-        self.selectors = {n: self._selector(n) for n in self.config.buckets}
+        self.selectors = {n: costs.measured_selector(self, n) for n in self.config.buckets}
         self.selector, self.live = self.selectors[max(self.selectors)], costs.LiveCosts(self.selectors)
         return self.selector
 
@@ -158,17 +128,6 @@ class Engine:
         self._unread = []
         self.state, self.draft_cache = self._fresh_state()
         return failed
-
-    def _selector(self, bucket: int) -> AdaptiveWidth:
-        """The adaptive width policy of a batch bucket: (V(0..gamma), D) and the decode call's cost
-        measured there. A step[k] call drafts and verifies, so it costs S(k) = D + V(k) as a whole; D
-        is S(0) less a plain decode call (the same verification without the draft), V(k) = S(k) - D.
-        A width that is not compiled runs in the next compiled one's executable and costs its S."""
-        measured = self.measure_call_costs(bucket)
-        step = [measured[f"step{executable_width({0: k}, self.exe.step)}"] for k in range(self.config.gamma + 1)]
-        draft = max(step[0] - measured["decode"], 0.0)
-        return AdaptiveWidth([s - draft for s in step], draft, self.config.gamma,
-                             decode_cost=max(measured["decode"], 1e-6))
 
     def measure_call_costs(self, bucket: int | None = None) -> dict[str, float]:
         """Seconds per synchronised call of `decode` and of each step[k] ("step{k}") of a batch bucket
@@ -224,7 +183,7 @@ class Engine:
         """One prefill call, issued and read (`add_many`)."""
         return self._read_prefill(self._issue_prefill(live))
 
-    def _issue_prefill(self, live: list[int]) -> "_Prefill":
+    def _issue_prefill(self, live: list[int]) -> IssuedPrefill:
         """One prefill call: the next chunk of each of these slots' prompts, in the smallest bucket
         that holds them. A prompt whose last chunk it holds is no longer pending: its request runs
         from the next step on (its first token, the call's sample, is the state's anchor)."""
@@ -234,18 +193,9 @@ class Engine:
         out, self.state, self.draft_cache = self.exe.buckets[bucket].prefill(
             self.exe.params.arrays, self.state, self.draft_cache, ids, n_valid, reset,
             call_inputs(rows, self._slots, set()))
-        prompts = {}
-        for i, b in enumerate(rows.tolist()):
-            if b in live:
-                pending = self._pending[b]
-                pending.done += int(n_valid[i])
-                last = pending.done == len(pending.ids)
-                if last:
-                    del self._pending[b]
-                prompts[b] = (self._slots[b], pending, last)
-        return _Prefill(out, rows, prompts)
+        return IssuedPrefill(out, rows, advance_prompts(rows, live, n_valid, self._pending, self._slots))
 
-    def _read_prefill(self, call: "_Prefill") -> dict[int, Delta]:
+    def _read_prefill(self, call: IssuedPrefill) -> dict[int, Delta]:
         """The first Delta of each request whose prompt ended in the call (an error if any of its
         chunks came back with non-finite logits)."""
         out = read_output(call.out, self.config.gamma)
@@ -329,30 +279,18 @@ class Engine:
     @contextlib.contextmanager
     def record_steps(self) -> Iterator[list[StepRecord]]:
         """Collect every step's record while the block runs (profiling)."""
-        records: list[StepRecord] = []
-        self._recorders.append(records)
-        try:
+        with self._readers.recording() as records:
             yield records
-        finally:
-            self._recorders.remove(records)
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> dict[int, Delta]:
-        """One step: issue a prefill call for the prompts still coming in (`prefill_budget` tokens),
-        then one draft + verify call for every running request; read calls and return each
-        request's Delta by request id (a request whose prompt ended gets its first). Finished
-        requests' slots are free afterwards; `last_step` is the verify call's record (None when only
-        a prefill was read).
-
-        With `overlap`, the calls read are the previous step's: this step's run on the device while
-        the host reads, emits and chooses the next (a request that finished meanwhile has its extra
-        call's tokens dropped). Without, a step reads its own calls.
-
-        Widths come from confidences the host already holds (the last read proposal's), so the
-        choice never waits on the device and never sees the block it applies to. Speculation is
-        skipped (a plain decode call, no drafting) when every running request's breaker is cooling
-        down.
-        """
+        """One step: issue a prefill call for the prompts still coming in (`prefill_budget` tokens)
+        and one draft + verify call for every running request, then read calls: with `overlap` the
+        previous step's (these run meanwhile; a request that ended in them has its extra call's
+        tokens dropped), else these. Returns each request's Delta by request id (a request whose
+        prompt ended gets its first); finished requests' slots are free afterwards; `last_step` is
+        the verify call's record (None when only a prefill was read). Widths come from confidences
+        the host already holds, so the choice never waits on the device nor sees its block."""
         self.last_step = None
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
@@ -363,10 +301,10 @@ class Engine:
             issued, self._unread = self._unread, issued
         deltas: dict[int, Delta] = {}
         for call in issued:
-            deltas.update(self._read_prefill(call) if isinstance(call, _Prefill) else self._read_verify(call))
+            deltas.update(self._read_prefill(call) if isinstance(call, IssuedPrefill) else self._read_verify(call))
         return deltas
 
-    def _issue_verify(self, active: list[int]) -> "_Verify":
+    def _issue_verify(self, active: list[int]) -> IssuedVerify:
         bucket = self.config.bucket(len(active))
         stale = {b: self._slots[b].confidence for b in active}  # the last read proposal's: what the choice reads
         width, widths, call = self._choose(stale, bucket)
@@ -377,10 +315,10 @@ class Engine:
         sequences = {b: self._slots[b] for b in active}
         for b, seq in sequences.items():
             seq.issued(widths.get(b, 0))
-        return _Verify(out, rows, sequences, stale, width, widths, bucket, call is not self.exe.buckets[bucket].decode,
+        return IssuedVerify(out, rows, sequences, stale, width, widths, bucket, call is not self.exe.buckets[bucket].decode,
                        started)
 
-    def _read_verify(self, call: "_Verify") -> dict[int, Delta]:
+    def _read_verify(self, call: IssuedVerify) -> dict[int, Delta]:
         """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
         finished, cancelled or failed after the call was issued has them dropped)."""
         n_acc, token, drafts, confidence, invalid = read_output(call.out, self.config.gamma)
@@ -391,10 +329,10 @@ class Engine:
         if not live:  # every request it ran for ended before it was read: a call wasted, no step to record
             return {}
         deltas = {}
-        for b in live:
+        for b, seq in live.items():
             i = row_of[b]
             new = [*drafts[i, :n_acc[i]].tolist(), int(token[i])] if call.width else [int(token[i])]
-            deltas[live[b].request_id] = self._emit(b, new, bool(invalid[i]))
+            deltas[seq.request_id] = self._emit(b, new, bool(invalid[i]))
         records = tuple(RowRecord(seq.request_id, call.stale[b], int(n_acc[row_of[b]]), deltas[seq.request_id].tokens,
                                   call.widths.get(b, 0)) for b, seq in live.items())
         cost = self.cost_summary(call.bucket)
@@ -403,7 +341,7 @@ class Engine:
                             drafted_call=call.drafted)
         for (b, seq), row in zip(live.items(), records):
             seq.record(record, row, None if confidence is None else confidence[row_of[b]])
-        if confidence is not None and live:
+        if confidence is not None:
             self.prior.update(confidence[[row_of[b] for b in live]])
         if self.live is not None:
             self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds)
@@ -411,38 +349,30 @@ class Engine:
         return deltas
 
     def _choose(self, stale: dict[int, np.ndarray], bucket: int):
-        """(executable width, {slot: width}, executable) for this step (`jdspark.engine.widths`)."""
+        """(executable width, {slot: width}, executable) for this step (`widths.choose`)."""
         speculating = {b: self._slots[b].speculates() for b in stale}
-        calls = self.exe.buckets[bucket]
-        adaptive = self.selector is not None and self.width_policy is self.selector
-        policy = self.live.policy(bucket) if adaptive else self.width_policy
-        if self.speculative and self.options.pause_steps and isinstance(policy, AdaptiveWidth):
-            pause_where_drafting_does_not_pay(policy, stale, speculating, self._slots, self.options.pause_steps)
-        if not (self.speculative and any(speculating.values())):
-            return 0, {}, calls.decode
-        widths = row_widths(self.options.batch_widths, stale, speculating, policy, policy if adaptive else None)
-        if not isinstance(policy, AdaptiveWidth):
-            width = executable_width(widths, calls.step)
-        else:
-            width, widths = price_for_the_batch(widths, stale, policy, calls.step, self._slots, self.options,
-                                                speculating, self._first_confidence())
+        calls, adaptive = self.exe.buckets[bucket], self._adaptive()
+        width, widths = choose(stale, speculating, self._policy_at(bucket) if self.speculative else None, adaptive,
+                               calls.step, self._slots, self.options, self._first_confidence())
         return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
+
+    def _adaptive(self) -> bool:
+        return self.selector is not None and self.width_policy is self.selector
+
+    def _policy_at(self, bucket: int) -> WidthPolicy:
+        """The width policy in use at a batch bucket: the measured selector's there, corrected by
+        the steps' costs (`live`), or the policy set."""
+        return self.live.policy(bucket) if self._adaptive() else self.width_policy
 
     def _publish(self, record: StepRecord) -> None:
         """Hand the step's record to the readers outside the requests: the log line, recorders."""
         self.last_step = record
-        for records in self._recorders:
-            records.append(record)
-        self._log.add(record)
-        if self.options.log_every and self._log.steps >= self.options.log_every:
-            log.info("%s", self._log.summary())
-            self._log = LogCounters()
+        self._readers.publish(record, self.options.log_every)
 
     def cost_summary(self, bucket: int | None = None) -> dict:
         """D and V(k) (seconds) the width policy in use reads at a batch bucket (default the largest;
         `live` costs); None when it is no AdaptiveWidth (a fixed width, or a policy of the caller's)."""
-        adaptive = self.selector is not None and self.width_policy is self.selector
-        policy = self.live.policy(bucket or max(self.selectors)) if adaptive else self.width_policy
+        policy = self._policy_at(bucket or max(self.config.buckets))
         if not isinstance(policy, AdaptiveWidth):
             return {"draft_cost_s": None, "verify_costs_s": None}
         return {"draft_cost_s": policy.draft_cost, "verify_costs_s": policy.verify_costs.tolist()}
@@ -463,26 +393,3 @@ class Engine:
             del self._slot_of[delta.request_id]
         return delta
 
-
-@dataclasses.dataclass
-class _Prefill:
-    """A prefill call issued and not yet read."""
-
-    out: jax.Array
-    rows: np.ndarray
-    prompts: dict[int, tuple[Sequence, PendingPrompt, bool]]  # slot -> (request, prompt, its last chunk)
-
-
-@dataclasses.dataclass
-class _Verify:
-    """A verify (or plain decode) call issued and not yet read: what reading it needs."""
-
-    out: jax.Array
-    rows: np.ndarray
-    sequences: dict[int, Sequence]  # slot -> the request it ran for
-    stale: dict[int, np.ndarray]  # slot -> the confidences its width was chosen from
-    width: int  # the executable's
-    widths: dict[int, int]  # slot -> its own width
-    bucket: int
-    drafted: bool  # a step[k] call (else a plain decode)
-    started: float

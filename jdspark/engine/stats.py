@@ -7,9 +7,14 @@ record, so the figures they show cannot disagree.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+from collections.abc import Iterator
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,3 +134,29 @@ class LogCounters:
                 ", ".join(f"{x * 1e3:.2f}" for x in self.last.verify_costs_s) + "]ms"
         return (f"{self.steps} steps: {self.tokens / max(self.seconds, 1e-9):.1f} tok/s, acceptance {rate:.2f}, "
                 f"widths {{{widths}}}{costs}")
+
+
+class StepReaders:
+    """Where each step's record goes besides its requests: recorders (`Engine.record_steps`) and, every
+    `log_every` steps, the engine's log line."""
+
+    def __init__(self):
+        self.recorders: list[list[StepRecord]] = []
+        self.counters = LogCounters()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[StepRecord]]:
+        records: list[StepRecord] = []
+        self.recorders.append(records)
+        try:
+            yield records
+        finally:
+            self.recorders.remove(records)
+
+    def publish(self, record: StepRecord, log_every: int) -> None:
+        for records in self.recorders:
+            records.append(record)
+        self.counters.add(record)
+        if log_every and self.counters.steps >= log_every:
+            log.info("%s", self.counters.summary())
+            self.counters = LogCounters()

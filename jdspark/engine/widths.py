@@ -140,3 +140,40 @@ def executable_width(widths: dict[int, int], compiled) -> int:
     if not fitting:
         raise EngineError(f"the width policy chose k={widest}, but only widths {sorted(compiled)} were compiled")
     return min(fitting)
+
+
+def compiled_widths(model_config, config, speculative: bool, widths, width) -> tuple[int, ...]:
+    """The widths to compile, after checking the model can speculate at them (and at the fixed
+    `width`, if any) — before anything compiles."""
+    if speculative and model_config.dspark is None:
+        raise EngineError("speculative=True needs a checkpoint with a DSpark drafter (dspark_* config keys and "
+                          "mtp.* drafter tensors); this one has none: use speculative=False")
+    dspark_cfg = model_config.dspark
+    if dspark_cfg is not None and dspark_cfg.block_size != config.gamma:
+        raise EngineError(f"gamma={config.gamma} but the drafter was built for dspark_block_size="
+                          f"{dspark_cfg.block_size}; use gamma={dspark_cfg.block_size}")
+    if widths is None:
+        widths = tuple(range(config.gamma + 1)) if speculative else (0,)
+    bad = [k for k in widths if not 0 <= k <= config.gamma or (k and not speculative)]
+    if bad or not widths:
+        raise EngineError(f"widths={widths}: each must be in 0..gamma={config.gamma} (only 0 without speculation)")
+    if speculative and width is not None and width not in widths:
+        raise EngineError(f"width={width}: must be one of the compiled widths {sorted(widths)}")
+    return tuple(widths)
+
+
+def choose(stale: dict[int, np.ndarray], speculating: dict[int, bool], policy, adaptive: bool, compiled,
+           slots, options, first_confidence) -> tuple[int | None, dict[int, int]]:
+    """(executable width, {slot: width}) of a step over these rows' stale confidences; (None, {}):
+    a plain decode call. `policy`: the width policy in use (None: not speculating); `adaptive`:
+    it is the engine's measured selector; `compiled`: the step executables by width."""
+    if options.pause_steps and isinstance(policy, AdaptiveWidth):
+        pause_where_drafting_does_not_pay(policy, stale, speculating, slots, options.pause_steps)
+    if policy is None or not any(speculating.values()):
+        return None, {}
+    widths = row_widths(options.batch_widths, stale, speculating, policy, policy if adaptive else None)
+    if not isinstance(policy, AdaptiveWidth):
+        return executable_width(widths, compiled), widths
+    width, widths = price_for_the_batch(widths, stale, policy, compiled, slots, options, speculating,
+                                        first_confidence)
+    return (None, {}) if width is None else (width, widths)

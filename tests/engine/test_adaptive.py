@@ -192,7 +192,7 @@ def test_fallback_breaker_switches_to_target_only_and_back(engine):
 def test_engine_logs_throughput_acceptance_widths_and_costs(engine, caplog):
     engine.set_policy(speculative=True, width_policy=engine.selector)
     engine.set_policy(options=SpecOptions(log_every=4))
-    with caplog.at_level(logging.INFO, logger="jdspark.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="jdspark.engine"):
         generate(engine, SamplingParams(max_tokens=30, temperature=1.0, seed=4, ignore_eos=True))
     lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
     assert lines and all("acceptance" in line and "widths {" in line and "V=[" in line for line in lines)

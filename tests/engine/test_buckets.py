@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jdspark.config import EngineConfig
+from jdspark.engine import costs
 from jdspark.engine.engine import Engine
 from jdspark.engine.request import SamplingParams
 
@@ -101,6 +102,6 @@ def test_no_compilation_after_warm_up_as_requests_join_and_leave(engine, alone, 
 def test_an_uncompiled_width_costs_what_the_executable_it_runs_in_costs(engine):
     """Widths 2 and 5 compiled: widths 0..2 run in step[2], 3..5 in step[5], and the selector's
     cost curve says so."""
-    selector = engine._selector(1)
+    selector = costs.measured_selector(engine, 1)
     step = [v + selector.draft_cost for v in selector.verify_costs]
     assert len(step) == 6 and step[0] == step[1] == step[2] and step[3] == step[4] == step[5]
