@@ -206,6 +206,7 @@ class Engine:
                 continue
             pending.invalid |= bool(out.invalid[i])
             if last:
+                seq.first_read()
                 seq.stats.time_to_first_token_s = time.perf_counter() - seq.started
                 deltas[seq.request_id] = self._emit(b, [int(out.token[i])], pending.invalid)
         return deltas

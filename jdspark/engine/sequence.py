@@ -87,10 +87,14 @@ class Sequence:
         stays short of max_tokens (so its state never outgrows what `room` reserved)."""
         return len(self.tokens) + self.unread < self.params.max_tokens
 
-    def issued(self, width: int) -> None:
-        """A verify call of this width now runs for it."""
-        self.calls += 1
-        self.unread += width + 1
+    def issued(self, width: int | None) -> None:
+        """A call now runs for it: a verify call of this width, or (None) the prefill of its prompt's
+        last chunk, which samples its first token (read by `first_read`)."""
+        self.calls += width is not None
+        self.unread += 1 if width is None else width + 1
+
+    def first_read(self) -> None:
+        self.unread -= 1
 
     def record(self, step: StepRecord, row: RowRecord, confidence: np.ndarray | None) -> None:
         """What the engine learned of this request in a step (before its tokens are emitted)."""
