@@ -103,6 +103,9 @@ class Run:
                     return
                 deltas = self.engine.step()
                 while rid not in deltas:  # an overlapped step reads the call issued the step before
+                    if rid not in self.engine.running:
+                        raise EngineError(f"request {rid} left the engine before its end (the engine was reset, or "
+                                          "another reader took its last Delta)")
                     deltas = self.engine.step()
                 delta = deltas[rid]
         finally:

@@ -78,16 +78,17 @@ def advance_prompts(rows: np.ndarray, live: list[int], n_valid: np.ndarray, pend
     return prompts
 
 
-def prefill_inputs(slots: np.ndarray, pending: dict[int, PendingPrompt], chunk: int):
-    """(ids [n, chunk], n_valid [n], reset [n]) of one prefill call: each pending row's next chunk
-    (reset on its first), padding rows empty."""
+def prefill_inputs(slots: np.ndarray, advancing: dict[int, PendingPrompt], chunk: int):
+    """(ids [n, chunk], n_valid [n], reset [n]) of one prefill call: the next chunk of each prompt
+    it advances (reset on its first); every other row empty, even one whose prompt is pending (a
+    chunk written without advancing its prompt would be written again by the next call)."""
     ids = np.zeros((len(slots), chunk), np.int32)
     n_valid, reset = np.zeros(len(slots), np.int32), np.zeros(len(slots), bool)
     for i, b in enumerate(slots.tolist()):
-        if b in pending:
-            piece = pending[b].chunk(chunk)
+        if b in advancing:
+            piece = advancing[b].chunk(chunk)
             ids[i, :len(piece)] = piece
-            n_valid[i], reset[i] = len(piece), pending[b].done == 0
+            n_valid[i], reset[i] = len(piece), advancing[b].done == 0
     return ids, n_valid, reset
 
 
@@ -112,4 +113,5 @@ class IssuedVerify:
     widths: dict[int, int]  # slot -> its own width
     bucket: int
     drafted: bool  # a step[k] call (else a plain decode)
-    started: float
+    started: float  # perf_counter before its width choice
+    costs: dict  # Engine.cost_summary when it was chosen: what the choice read

@@ -33,7 +33,6 @@ from jdspark.engine.request import Completion, Delta, SamplingParams, check_prom
 from jdspark.engine.sequence import ConfidencePrior, Sequence
 from jdspark.engine.stats import RowRecord, StepReaders, StepRecord
 from jdspark.engine.widths import choose, compiled_widths
-from jdspark.model import state
 from jdspark.model.model import Model
 from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
 from jdspark.tokenizer.tokenizer import Tokenizer
@@ -154,7 +153,8 @@ class Engine:
     def admit(self, requests: list[tuple[object, SamplingParams]]) -> list[int]:
         """Admit requests into free slots without prefilling them: the coming `step`s prefill
         their prompts (`prefill_budget` tokens per step, running requests decoding meanwhile) and
-        return each one's first Delta with the step that finishes its prompt. Their request ids."""
+        return each one's first Delta with the step that reads its last chunk's call (overlapped:
+        the step after the one that issued it). Their request ids."""
         prompts = [self.check_prompt(ids, params) for ids, params in requests]
         for _, params in requests:
             if params.stop and self.tokenizer is None:
@@ -189,7 +189,7 @@ class Engine:
         from the next step on (its first token, the call's sample, is the state's anchor)."""
         bucket = self.exe.prefill_bucket(len(live))
         rows = call_slots(live, bucket, self.config.max_batch)
-        ids, n_valid, reset = prefill_inputs(rows, self._pending, self.exe.prefill_chunk)
+        ids, n_valid, reset = prefill_inputs(rows, {b: self._pending[b] for b in live}, self.exe.prefill_chunk)
         out, self.state, self.draft_cache = self.exe.buckets[bucket].prefill(
             self.exe.params.arrays, self.state, self.draft_cache, ids, n_valid, reset,
             call_inputs(rows, self._slots, set()))
@@ -209,6 +209,7 @@ class Engine:
                 seq.first_read()
                 seq.stats.time_to_first_token_s = time.perf_counter() - seq.started
                 deltas[seq.request_id] = self._emit(b, [int(out.token[i])], pending.invalid)
+        self._last_read = time.perf_counter()  # the verify read next is timed from here, not over this prefill
         return deltas
 
     def check_prompt(self, prompt_ids, params: SamplingParams) -> np.ndarray:
@@ -306,28 +307,27 @@ class Engine:
         return deltas
 
     def _issue_verify(self, active: list[int]) -> IssuedVerify:
+        started = time.perf_counter()
         bucket = self.config.bucket(len(active))
         stale = {b: self._slots[b].confidence for b in active}  # the last read proposal's: what the choice reads
         width, widths, call = self._choose(stale, bucket)
         rows = call_slots(active, bucket, self.config.max_batch)
         inputs = call_inputs(rows, self._slots, set(active), widths)
-        started = time.perf_counter()
         out, self.state, self.draft_cache = call(self.exe.params.arrays, self.state, self.draft_cache, inputs)
         sequences = {b: self._slots[b] for b in active}
         for b, seq in sequences.items():
             seq.issued(widths.get(b, 0))
-        return IssuedVerify(out, rows, sequences, stale, width, widths, bucket, call is not self.exe.buckets[bucket].decode,
-                       started)
+        return IssuedVerify(out, rows, sequences, stale, width, widths, bucket,
+                            call is not self.exe.buckets[bucket].decode, started, self.cost_summary(bucket))
 
     def _read_verify(self, call: IssuedVerify) -> dict[int, Delta]:
         """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
         finished, cancelled or failed after the call was issued has them dropped)."""
         n_acc, token, drafts, confidence, invalid = read_output(call.out, self.config.gamma)
-        now = time.perf_counter()  # the step's cost: since the call was issued or, overlapped, the last read
-        seconds, self._last_read = now - max(call.started, self._last_read), now
         row_of = {b: i for i, b in enumerate(call.rows.tolist())}
         live = {b: seq for b, seq in call.sequences.items() if self._slots[b] is seq}
         if not live:  # every request it ran for ended before it was read: a call wasted, no step to record
+            self._last_read = time.perf_counter()
             return {}
         deltas = {}
         for b, seq in live.items():
@@ -336,10 +336,12 @@ class Engine:
             deltas[seq.request_id] = self._emit(b, new, bool(invalid[i]))
         records = tuple(RowRecord(seq.request_id, call.stale[b], int(n_acc[row_of[b]]), deltas[seq.request_id].tokens,
                                   call.widths.get(b, 0)) for b, seq in live.items())
-        cost = self.cost_summary(call.bucket)
-        record = StepRecord(call.width, seconds, records, cost["draft_cost_s"],
-                            None if cost["verify_costs_s"] is None else tuple(cost["verify_costs_s"]), call.bucket,
-                            drafted_call=call.drafted)
+        # the step's cost: from its choice, or (overlapped) from the end of the read before, to its tokens emitted
+        now = time.perf_counter()
+        seconds, self._last_read = now - max(call.started, self._last_read), now
+        record = StepRecord(call.width, seconds, records, call.costs["draft_cost_s"],
+                            None if call.costs["verify_costs_s"] is None else tuple(call.costs["verify_costs_s"]),
+                            call.bucket, drafted_call=call.drafted)
         for (b, seq), row in zip(live.items(), records):
             seq.record(record, row, None if confidence is None else confidence[row_of[b]])
         if confidence is not None:
@@ -393,4 +395,3 @@ class Engine:
             self._slots[b] = None
             del self._slot_of[delta.request_id]
         return delta
-

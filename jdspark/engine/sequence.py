@@ -57,8 +57,8 @@ class Sequence:
         self.pauses_in_a_row = 0  # doubles the next pause (probes back off), reset when drafting pays
 
     def speculates(self) -> bool:
-        """Called once per step, before widths are chosen: False while paused (`pause`) or while the
-        breaker cools down. The first step after a pause drafts whatever the cost (`probing`)."""
+        """Called once per verify call issued for it, before widths are chosen: False while paused
+        (`pause`) or while the breaker cools down. The first step after a pause drafts whatever the cost (`probing`)."""
         self.probing, self._probe_next = self._probe_next, False
         if self.paused_left > 0:
             self.paused_left -= 1
@@ -97,7 +97,7 @@ class Sequence:
         self.unread -= 1
 
     def record(self, step: StepRecord, row: RowRecord, confidence: np.ndarray | None) -> None:
-        """What the engine learned of this request in a step (before its tokens are emitted)."""
+        """What the engine learned of this request in a step read (after its tokens were emitted)."""
         self.unread -= row.width + 1
         self.stats.record(step, row)
         if row.width and self.breaker is not None:

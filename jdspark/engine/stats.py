@@ -31,7 +31,7 @@ class RowRecord:
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
     width: int  # the executable's width: the widest any row verified (0: a plain decode step, or width 0)
-    seconds: float  # host wall time of the verify call
+    seconds: float  # the step's wall time: its choice, call, read and emission (overlapped: since the read before)
     rows: tuple[RowRecord, ...]
     draft_cost_s: float | None  # D the width selector used (None: fixed width)
     verify_costs_s: tuple[float, ...] | None  # V(0..gamma) the selector used

@@ -8,6 +8,7 @@ from jdspark.engine.request import SamplingParams
 
 PROMPT = np.array([5, 9, 2, 14, 7, 7, 1, 12, 0, 4, 8, 11], np.int32)
 OTHER = np.array([3, 3, 8, 1, 13, 6], np.int32)
+LONG = np.array([(7 * i + 3) % 16 for i in range(40)], np.int32)  # three prefill chunks of 16
 
 
 def greedy(max_tokens, **more):
@@ -73,3 +74,22 @@ def test_requests_that_end_while_their_next_call_runs(engine):
         tokens, longest = tracked(engine, greedy(max_tokens), overlap=True)
         assert tokens == reference[:max_tokens]
         assert longest == tracked(engine, greedy(max_tokens), overlap=False)[1], max_tokens
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_prompt_mid_prefill_is_not_written_by_another_requests_prefill(engine, overlap):
+    """`add` while an admitted prompt is one chunk in: add's prefill call pads with that prompt's
+    slot, which must stay empty there; the prompt then decodes as alone. Mutation caught (found by
+    review, older than overlap): padding rows given their pending prompt's next chunk without
+    advancing it (the chunk written twice)."""
+    engine.set_policy(overlap=overlap)
+    reference = engine.complete([engine.add(LONG, greedy(20))])[0].token_ids
+    [rid] = engine.admit([(LONG, greedy(20))])
+    assert rid not in engine.step()  # its first chunk issued
+    first = engine.add(PROMPT, greedy(5))
+    got = {first.request_id: list(first.tokens)}
+    while engine.running:
+        for r, d in engine.step().items():
+            got.setdefault(r, []).extend(d.tokens)
+    engine.set_policy(overlap=True)
+    assert got[rid] == reference

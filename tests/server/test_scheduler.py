@@ -18,13 +18,13 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 @contextlib.contextmanager
 def paused(engine, free_steps: int = 0):
     """Hold the engine thread inside its next step, after `free_steps` more, until the block ends
-    (requests pile up). A prompt's first token comes from a step, so a test that wants it first
-    lets one step through."""
+    (requests pile up). A prompt's first token comes from the step that reads its prefill call (the
+    one after the step that issued it), so a test that wants it first lets two steps through."""
     gate, step, calls = threading.Event(), engine.step, iter(range(free_steps))
 
     def held_step():
-        if next(calls, None) is None:
-            gate.wait(60)
+        if next(calls, None) is None and not gate.wait(60):
+            raise TimeoutError("the held step was never released: a test waited on the engine it held")
         return step()
     engine.step = held_step
     try:
@@ -78,7 +78,8 @@ def test_disconnect_mid_stream_frees_the_slot(server):
     aborted = server.metric("jdspark:request_success_total", 'finished_reason="abort"')
     generated = server.metric("jdspark:generation_tokens_total")
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 120, "stream": True, "temperature": 0, "ignore_eos": True}
-    with paused(server.engine, free_steps=1):  # the step that prefills "abc" streams its first token
+    # the step that prefills "abc", then (overlapped) the one that reads its call and streams its first token
+    with paused(server.engine, free_steps=2):
         with server.http() as http, http.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             first = next(r.iter_lines())
