@@ -157,7 +157,8 @@ def main():
             result["rows"].append(measure(model, variant, args.runs, args.steps, cache_dir))
             print(result["rows"][-1], flush=True)
     print(f"{'variant':>8} {'decode':>7} {'S(0)':>6} {'S(5)':>6} {'D':>6} {'V(5)':>6} {'step':>6} {'t-only':>6} "
-          f"{'ratio':>6} {'sync step/t-only':>16} {'busy step/t-only':>16} {'decode fus/cc/while':>19} {'step5 fus/cc/while':>19}   (ms)")
+          f"{'ratio':>6} {'sync step/t-only':>16} {'busy step/t-only':>16} {'decode fus/cc/while':>19} "
+          f"{'step5 fus/cc/while':>19}   (ms)")
     for r in result["rows"]:
         d, v = r["decode_kernels"], r["step5_kernels"]
         traced = r["trace_step"] is not None

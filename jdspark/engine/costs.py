@@ -129,8 +129,9 @@ class LiveCosts:
     """The measured selectors of the batch buckets, corrected by what the engine's steps take.
 
     A step's wall time (`StepRecord.seconds`: the choice, the call, reading its outputs, emitting the
-    tokens; overlapped, the time between two reads) is not its executable's profiled time: on the H200 with 16 rows the decode steps took
-    3.1-3.7 ms against a profiled 1.55 (the host's work per row), with 1 row 1.6 against 2.85. So each
+    tokens; overlapped, the time between two reads) is not its executable's profiled time: on the
+    H200 with 16 rows the decode steps took 3.1-3.7 ms against a profiled 1.55 (the host's work per
+    row), with 1 row 1.6 against 2.85 (one call at a time). So each
     bucket keeps an exponential average of observed - profiled per kind of call (decode, verify),
     and the policy the engine prices with adds it to the decode cost and to every V(k) (floored at
     zero): the shape of V(k) stays the profile's, its level becomes the steps'."""

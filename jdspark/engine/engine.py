@@ -67,7 +67,7 @@ class Engine:
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
         self.overlap = overlap
         self._unread: list[IssuedPrefill | IssuedVerify] = []  # calls issued and not yet read (the previous step's)
-        self._last_read = 0.0  # when a verify call was last read (perf_counter)
+        self._last_read = 0.0  # when a call was last read (perf_counter): where an overlapped step's time starts
         self.tokenizer = tokenizer
         self._new_breaker()  # validates the fallback options before anything is compiled
         on_gpu = jax.default_backend() == "gpu"
@@ -260,7 +260,7 @@ class Engine:
         """Change how the engine speculates, between steps, on the executables it compiled: speculation
         on or off, the width policy (`selector` is the measured adaptive one), the options (a new
         breaker applies to requests admitted afterwards), overlapped steps or not (only while no
-        call is unread). Benchmarks and tests compare policies so."""
+        request runs). Benchmarks and tests compare policies so."""
         if speculative and not self.exe.step:
             raise EngineError("speculative=True: this engine compiled no step widths (it was built with "
                               "speculative=False); build one with speculative=True")

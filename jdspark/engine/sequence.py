@@ -58,7 +58,8 @@ class Sequence:
 
     def speculates(self) -> bool:
         """Called once per verify call issued for it, before widths are chosen: False while paused
-        (`pause`) or while the breaker cools down. The first step after a pause drafts whatever the cost (`probing`)."""
+        (`pause`) or while the breaker cools down. The first step after a pause drafts whatever the
+        cost (`probing`)."""
         self.probing, self._probe_next = self._probe_next, False
         if self.paused_left > 0:
             self.paused_left -= 1
