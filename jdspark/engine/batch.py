@@ -73,7 +73,6 @@ def advance_prompts(rows: np.ndarray, live: list[int], n_valid: np.ndarray, pend
             last = prompt.done == len(prompt.ids)
             if last:
                 del pending[b]
-                sequences[b].issued(None)
             prompts[b] = (sequences[b], prompt, last)
     return prompts
 

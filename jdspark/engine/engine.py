@@ -193,7 +193,11 @@ class Engine:
         out, self.state, self.draft_cache = self.exe.buckets[bucket].prefill(
             self.exe.params.arrays, self.state, self.draft_cache, ids, n_valid, reset,
             call_inputs(rows, self._slots, set()))
-        return IssuedPrefill(out, rows, advance_prompts(rows, live, n_valid, self._pending, self._slots))
+        prompts = advance_prompts(rows, live, n_valid, self._pending, self._slots)
+        for seq, _, last in prompts.values():
+            if last:
+                seq.issued(None)  # its first token, unread until this call is
+        return IssuedPrefill(out, rows, prompts)
 
     def _read_prefill(self, call: IssuedPrefill) -> dict[int, Delta]:
         """The first Delta of each request whose prompt ended in the call (an error if any of its
@@ -290,9 +294,8 @@ class Engine:
         and one draft + verify call for every running request, then read calls: with `overlap` the
         previous step's (these run meanwhile; a request that ended in them has its extra call's
         tokens dropped), else these. Returns each request's Delta by request id (a request whose
-        prompt ended gets its first); finished requests' slots are free afterwards; `last_step` is
-        the verify call's record (None when only a prefill was read). Widths come from confidences
-        the host already holds, so the choice never waits on the device nor sees its block."""
+        prompt ended gets its first); finished requests' slots are then free; `last_step`: the verify
+        call's record (None when only a prefill was read). Widths read the host's confidences."""
         self.last_step = None
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
