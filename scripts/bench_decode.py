@@ -100,8 +100,10 @@ def _scale_byte(fan_in: int, fp4: bool) -> int:
     return round(math.log2(scale)) + 127
 
 
-def random_params(config, dtype, storage: Storage, seed: int = 0):
-    """(graphdef, params) of `config` in `storage`, every array drawn on the default device."""
+def random_params(config, dtype, storage: Storage, seed: int = 0, skip=None):
+    """(graphdef, params) of `config` in `storage`, every array drawn on the default device except
+    those whose path `skip(path)` names: they stay abstract (jax.ShapeDtypeStruct), for what will live
+    elsewhere (scripts/bench_flash.py: host experts)."""
     graphdef, abstract = abstract_model(config, dtype, storage)
     pure = nnx.to_pure_dict(abstract)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(pure)
@@ -109,6 +111,9 @@ def random_params(config, dtype, storage: Storage, seed: int = 0):
     out = []
     for i, (kp, leaf) in enumerate(leaves):
         path = tuple(k.key for k in kp)
+        if skip is not None and skip(path):
+            out.append(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+            continue
         out.append(_random_leaf(jax.random.fold_in(key, i), path, tuple(leaf.shape), jnp.dtype(leaf.dtype),
                                 config, storage))
     nnx.replace_by_pure_dict(abstract, jax.tree_util.tree_unflatten(treedef, out))

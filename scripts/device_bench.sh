@@ -157,6 +157,16 @@ for part in "$@"; do
     bw)  # the host expert pool's bandwidths on this host (16 cores): host read, PCIe, CPU and GPU expert GEMV
       timeout 150 python3 -m jdspark.cli bench bw --json "$OUT/bench_bw.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench_bw.log" ;;
+    flash)  # issue 24: the full-size synthetic DeepSeek-V4-Flash-0731 on this GPU and its host, served by the engine
+      # (FLASH_ARGS: more arguments, e.g. --widths 0 5 --gpu-memory 136)
+      XLA_PYTHON_CLIENT_MEM_FRACTION=${FLASH_MEM_FRACTION:-0.95} timeout ${FLASH_SECONDS:-560} python3 \
+        scripts/bench_flash.py ${FLASH_ARGS:-} --json "$OUT/bench_flash.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/bench_flash.log" ;;
+    overlap-tests)  # overlapped engine steps and the shipped model's greedy equality, on this GPU
+      timeout ${OVERLAP_TEST_SECONDS:-200} python3 -m pytest -q -W ignore -p no:cacheprovider tests/engine/test_overlap.py \
+        2>&1 | tail -8 | tee "$OUT/overlap_gpu_tests.log"
+      timeout 120 python3 -m pytest -q -W ignore -p no:cacheprovider tests/test_assets.py -k greedy 2>&1 | tail -5 \
+        | tee -a "$OUT/overlap_gpu_tests.log" ;;
     startup)  # issue 26: the embedded engine's start-up on a fresh cache (cold), then in a second process (warm)
       rm -rf "$WORK/serve-cache"
       for run in cold warm; do

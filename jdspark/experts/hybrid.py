@@ -42,8 +42,11 @@ class HybridExperts(Experts):
     `bank` holds the host ones. `local[e]` is global expert e's device index (host experts point at
     a neighbouring device expert, which they gather with weight 0), `on_host[e]` where it lives."""
 
-    def __init__(self, experts: Experts, host_ids: Sequence[int], *, dtype, threads: int | None = None):
-        """dtype: the model's compute dtype (float32 or bfloat16), which the host GEMV rounds to."""
+    def __init__(self, experts: Experts, host_ids: Sequence[int], *, dtype, threads: int | None = None,
+                 bank: ExpertBank | None = None):
+        """dtype: the model's compute dtype (float32 or bfloat16), which the host GEMV rounds to;
+        `bank`: the host experts already in a bank (their arrays in `experts` are then never read, and
+        may be abstract: a model too large to hold whole before it is split)."""
         e = experts.n_experts
         host = np.unique(np.asarray(host_ids, np.int64))
         if host.size == 0 or host.min() < 0 or host.max() >= e:
@@ -54,8 +57,8 @@ class HybridExperts(Experts):
         on_host = np.zeros(e, bool)
         on_host[host] = True
         device = np.flatnonzero(~on_host)
-        fmt, _ = experts.w1.stored()
-        self.bank = _bank(experts, fmt, host)
+        fmt = experts.w1.fmt
+        self.bank = _bank(experts, fmt, host) if bank is None else _checked(bank, fmt, host, e)
         ranks = np.cumsum(~on_host) - ~on_host  # device experts before e: e's index when it is on the device
         self.local = nnx.Variable(jnp.asarray(np.minimum(ranks, max(len(device) - 1, 0)), jnp.int32))
         self.on_host = nnx.Variable(jnp.asarray(on_host))
@@ -96,6 +99,14 @@ def _bank(experts: Experts, fmt: str, host: np.ndarray) -> ExpertBank:
                                    n_experts=experts.n_experts)
 
 
+def _checked(bank: ExpertBank, fmt: str, host: np.ndarray, n_experts: int) -> ExpertBank:
+    """`bank` if it holds exactly the experts `host` of a layer of `n_experts` in format `fmt`."""
+    if bank.fmt != fmt or bank.n_experts != n_experts or not np.array_equal(np.sort(bank.expert_ids), host):
+        raise ValueError(f"{bank.describe()} does not hold the layer's {len(host)} host experts in {fmt}: build it "
+                         f"for those expert ids")
+    return bank
+
+
 def _bf16_exact(weight: np.ndarray, name: str) -> np.ndarray:
     """Float experts as bf16 (the host banks' float format); float32 ones must be bf16 values."""
     as_bf16 = weight.astype(ml_dtypes.bfloat16)
@@ -105,10 +116,13 @@ def _bf16_exact(weight: np.ndarray, name: str) -> np.ndarray:
     return as_bf16
 
 
-def with_host_experts(model: Model, host: Mapping[int, Sequence[int]], *, threads: int | None = None) -> Model:
+def with_host_experts(model: Model, host: Mapping[int, Sequence[int]], *, threads: int | None = None,
+                      banks: Mapping[int, ExpertBank] | None = None) -> Model:
     """`model` with the routed experts host[layer] (main layer ids -> global expert ids) of each
     listed layer moved to host banks (`HybridExperts`); other layers and the parameters of everything
-    else are unchanged (shared, not copied). `Placement.host_map()` gives `host` from a plan."""
+    else are unchanged (shared, not copied). `Placement.host_map()` gives `host` from a plan.
+    `banks[layer]`, where given, already holds that layer's host experts (nothing is read from the
+    model's arrays for them)."""
     module = model.module()
     n_layers = len(module.layers)
     for layer, ids in host.items():
@@ -117,7 +131,8 @@ def with_host_experts(model: Model, host: Mapping[int, Sequence[int]], *, thread
         moe = module.layers[int(layer)].ffn
         if not isinstance(moe, MoE) or type(moe.experts) is not Experts:
             raise ValueError(f"layer {layer}: expected a MoE layer with device experts, found {type(moe.experts)}")
-        moe.experts = HybridExperts(moe.experts, ids, dtype=model.dtype, threads=threads)
+        moe.experts = HybridExperts(moe.experts, ids, dtype=model.dtype, threads=threads,
+                                    bank=(banks or {}).get(int(layer)))
     return Model(*nnx.split(module))
 
 

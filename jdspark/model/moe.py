@@ -63,6 +63,8 @@ class ExpertWeights(nnx.Module):
     """One projection of all routed experts, `weight` [E, out, in] in the model dtype. Quantized
     subclasses (`jdspark.model.quantized`) keep the checkpoint's compact storage instead."""
 
+    fmt = "bf16"  # the stored format, as `stored` returns it and a host bank holds it
+
     def __init__(self, n_experts: int, in_features: int, out_features: int, *, dtype, rngs: Keys):
         self.weight = nnx.Param(rngs.normal((n_experts, out_features, in_features), dtype, in_features ** -0.5))
 
@@ -77,7 +79,7 @@ class ExpertWeights(nnx.Module):
 
     def stored(self) -> tuple[str, tuple[jax.Array, ...]]:
         """(format, stored arrays) as the routed-expert kernel reads them (`pallas_kernels.moe`)."""
-        return "bf16", (self.weight[...],)
+        return self.fmt, (self.weight[...],)
 
 
 class Experts(nnx.Module):

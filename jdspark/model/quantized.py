@@ -139,6 +139,8 @@ class FP8Linear(Linear):
 class FP8ExpertWeights(ExpertWeights):
     """Routed experts as e4m3 `weight` [E, out, in] + block `scale` [E, ceil(out/128), ceil(in/128)]."""
 
+    fmt = "fp8"
+
     def __init__(self, n_experts: int, in_features: int, out_features: int, *, scale_dtype: str):
         self.weight = nnx.Param(jnp.zeros((n_experts, out_features, in_features), jnp.float8_e4m3fn))
         self.scale = nnx.Param(jnp.zeros((n_experts, *_block_shape(out_features, in_features)),
@@ -152,11 +154,13 @@ class FP8ExpertWeights(ExpertWeights):
                                  jnp.take(self.scale[...], experts, axis=0), dtype)
 
     def stored(self) -> tuple[str, tuple[jax.Array, ...]]:
-        return "fp8", (self.weight[...], self.scale[...])
+        return self.fmt, (self.weight[...], self.scale[...])
 
 
 class FP4ExpertWeights(ExpertWeights):
     """Routed experts packed as ds_fp4: `weight` int8 [E, out, in/2] + e8m0 `scale` [E, out, in/32]."""
+
+    fmt = "fp4"
 
     def __init__(self, n_experts: int, in_features: int, out_features: int):
         if in_features % FP4_BLOCK:
@@ -172,7 +176,7 @@ class FP4ExpertWeights(ExpertWeights):
                            jnp.take(self.scale[...], experts, axis=0), dtype)
 
     def stored(self) -> tuple[str, tuple[jax.Array, ...]]:
-        return "fp4", (self.weight[...], self.scale[...])
+        return self.fmt, (self.weight[...], self.scale[...])
 
 
 def _block_shape(out_features: int, in_features: int) -> tuple[int, int]:
