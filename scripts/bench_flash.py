@@ -14,13 +14,15 @@ GPU. The engine (batch 1, widths `--widths`) is then built on it, and the run re
   and V(k) = step[k] - D (`Engine.measure_call_costs`, empty state);
 - target-only tok/s at batch 1: Engine.step() overlapped and one call at a time, a T = 1 request
   after a 64-token prompt (median wall of `--steps` steps);
-- the wall of a speculative Engine.step() at width 5 (random weights accept ~nothing: its tokens
-  per step are not the point, its cost is);
+- the wall of an overlapped Engine.step() per width: target-only, and speculative at each width k
+  (random weights accept ~nothing: their tokens per step are not the point, their cost is);
 - the host part of a target-only step: the host callbacks' own time (plan + CPU GEMV) and the
   distinct host experts they read, against those bytes at the host read bandwidth measured in the
   same run (the issue's <= 1.3x);
-- projected DSpark tok/s = max over k of E(k) / step[k] with E(k) = sum_{i<=k} a^i, for per-position
-  acceptance a = 0.85, 0.80 (the reference's code profile) and 0.59 (prose); k = 0 is a decode call.
+- projected DSpark tok/s = max over k of E(k) / S(k) with E(k) = sum_{i<=k} a^i, for per-position
+  acceptance a = 0.85, 0.80 (the reference's code profile) and 0.59 (prose); S(k) the overlapped
+  step wall of width k (and, beside it, the synchronised call cost); k = 0 is a target-only step;
+- `--trace`: the GPU's busy time per target-only step, its idle gaps and the host's events.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 PYTHONPATH=$PWD python scripts/bench_flash.py --json /tmp/flash.json
     PYTHONPATH=$PWD python scripts/bench_flash.py --preset tiny --layers 4 --gpu-memory 0.004 --steps 3  # CPU smoke
@@ -53,6 +55,7 @@ from jdspark.experts.banks import random_bank  # noqa: E402
 from jdspark.experts.hybrid import HybridExperts, is_main_expert, plan_for, with_host_experts  # noqa: E402
 from jdspark.model.model import Model  # noqa: E402
 from jdspark.model.quantized import abstract_model  # noqa: E402
+from jdspark.profile import busy_us, gap_lines, gpu_kernel_events, host_summary, idle_gaps  # noqa: E402
 
 ACCEPTANCE = {"code 0.85": 0.85, "code 0.80": 0.80, "prose 0.59": 0.59}
 DRAFT_STAGES = 3
@@ -129,8 +132,48 @@ def host_part(engine: Engine, timers, steps: int, read_GBps: float) -> dict:
     return out
 
 
+def step_walls(engine: Engine, widths, steps: int) -> dict:
+    """Median wall ms of an overlapped Engine.step() per width k (k = 0: a target-only decode step;
+    else a speculative step verifying k drafts): what a served request's steps cost, where the
+    synchronised costs of `measure_call_costs` also wait for every call's host part alone."""
+    walls = {"decode": step_times(engine, False, steps)}
+    for k in widths:
+        engine.set_policy(width_policy=lambda confidence, k=k: k)
+        walls[f"step{k}"] = step_times(engine, True, steps)
+    return walls
+
+
+def trace(engine: Engine, steps: int) -> dict:
+    """A jax.profiler trace of `steps` target-only Engine.step() calls: the GPU's busy ms per step,
+    where it idles, and the host events by total time (the callbacks, XLA's thunks)."""
+    rid = start_request(engine, False)
+    host: list[dict] = []
+    wall = {}
+
+    def run():
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        jax.block_until_ready(engine.state)
+        wall["s"] = time.perf_counter() - start
+
+    events = gpu_kernel_events(run, host)
+    engine.cancel(rid)
+    gaps = idle_gaps(events)
+    busy = busy_us([(k["ts"], k["dur"], k["name"]) for k in events]) / steps / 1e3
+    print(f"traced target-only: wall {wall['s'] / steps * 1e3:.2f} ms/step, GPU busy {busy:.2f} ms/step, "
+          f"{len(events) / steps:.0f} kernels/step")
+    for line in gap_lines(gaps):
+        print(f"  {line}")
+    top = host_summary(host, 25)
+    for e in top:
+        print(f"  host {e['us'] / steps / 1e3:8.3f} ms/step x {e['count'] / steps:5.1f}  {e['name']}")
+    return {"wall_ms": wall["s"] / steps * 1e3, "busy_ms": busy, "gaps": gaps, "host": top}
+
+
 def projected(costs: dict, widths) -> dict:
-    """Projected DSpark tok/s per acceptance profile: max over k of E(k) / step[k] (k = 0: decode)."""
+    """Projected DSpark tok/s per acceptance profile: max over k of E(k) / S(k), with S(k) the step's
+    cost in seconds (k = 0: "decode", a target-only step; else "step{k}")."""
     out = {}
     for name, a in ACCEPTANCE.items():
         options = {0: 1.0 / costs["decode"]}
@@ -171,8 +214,12 @@ def measure(args) -> dict:
     out["target_only"] = host_part(engine, timers, args.steps, read["GBps"])
     out["target_only"]["sync_ms"] = step_times(engine, False, args.steps, overlap=False)
     out["target_only"]["tok_s"] = 1e3 / out["target_only"]["wall_ms"]
-    out["speculative_step_ms"] = step_times(engine, True, args.steps) if 5 in args.widths else None
+    walls = step_walls(engine, args.widths, args.steps)
+    out["step_wall_ms"] = walls
+    print(f"overlapped Engine.step walls (ms): {walls}", flush=True)
     out["projected"] = projected(costs, args.widths)
+    out["projected_from_walls"] = projected({k: v / 1e3 for k, v in walls.items()}, args.widths)
+    out["trace"] = trace(engine, min(args.steps, 10)) if args.trace and jax.default_backend() == "gpu" else None
     return out
 
 
@@ -189,10 +236,13 @@ def print_table(res: dict) -> None:
     if t["host_layers"]:
         print(f"host part: {t['host_layers']} callbacks/step, {t['host_ms']:.2f} ms, {t['host_MB']:.0f} MB, "
               f"floor {t['host_floor_ms']:.2f} ms at {res['host_read_GBps']:.1f} GB/s: {t['host_vs_read']:.2f}x")
-    if res["speculative_step_ms"] is not None:
-        print(f"speculative Engine.step at width 5: {res['speculative_step_ms']:.2f} ms")
-    for name, p in res["projected"].items():
-        print(f"projected DSpark, acceptance {name}: {p['tok_s']:.1f} tok/s at k = {p['k']}")
+    walls = res["step_wall_ms"]
+    print("overlapped Engine.step (ms): decode " + f"{walls['decode']:.2f}, "
+          + ", ".join(f"k = {k[4:]}: {v:.2f}" for k, v in walls.items() if k != "decode"))
+    for name in res["projected"]:
+        p, w = res["projected"][name], res["projected_from_walls"][name]
+        print(f"projected DSpark, acceptance {name}: {w['tok_s']:.1f} tok/s at k = {w['k']} (overlapped steps); "
+              f"{p['tok_s']:.1f} at k = {p['k']} (synchronised calls)")
 
 
 def main(argv=None) -> dict:
@@ -208,6 +258,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", type=int, default=5, help="synchronised calls per executable cost (fastest kept)")
     ap.add_argument("--read-mb", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--trace", action="store_true", help="also trace target-only steps (GPU busy, gaps, host events)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if 0 not in args.widths:
