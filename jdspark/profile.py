@@ -76,11 +76,15 @@ def gpu_kernels(fn: Callable[[], object]) -> list[tuple[float, float, str]]:
     return [(k["ts"], k["dur"], k["name"]) for k in gpu_kernel_events(fn)]
 
 
-def gpu_kernel_events(fn: Callable[[], object], host: list | None = None) -> list[dict]:
+def gpu_kernel_events(fn: Callable[[], object], host: list | None = None, python: bool = True) -> list[dict]:
     """`gpu_kernels` as trace events: ts, dur (us), name and args (e.g. the HLO op a kernel runs).
-    host: a list that receives the host threads' events of the same trace (see `host_summary`)."""
+    host: a list that receives the host threads' events of the same trace (see `host_summary`);
+    python=False leaves Python's frames out of the trace (the tracer slows a Python-heavy loop)."""
+    options = jax.profiler.ProfileOptions()
+    if not python:
+        options.python_tracer_level = 0
     with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True, profiler_options=options):
             fn()
         path = next(Path(trace_dir).rglob("*.trace.json.gz"))
         events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]

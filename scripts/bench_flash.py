@@ -97,6 +97,18 @@ def build(config, dtype, gpu_memory: float, seed: int = 0):
     return model, report, time.perf_counter() - start
 
 
+def gpu_budget(config, dtype, args) -> float:
+    """Bytes of weights on the GPU: `--gpu-memory` GB, or with `--host-layers N` all but N layers'
+    routed experts (a smaller model then has host experts too)."""
+    if args.host_layers is None:
+        return args.gpu_memory * 1e9
+    _, abstract = abstract_model(config, dtype, STORAGES["fp8+fp4"])
+    sizes = [(tuple(k.key for k in kp), nbytes(x))
+             for kp, x in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(abstract))[0]]
+    layer_experts = sum(b for path, b in sizes if is_main_expert(path) and path[1] == 0)
+    return sum(b for _, b in sizes) - args.host_layers * layer_experts
+
+
 def timed_callbacks(model: Model) -> tuple[Model, list[TimedCallback]]:
     """`model` with each hybrid layer's host callback wrapped so it records (seconds, distinct host
     experts) per call (the callback is part of the graph definition, so the engine built on the
@@ -145,7 +157,8 @@ def step_walls(engine: Engine, widths, steps: int) -> dict:
 
 def trace(engine: Engine, steps: int) -> dict:
     """A jax.profiler trace of `steps` target-only Engine.step() calls: the GPU's busy ms per step,
-    where it idles, and the host events by total time (the callbacks, XLA's thunks)."""
+    where it idles, and the host's C++ events by total time (XLA's thunks, command buffers, the
+    callbacks' custom calls; Python's frames are not traced, so the steps keep their pace)."""
     rid = start_request(engine, False)
     host: list[dict] = []
     wall = {}
@@ -157,7 +170,7 @@ def trace(engine: Engine, steps: int) -> dict:
         jax.block_until_ready(engine.state)
         wall["s"] = time.perf_counter() - start
 
-    events = gpu_kernel_events(run, host)
+    events = gpu_kernel_events(run, host, python=False)
     engine.cancel(rid)
     gaps = idle_gaps(events)
     busy = busy_us([(k["ts"], k["dur"], k["name"]) for k in events]) / steps / 1e3
@@ -165,7 +178,7 @@ def trace(engine: Engine, steps: int) -> dict:
           f"{len(events) / steps:.0f} kernels/step")
     for line in gap_lines(gaps):
         print(f"  {line}")
-    top = host_summary(host, 25)
+    top = host_summary(host, 40)
     for e in top:
         print(f"  host {e['us'] / steps / 1e3:8.3f} ms/step x {e['count'] / steps:5.1f}  {e['name']}")
     return {"wall_ms": wall["s"] / steps * 1e3, "busy_ms": busy, "gaps": gaps, "host": top}
@@ -189,7 +202,8 @@ def measure(args) -> dict:
     threads = cpu_gemv.default_threads()
     read = bench_bw.host_read(args.read_mb << 20, threads, 5)
     print(f"host read {read['GBps']:.1f} GB/s ({threads} threads)", flush=True)
-    model, report, build_s = build(config, dtype, args.gpu_memory * 1e9, args.seed)
+    budget = gpu_budget(config, dtype, args)
+    model, report, build_s = build(config, dtype, budget, args.seed)
     print(f"{report}\nweights made in {build_s:.1f} s", flush=True)
     model, timers = timed_callbacks(model)
     start = time.perf_counter()
@@ -204,7 +218,7 @@ def measure(args) -> dict:
         costs = engine.measure_call_costs()
     draft = costs["step0"] - costs["decode"]
     out = {"config": dict(preset=args.preset, layers=config.num_hidden_layers, experts=config.n_routed_experts,
-                          draft_stages=DRAFT_STAGES, gpu_memory_GB=args.gpu_memory, widths=list(args.widths),
+                          draft_stages=DRAFT_STAGES, gpu_memory_GB=budget / 1e9, host_layers=args.host_layers, widths=list(args.widths),
                           device=str(jax.devices()[0].device_kind), jax=jax.__version__, threads=threads),
            "placement": report, "host_read_GBps": read["GBps"], "build_s": build_s, "startup_s": startup_s,
            "lower_s": engine.exe.lower_seconds, "costs_ms": {k: v * 1e3 for k, v in costs.items()},
@@ -252,6 +266,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--experts", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--gpu-memory", type=float, default=136.0, help="GB of weights on the GPU")
+    ap.add_argument("--host-layers", type=int, default=None,
+                    help="instead of --gpu-memory: every weight on the GPU but this many layers' routed experts")
     ap.add_argument("--widths", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=30)
