@@ -61,7 +61,8 @@ def _generator(args, max_batch: int = 1):
                                      widths=args.widths, batch_buckets=args.batch_buckets or (),
                                      prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                                      tensor_parallel_size=args.tensor_parallel_size,
-                                     expert_parallel_size=args.expert_parallel_size)
+                                     expert_parallel_size=args.expert_parallel_size,
+                                     gpu_memory=None if args.gpu_memory is None else args.gpu_memory * 1e9)
 
 
 def _prompt_and_params(args):
@@ -159,6 +160,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pause-steps", type=int, default=32,
                    help="adaptive widths: steps a request decodes without drafting when drafting does not pay on its "
                         "confidences, before it drafts again; doubled for each further pause, up to 32x (0: never pause)")
+    p.add_argument("--gpu-memory", type=float, help="GB of weights on the one GPU: the routed experts beyond it live in host "
+                                                  "memory and run on the CPU (the placement is logged; a safetensors checkpoint)")
     p.add_argument("--reprofile", action="store_true", help="measure V(k) again instead of using the cache")
     p.add_argument("--log-every", type=int, default=0, help="engine log line every N steps")
     _add_parallel_options(p)

@@ -34,6 +34,14 @@ def test_engine_options_are_checked_before_compiling(spec_checkpoint, capsys):
     assert "argument --widths: '2,a': expected comma-separated integers" in capsys.readouterr().err
 
 
+def test_gpu_memory_reaches_the_placement(spec_checkpoint, capsys):
+    """--gpu-memory GB goes to the loader's placement, which refuses less than the weights that are
+    not routed experts (they stay on the GPU), before anything compiles."""
+    common = ["generate", "--model", str(spec_checkpoint), "--max-seq-len", "64", "x"]
+    assert main([*common, "--gpu-memory", "0.000001"]) == 2
+    assert "gpu_memory=1000 bytes is less than the" in capsys.readouterr().err
+
+
 def test_serve_errors_exit_2(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("jdspark.assets.DEFAULT_MODEL", str(tmp_path / "absent"))
     assert main(["serve"]) == 2  # the default --model is the embedded one

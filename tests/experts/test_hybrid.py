@@ -100,6 +100,27 @@ def test_model_logits_equal_the_all_device_model(quantized, fp4_checkpoint):
     assert rel(hybrid.logits(ids), model.logits(ids)) <= 3e-6
 
 
+def test_a_given_bank_stands_for_experts_never_held(fp4_checkpoint):
+    """A layer's host experts given as a bank (`banks=`) while the model holds only their shapes
+    (what scripts/bench_flash.py builds: a model too large to hold whole) gives the logits of the
+    model built from the arrays; a bank of other experts is refused."""
+    model = load_model(fp4_checkpoint, "float32", progress=False)
+    whole = with_host_experts(model, HOST)
+    bank = host_banks(whole)[2]
+    pure = nnx.to_pure_dict(model.params)
+    shapes = jax.tree_util.tree_map_with_path(
+        lambda kp, x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+        if is_main_expert(tuple(k.key for k in kp)) and kp[1].key == 2 else x, pure)
+    params = jax.tree.map(lambda x: x, model.params)
+    nnx.replace_by_pure_dict(params, shapes)
+    held = Model(model.graphdef, params)
+    given = with_host_experts(held, HOST, banks={2: bank})
+    ids = np.random.default_rng(1).integers(0, CFG.vocab_size, 12)
+    np.testing.assert_array_equal(given.logits(ids), whole.logits(ids))
+    with pytest.raises(ValueError, match="does not hold"):
+        with_host_experts(held, {2: list(range(7))}, banks={2: bank})
+
+
 @pytest.mark.slow
 def test_engine_greedy_tokens_equal_and_nothing_recompiles(compile_counter):
     """Target-only and speculative (width 2) decoding of a hybrid model emit the all-device
