@@ -160,8 +160,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pause-steps", type=int, default=32,
                    help="adaptive widths: steps a request decodes without drafting when drafting does not pay on its "
                         "confidences, before it drafts again; doubled for each further pause, up to 32x (0: never pause)")
-    p.add_argument("--gpu-memory", type=float, help="GB of weights on the one GPU: the routed experts beyond it live in host "
-                                                  "memory and run on the CPU (the placement is logged; a safetensors checkpoint)")
+    p.add_argument("--gpu-memory", type=float,
+                   help="GB of weights on the one GPU: the routed experts beyond it live in host memory and run "
+                        "on the CPU (the placement is logged; a safetensors checkpoint)")
     p.add_argument("--reprofile", action="store_true", help="measure V(k) again instead of using the cache")
     p.add_argument("--log-every", type=int, default=0, help="engine log line every N steps")
     _add_parallel_options(p)

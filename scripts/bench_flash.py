@@ -65,7 +65,8 @@ def flash_0731_config(preset: str, layers: int | None, experts: int | None):
     """The 0731 layout at `preset`'s sizes: main layers, then 3 DSpark stages reading the last three."""
     base = PRESETS[preset]()
     n = min(layers or base.num_hidden_layers, base.num_hidden_layers)
-    over = dict(num_hidden_layers=n, num_nextn_predict_layers=DRAFT_STAGES, num_hash_layers=min(base.num_hash_layers, n),
+    over = dict(num_hidden_layers=n, num_nextn_predict_layers=DRAFT_STAGES,
+                num_hash_layers=min(base.num_hash_layers, n),
                 compress_ratios=tuple(base.compress_ratios[:n]) + (0,) * DRAFT_STAGES,
                 expert_dtype="fp4", quantization=QuantConfig(),
                 extra=dict(dspark_block_size=5, dspark_noise_token_id=min(128799, base.vocab_size - 1),
@@ -218,7 +219,8 @@ def measure(args) -> dict:
         costs = engine.measure_call_costs()
     draft = costs["step0"] - costs["decode"]
     out = {"config": dict(preset=args.preset, layers=config.num_hidden_layers, experts=config.n_routed_experts,
-                          draft_stages=DRAFT_STAGES, gpu_memory_GB=budget / 1e9, host_layers=args.host_layers, widths=list(args.widths),
+                          draft_stages=DRAFT_STAGES, gpu_memory_GB=budget / 1e9, host_layers=args.host_layers,
+                          widths=list(args.widths),
                           device=str(jax.devices()[0].device_kind), jax=jax.__version__, threads=threads),
            "placement": report, "host_read_GBps": read["GBps"], "build_s": build_s, "startup_s": startup_s,
            "lower_s": engine.exe.lower_seconds, "costs_ms": {k: v * 1e3 for k, v in costs.items()},
