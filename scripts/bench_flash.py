@@ -126,16 +126,11 @@ def timed_callbacks(model: Model) -> tuple[Model, list[TimedCallback]]:
 def host_part(engine: Engine, timers, steps: int, read_GBps: float) -> dict:
     """Target-only Engine.step() (overlapped, median ms) and its host part: the host callbacks' own
     seconds and distinct host experts per call, one call per hybrid layer a step."""
-    rid = start_request(engine, False)
-    for t in timers:
-        t.calls.clear()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    engine.cancel(rid)
-    out = {"wall_ms": statistics.median(times) * 1e3, "host_layers": len(timers), "host_ms": 0.0}
+    def clear():
+        for t in timers:
+            t.calls.clear()
+
+    out = {"wall_ms": step_times(engine, False, steps, on_start=clear), "host_layers": len(timers), "host_ms": 0.0}
     calls = [c for t in timers for c in t.calls]
     if calls:
         host_bytes = statistics.mean(n for _, n in calls) * timers[0].bank.weight_nbytes * len(timers)

@@ -66,9 +66,12 @@ def start_request(engine: Engine, speculative: bool, overlap: bool = True) -> in
     return rid
 
 
-def step_times(engine: Engine, speculative: bool, steps: int, overlap: bool = True) -> float:
-    """Median wall ms of Engine.step() on one T = 1 request, no profiler attached."""
+def step_times(engine: Engine, speculative: bool, steps: int, overlap: bool = True, on_start=None) -> float:
+    """Median wall ms of Engine.step() on one T = 1 request, no profiler attached; `on_start()` runs
+    once the request is 3 steps in, before the timed steps."""
     rid = start_request(engine, speculative, overlap)
+    if on_start is not None:
+        on_start()
     times = []
     for _ in range(steps):
         start = time.perf_counter()
