@@ -16,7 +16,7 @@ GPU. The engine (batch 1, widths `--widths`) is then built on it, and the run re
   after a 64-token prompt (median wall of `--steps` steps);
 - the wall of an overlapped Engine.step() per width: target-only, and speculative at each width k
   (random weights accept ~nothing: their tokens per step are not the point, their cost is);
-- the host part of a target-only step: the host callbacks' own time (plan + CPU GEMV) and the
+- the host part of a target-only step: the host calls' own time (plan + CPU GEMV) and the
   distinct host experts they read, against those bytes at the host read bandwidth measured in the
   same run (the issue's <= 1.3x);
 - projected DSpark tok/s = max over k of E(k) / S(k) with E(k) = sum_{i<=k} a^i, for per-position
@@ -25,7 +25,7 @@ GPU. The engine (batch 1, widths `--widths`) is then built on it, and the run re
 - `--trace`: the GPU's busy time per target-only step, its idle gaps and the host's events.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 PYTHONPATH=$PWD python scripts/bench_flash.py --json /tmp/flash.json
-    PYTHONPATH=$PWD python scripts/bench_flash.py --preset tiny --layers 4 --gpu-memory 0.004 --steps 3  # CPU smoke
+    PYTHONPATH=$PWD python scripts/bench_flash.py --preset tiny --layers 4 --gpu-memory 0.008 --steps 3  # CPU smoke
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import PRESETS, STORAGES, nbytes, random_params  # noqa: E402
-from bench_hybrid import TimedCallback  # noqa: E402
 from bench_step import start_request, step_times  # noqa: E402
 
 from jdspark.config import EngineConfig, QuantConfig  # noqa: E402
@@ -76,7 +75,7 @@ def flash_0731_config(preset: str, layers: int | None, experts: int | None):
     return PRESETS[preset](**over)
 
 
-def build(config, dtype, gpu_memory: float, seed: int = 0):
+def build(config, dtype, gpu_memory: float, seed: int = 0, via: str = "ffi", threads: int | None = None):
     """(model with host experts, placement report, seconds to make it). The experts of layers wholly on
     the host are never drawn on the device: random host banks take their place."""
     storage = STORAGES["fp8+fp4"]
@@ -91,7 +90,7 @@ def build(config, dtype, gpu_memory: float, seed: int = 0):
                                      skip=lambda path: is_main_expert(path) and path[1] in whole)
     banks = {layer: random_bank("fp4", config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
                                 seed=seed + layer) for layer in sorted(whole)}
-    model = with_host_experts(Model(graphdef, params), host, banks=banks)
+    model = with_host_experts(Model(graphdef, params), host, banks=banks, via=via, threads=threads)
     del params, banks
     gc.collect()
     jax.block_until_ready(model.params)
@@ -110,31 +109,25 @@ def gpu_budget(config, dtype, args) -> float:
     return sum(b for _, b in sizes) - args.host_layers * layer_experts
 
 
-def timed_callbacks(model: Model) -> tuple[Model, list[TimedCallback]]:
-    """`model` with each hybrid layer's host callback wrapped so it records (seconds, distinct host
-    experts) per call (the callback is part of the graph definition, so the engine built on the
-    returned model calls the wrappers)."""
-    module = model.module()
-    timers = []
-    for _, node in nnx.iter_graph(module):
-        if isinstance(node, HybridExperts):
-            node.host_forward = TimedCallback(node.host_forward, node.bank)
-            timers.append(node.host_forward)
-    return Model(*nnx.split(module)), timers
+def hybrid_layers(model: Model) -> list[HybridExperts]:
+    """The hybrid MoE layers of `model` (each counts its host calls, seconds and experts read)."""
+    return [node for _, node in nnx.iter_graph(model.module()) if isinstance(node, HybridExperts)]
 
 
-def host_part(engine: Engine, timers, steps: int, read_GBps: float) -> dict:
-    """Target-only Engine.step() (overlapped, median ms) and its host part: the host callbacks' own
+def host_part(engine: Engine, layers, steps: int, read_GBps: float) -> dict:
+    """Target-only Engine.step() (overlapped, median ms) and its host part: the host calls' own
     seconds and distinct host experts per call, one call per hybrid layer a step."""
-    def clear():
-        for t in timers:
-            t.calls.clear()
+    def reset():
+        for layer in layers:
+            layer.host_stats(reset=True)
 
-    out = {"wall_ms": step_times(engine, False, steps, on_start=clear), "host_layers": len(timers), "host_ms": 0.0}
-    calls = [c for t in timers for c in t.calls]
+    out = {"wall_ms": step_times(engine, False, steps, on_start=reset), "host_layers": len(layers), "host_ms": 0.0}
+    counts = [layer.host_stats() for layer in layers]
+    calls = sum(c["calls"] for c in counts)
     if calls:
-        host_bytes = statistics.mean(n for _, n in calls) * timers[0].bank.weight_nbytes * len(timers)
-        out |= {"host_ms": statistics.median(s for s, _ in calls) * 1e3 * len(timers), "host_MB": host_bytes / 1e6,
+        per_call = sum(c["seconds"] for c in counts) / calls
+        host_bytes = sum(c["experts"] for c in counts) / calls * layers[0].bank.weight_nbytes * len(layers)
+        out |= {"host_ms": per_call * 1e3 * len(layers), "host_MB": host_bytes / 1e6,
                 "host_floor_ms": host_bytes / (read_GBps * 1e9) * 1e3}
         out["host_vs_read"] = out["host_ms"] / out["host_floor_ms"]
     return out
@@ -154,7 +147,7 @@ def step_walls(engine: Engine, widths, steps: int) -> dict:
 def trace(engine: Engine, steps: int) -> dict:
     """A jax.profiler trace of `steps` target-only Engine.step() calls: the GPU's busy ms per step,
     where it idles, and the host's C++ events by total time (XLA's thunks, command buffers, the
-    callbacks' custom calls; Python's frames are not traced, so the steps keep their pace)."""
+    host experts' custom calls; Python's frames are not traced, so the steps keep their pace)."""
     rid = start_request(engine, False)
     host: list[dict] = []
     wall = {}
@@ -195,13 +188,13 @@ def projected(costs: dict, widths) -> dict:
 def measure(args) -> dict:
     dtype = jnp.dtype(args.dtype)
     config = flash_0731_config(args.preset, args.layers, args.experts)
-    threads = cpu_gemv.default_threads()
+    threads = args.threads or cpu_gemv.default_threads()
     read = bench_bw.host_read(args.read_mb << 20, threads, 5)
     print(f"host read {read['GBps']:.1f} GB/s ({threads} threads)", flush=True)
     budget = gpu_budget(config, dtype, args)
-    model, report, build_s = build(config, dtype, budget, args.seed)
+    model, report, build_s = build(config, dtype, budget, args.seed, args.via, threads)
     print(f"{report}\nweights made in {build_s:.1f} s", flush=True)
-    model, timers = timed_callbacks(model)
+    layers = hybrid_layers(model)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as cache_dir:
         engine = Engine(model, EngineConfig(max_seq_len=args.max_seq_len, gamma=5, max_batch=1),
@@ -215,14 +208,14 @@ def measure(args) -> dict:
     draft = costs["step0"] - costs["decode"]
     out = {"config": dict(preset=args.preset, layers=config.num_hidden_layers, experts=config.n_routed_experts,
                           draft_stages=DRAFT_STAGES, gpu_memory_GB=budget / 1e9, host_layers=args.host_layers,
-                          widths=list(args.widths),
+                          widths=list(args.widths), via=args.via,
                           device=str(jax.devices()[0].device_kind), jax=jax.__version__, threads=threads),
            "placement": report, "host_read_GBps": read["GBps"], "build_s": build_s, "startup_s": startup_s,
            "lower_s": engine.exe.lower_seconds, "costs_ms": {k: v * 1e3 for k, v in costs.items()},
            "D_ms": draft * 1e3, "V_ms": {k: (costs[f"step{k}"] - draft) * 1e3 for k in args.widths},
            "device_weights_GB": sum(nbytes(x) for x in jax.tree.leaves(model.params)) / 1e9}
     print(f"costs (ms): {out['costs_ms']}; D {out['D_ms']:.2f}; V {out['V_ms']}", flush=True)
-    out["target_only"] = host_part(engine, timers, args.steps, read["GBps"])
+    out["target_only"] = host_part(engine, layers, args.steps, read["GBps"])
     out["target_only"]["sync_ms"] = step_times(engine, False, args.steps, overlap=False)
     out["target_only"]["tok_s"] = 1e3 / out["target_only"]["wall_ms"]
     walls = step_walls(engine, args.widths, args.steps)
@@ -245,7 +238,7 @@ def print_table(res: dict) -> None:
     print(f"target-only Engine.step: {t['wall_ms']:.2f} ms overlapped ({t['tok_s']:.1f} tok/s), "
           f"{t['sync_ms']:.2f} ms one call at a time")
     if t["host_layers"]:
-        print(f"host part: {t['host_layers']} callbacks/step, {t['host_ms']:.2f} ms, {t['host_MB']:.0f} MB, "
+        print(f"host part: {t['host_layers']} host calls/step, {t['host_ms']:.2f} ms, {t['host_MB']:.0f} MB, "
               f"floor {t['host_floor_ms']:.2f} ms at {res['host_read_GBps']:.1f} GB/s: {t['host_vs_read']:.2f}x")
     walls = res["step_wall_ms"]
     print("overlapped Engine.step (ms): decode " + f"{walls['decode']:.2f}, "
@@ -270,6 +263,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--runs", type=int, default=5, help="synchronised calls per executable cost (fastest kept)")
     ap.add_argument("--read-mb", type=int, default=1024)
+    ap.add_argument("--via", choices=["ffi", "callback"], default="ffi", help="how a step reaches the host GEMV")
+    ap.add_argument("--threads", type=int, default=None, help="host GEMV threads (default: the CPUs of this process)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", action="store_true", help="also trace target-only steps (GPU busy, gaps, host events)")
     ap.add_argument("--json", type=Path, default=None)

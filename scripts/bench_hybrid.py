@@ -3,13 +3,15 @@
 Builds the random model of `bench_decode.py` (weights drawn on the device, `--layers`, `--experts`,
 `--storage`), times `extend` at S rows with every expert on the device, then moves a fraction
 `--host-experts` of the experts of each of the first `--host-layers` layers to host banks
-(`jdspark.experts.hybrid.with_host_experts`) and times it again. Each host callback is timed from
-inside (the CPU GEMV and its plan) and counts the distinct host experts it read, so the host part
-is reported against its bytes at the host read bandwidth measured in the same run
-(`bench_bw.host_read`): `host_vs_read` = host ms / (bytes / read bandwidth), the issue's done-when
-asks <= 1.3. `round_trip_ms` = hybrid - all-device - host GEMV, per host layer: what a callback
-costs beyond its GEMV (transfers, synchronisation, the Python call); `empty_callback_ms` is the same
-for a callback that does nothing, in a chain of small products.
+(`jdspark.experts.hybrid.with_host_experts`) and times it again, once per host path in `--via`
+(the XLA FFI custom call, `ffi`, and the `jax.pure_callback`, `callback`; the same banks). Each
+layer's host part counts its own seconds (plan + CPU GEMV) and the distinct host experts it read
+(`HybridExperts.host_stats`), so the host part is reported against its bytes at the host read
+bandwidth measured in the same run (`bench_bw.host_read`): `host_vs_read` = host ms / (bytes / read
+bandwidth), the issue's done-when asks <= 1.3. `round_trip_ms` = hybrid - all-device - host GEMV,
+per host layer: what a host call costs beyond its GEMV (transfers, synchronisation, the Python call
+of a callback); `empty_callback_ms` is the same for a pure_callback that does nothing, in a chain of
+small products. "queued" times calls issued back to back (the engine's overlapped steps).
 
     PYTHONPATH=$PWD python scripts/bench_hybrid.py --layers 8 --host-experts 0.5 --rows 1 6 --json /tmp/h.json
     PYTHONPATH=$PWD python scripts/bench_hybrid.py --preset tiny --layers 2 --rows 1 --runs 3   # CPU smoke test
@@ -37,35 +39,24 @@ from jdspark.experts.hybrid import HybridExperts, with_host_experts  # noqa: E40
 from jdspark.model.model import Model  # noqa: E402
 
 
-class TimedCallback:
-    """A host callback that records (seconds, distinct host experts read) per call."""
-
-    def __init__(self, call, bank):
-        self.call, self.bank, self.calls = call, bank, []
-
-    def __call__(self, x, ids, weights):
-        start = time.perf_counter()
-        y = self.call(x, ids, weights)
-        held = self.bank.slot_of[np.asarray(ids).reshape(-1)]
-        self.calls.append((time.perf_counter() - start, len(np.unique(held[held >= 0]))))
-        return y
-
-
-def hybrid_params(model: Model, fraction: float, n_layers: int, seed: int):
-    """(graphdef, params, timers) of `model` with `fraction` of each of its first n_layers layers'
-    experts (random ones) in host banks, each callback timed."""
+def hybrid_params(model: Model, fraction: float, n_layers: int, seed: int, via: str):
+    """(graphdef, params, hybrid layers) of `model` with `fraction` of each of its first n_layers
+    layers' experts (random ones, the same for every `via`) in host banks."""
     e = model.config.n_routed_experts
     rng = np.random.default_rng(seed)
     host = {layer: np.sort(rng.choice(e, max(1, round(fraction * e)), replace=False)).tolist()
             for layer in range(n_layers)}
-    module = with_host_experts(model, host).module()
-    timers = []
-    for _, node in nnx.iter_graph(module):
-        if isinstance(node, HybridExperts):
-            node.host_forward = TimedCallback(node.host_forward, node.bank)
-            timers.append(node.host_forward)
+    module = with_host_experts(model, host, via=via).module()
+    layers = [node for _, node in nnx.iter_graph(module) if isinstance(node, HybridExperts)]
     graphdef, params = nnx.split(module)
-    return graphdef, params, timers
+    return graphdef, params, layers
+
+
+def host_seconds(layers, reset: bool = True) -> tuple[float, float]:
+    """(median seconds of one layer's host call, mean distinct host experts per call) since the last reset."""
+    counts = [layer.host_stats(reset=reset) for layer in layers]
+    calls = sum(c["calls"] for c in counts)
+    return sum(c["seconds"] for c in counts) / max(calls, 1), sum(c["experts"] for c in counts) / max(calls, 1)
 
 
 def callback_round_trip_ms(layers: int = 8, runs: int = 20) -> float:
@@ -107,22 +98,24 @@ def measure(args) -> dict:
                           storage=args.storage, host_experts=args.host_experts, host_layers=n_host,
                           context=args.context, threads=threads, device=str(jax.devices()[0].device_kind)),
            "host_read_GBps": read["GBps"], "empty_callback_ms": callback_round_trip_ms(), "rows": []}
-    device_ms = {rows: time_extend(graphdef, params, config, engine, dtype, 1, rows, args.context, args.runs)[0]
-                 for rows in args.rows}
-    h_graphdef, h_params, timers = hybrid_params(Model(graphdef, params), args.host_experts, n_host, args.seed)
-    expert_bytes = timers[0].bank.weight_nbytes
-    for rows in args.rows:
-        for t in timers:
-            t.calls.clear()
-        hybrid_ms = time_extend(h_graphdef, h_params, config, engine, dtype, 1, rows, args.context, args.runs)[0]
-        calls = [c for t in timers for c in t.calls]
-        host_ms = statistics.median(s for s, _ in calls) * 1e3 * n_host
-        host_bytes = statistics.mean(n for _, n in calls) * expert_bytes * n_host
-        floor_ms = host_bytes / (read["GBps"] * 1e9) * 1e3
-        out["rows"].append(dict(rows=rows, device_ms=device_ms[rows], hybrid_ms=hybrid_ms, host_gemv_ms=host_ms,
-                                host_MB=host_bytes / 1e6, host_GBps=host_bytes / host_ms / 1e6,
-                                host_vs_read=host_ms / floor_ms,
-                                round_trip_ms=(hybrid_ms - device_ms[rows] - host_ms) / n_host))
+    device = {rows: time_extend(graphdef, params, config, engine, dtype, 1, rows, args.context, args.runs)[:2]
+              for rows in args.rows}
+    for via in args.via:
+        h_graphdef, h_params, layers = hybrid_params(Model(graphdef, params), args.host_experts, n_host, args.seed, via)
+        expert_bytes = layers[0].bank.weight_nbytes
+        for rows in args.rows:
+            host_seconds(layers)
+            hybrid_ms, queued_ms, _ = time_extend(h_graphdef, h_params, config, engine, dtype, 1, rows, args.context,
+                                                  args.runs)
+            per_call, experts = host_seconds(layers)
+            host_ms, host_bytes = per_call * 1e3 * n_host, experts * expert_bytes * n_host
+            floor_ms = host_bytes / (read["GBps"] * 1e9) * 1e3
+            out["rows"].append(dict(via=via, rows=rows, device_ms=device[rows][0], device_queued_ms=device[rows][1],
+                                    hybrid_ms=hybrid_ms, hybrid_queued_ms=queued_ms, host_gemv_ms=host_ms,
+                                    host_MB=host_bytes / 1e6, host_GBps=host_bytes / host_ms / 1e6,
+                                    host_vs_read=host_ms / floor_ms,
+                                    round_trip_ms=(hybrid_ms - device[rows][0] - host_ms) / n_host))
+        del h_params, layers
     return out
 
 
@@ -136,6 +129,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--read-mb", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--via", nargs="+", choices=["ffi", "callback"], default=["ffi", "callback"],
+                    help="host paths to time, in this order, on the same banks")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if not 0 < args.host_experts <= 1:
@@ -143,10 +138,12 @@ def main(argv=None) -> dict:
     res = measure(args)
     print(f"{res['config']}\nhost read {res['host_read_GBps']:.1f} GB/s, an empty callback "
           f"{res['empty_callback_ms']:.3f} ms")
-    print("rows  device ms  hybrid ms  host GEMV ms  host MB  host GB/s  host/read-floor  round trip ms/layer")
+    print("via       rows  device ms (queued)  hybrid ms (queued)  host GEMV ms  host MB  host GB/s  host/read-floor  "
+          "round trip ms/layer")
     for r in res["rows"]:
-        print(f"{r['rows']:4d} {r['device_ms']:10.2f} {r['hybrid_ms']:10.2f} {r['host_gemv_ms']:13.2f} "
-              f"{r['host_MB']:8.1f} {r['host_GBps']:10.1f} {r['host_vs_read']:16.2f} {r['round_trip_ms']:20.3f}")
+        print(f"{r['via']:8} {r['rows']:5d} {r['device_ms']:9.2f} ({r['device_queued_ms']:6.2f}) "
+              f"{r['hybrid_ms']:9.2f} ({r['hybrid_queued_ms']:6.2f}) {r['host_gemv_ms']:13.2f} {r['host_MB']:8.1f} "
+              f"{r['host_GBps']:10.1f} {r['host_vs_read']:16.2f} {r['round_trip_ms']:20.3f}")
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
     return res

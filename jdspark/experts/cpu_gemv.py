@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import logging
 import os
 import pathlib
@@ -44,7 +45,7 @@ from jdspark.experts.banks import TENSORS, ExpertBank
 log = logging.getLogger(__name__)
 
 _FMT_CODE = {("fp4", "e8m0"): 0, ("fp8", "e8m0"): 1, ("fp8", "float32"): 2, ("bf16", "e8m0"): 3}
-_SRC = pathlib.Path(__file__).with_name("_kernel.cc")
+_SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("_kernel.cc", "_host_ffi.cc"))
 _LOCK = threading.Lock()
 _LIB = None
 TILE_F, TILE_D = 32, 32
@@ -72,11 +73,21 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(root) / "experts"
 
 
+def _ffi_include() -> pathlib.Path:
+    """jaxlib's XLA FFI headers (what `jax.ffi.include_dir()` returns), found without importing jax."""
+    spec = importlib.util.find_spec("jaxlib")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("building the host expert library needs jaxlib's XLA FFI headers: install jax")
+    return pathlib.Path(list(spec.submodule_search_locations)[0]) / "include"
+
+
 def build_kernel(force: bool = False) -> pathlib.Path:
-    """Compile `_kernel.cc` for this CPU (g++ -O3 -march=native -fopenmp) into the cache folder,
-    keyed by the source and the compiler flags; returns the shared library's path."""
-    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
-    src = _SRC.read_bytes()
+    """Compile `_kernel.cc` and `_host_ffi.cc` (the XLA FFI custom call around it) for this CPU
+    (g++ -O3 -march=native -fopenmp) into one library in the cache folder, keyed by the sources and
+    the compiler flags; returns the shared library's path."""
+    include = _ffi_include()
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", f"-I{include}"]
+    src = b"".join(p.read_bytes() for p in _SOURCES)
     key = hashlib.sha256(src + " ".join(flags).encode() + os.uname().machine.encode()).hexdigest()[:16]
     out = _cache_dir() / f"_kernel-{key}.so"
     if out.exists() and not force:
@@ -85,7 +96,7 @@ def build_kernel(force: bool = False) -> pathlib.Path:
     cxx = os.environ.get("CXX", "g++")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = pathlib.Path(tmp) / out.name
-        cmd = [cxx, *flags, "-o", str(tmp_so), str(_SRC)]
+        cmd = [cxx, *flags, "-o", str(tmp_so), *map(str, _SOURCES), "-ldl"]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode:
             raise RuntimeError(f"building the CPU expert kernel failed ({' '.join(cmd)}):\n{res.stderr}\n"
@@ -109,6 +120,12 @@ def kernel() -> ctypes.CDLL:
             lib.jds_read_sum.restype = ctypes.c_uint64
             lib.jds_read_sum.argtypes = [P, i64, i32, i32]
             lib.jds_has_simd.restype = ctypes.c_int
+            lib.jds_bank_register.restype = ctypes.c_int
+            lib.jds_bank_register.argtypes = [i64, i32, P, i64, P, i32, i32, i32, i32, P]
+            lib.jds_bank_release.restype = None
+            lib.jds_bank_release.argtypes = [i64, P]
+            lib.jds_bank_stats.restype = ctypes.c_int
+            lib.jds_bank_stats.argtypes = [i64, P, i32]
             _LIB = lib
         return _LIB
 
@@ -176,12 +193,12 @@ def moe_forward(bank: ExpertBank, x, ids, weights, *, limit: float = 0.0, dtype:
         return _forward_cpp(bank, x, plan, limit, dtype == "bfloat16", threads, simd)
     if backend == "numba":
         from jdspark.experts import numba_gemv
-        return numba_gemv.forward(bank, x, plan, limit, dtype == "bfloat16", threads, _format_code(bank),
+        return numba_gemv.forward(bank, x, plan, limit, dtype == "bfloat16", threads, format_code(bank),
                                   (TILE_F, TILE_D))
     raise ValueError(f"backend={backend!r}: expected 'cpp' or 'numba'")
 
 
-def _format_code(bank: ExpertBank) -> int:
+def format_code(bank: ExpertBank) -> int:
     return _FMT_CODE[(bank.fmt, bank.scale_dtype if bank.fmt == "fp8" else "e8m0")]
 
 
@@ -201,7 +218,7 @@ def _forward_cpp(bank, x, plan, limit, round_bf16, threads, simd) -> np.ndarray:
     h = np.empty((plan.n_pairs, f), np.float32)
     out = np.empty((r * k, d), np.float32)
     rc = lib.jds_moe_forward(
-        _format_code(bank), _ptr(bank.data),
+        format_code(bank), _ptr(bank.data),
         bank.expert_nbytes, _ptr(off), d, f, r, k, _ptr(x), plan.n_experts, _ptr(plan.uniq_slot),
         _ptr(plan.pstart), _ptr(plan.pair_row), _ptr(plan.pair_w), _ptr(plan.pair_out), _ptr(plan.covered),
         _ptr(xp), _ptr(h), _ptr(out), _ptr(y), float(limit), int(round_bf16), int(threads), TILE_F, TILE_D,

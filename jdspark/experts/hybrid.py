@@ -7,20 +7,25 @@ expert ids [N, K] -> float32 [N, D]) and replaces it in the MoE layers that hold
 - the device experts as `Experts` does (the in-place kernel or the XLA gather, the same rounding
   points), over the same M = min(N*K, E) slots of the call's distinct global experts; a slot whose
   expert lives on the host gathers some device expert with routing weight 0, so it adds exact zeros;
-- the host experts through ONE `jax.pure_callback` per layer and call: the multi-threaded CPU GEMV
-  (`cpu_gemv.moe_forward`) over every row's host choices, each distinct host expert read once;
+- the host experts in ONE host call per layer and call: the multi-threaded CPU GEMV over every
+  row's host choices, each distinct host expert read once. `via="ffi"` (the default) is the XLA FFI
+  custom call of `host_ffi` (C++ end to end; on a GPU enqueued on the step's stream, so the host
+  thread never waits for it); `via="callback"` a `jax.pure_callback` into `cpu_gemv.moe_forward`
+  (Python; it blocks the thread that runs the step), kept to compare against and for the numba
+  backend;
 - their sum in float32.
 
-The callback is pure (no ordering token): XLA may place it anywhere its operands allow and drops it
-if its result were unused, which is what a function of (x, ids, weights) permits. The device waits
-for it (its operands go to the host, its result comes back), so the device and host experts of a
-layer do not overlap. Under `jax.vmap` the batch is broadcast into the rows of one call
-(vmap_method="broadcast_all"). Executables holding host callbacks are not written to JAX's
-persistent compilation cache.
+Either host call is pure (no ordering token): XLA may place it anywhere its operands allow and
+drops it if its result were unused, which is what a function of (x, ids, weights) permits. The
+device waits for it (its operands go to the host, its result comes back), so the device and host
+experts of a layer do not overlap. Under `jax.vmap` the batch is broadcast into the rows of one call
+(vmap_method="broadcast_all"). Executables holding pure callbacks are not written to JAX's
+persistent compilation cache; those holding the custom call are (its bank is named by a content key).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Mapping, Sequence
 
 import jax
@@ -29,8 +34,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from jdspark.experts import host_ffi
 from jdspark.experts.banks import ExpertBank
-from jdspark.experts.cpu_gemv import host_callback
+from jdspark.experts.cpu_gemv import default_threads, host_callback
 from jdspark.experts.placement import Placement, plan_placement
 from jdspark.model.model import Model
 from jdspark.model.moe import Experts, MoE, expert_slots, routing_matrix
@@ -43,10 +49,11 @@ class HybridExperts(Experts):
     a neighbouring device expert, which they gather with weight 0), `on_host[e]` where it lives."""
 
     def __init__(self, experts: Experts, host_ids: Sequence[int], *, dtype, threads: int | None = None,
-                 bank: ExpertBank | None = None):
+                 bank: ExpertBank | None = None, via: str = "ffi"):
         """dtype: the model's compute dtype (float32 or bfloat16), which the host GEMV rounds to;
         `bank`: the host experts already in a bank (their arrays in `experts` are then never read, and
-        may be abstract: a model too large to hold whole before it is split)."""
+        may be abstract: a model too large to hold whole before it is split); `via`: "ffi" or
+        "callback", how the step reaches the host GEMV (module docstring)."""
         e = experts.n_experts
         host = np.unique(np.asarray(host_ids, np.int64))
         if host.size == 0 or host.min() < 0 or host.max() >= e:
@@ -54,6 +61,8 @@ class HybridExperts(Experts):
                              f"in [0, {e})")
         if experts.qat_sim:
             raise ValueError("host experts do not simulate QAT rounding: build the model with qat_sim=False")
+        if via not in ("ffi", "callback"):
+            raise ValueError(f"via={via!r}: expected 'ffi' (the XLA custom call) or 'callback' (jax.pure_callback)")
         on_host = np.zeros(e, bool)
         on_host[host] = True
         device = np.flatnonzero(~on_host)
@@ -66,17 +75,57 @@ class HybridExperts(Experts):
                                      for n in ("w1", "w3", "w2"))
         self.n_experts, self.limit, self.qat_sim = e, experts.limit, False
         self.implementation = experts.implementation
-        self.host_forward = host_callback(self.bank, limit=self.limit, dtype=jnp.dtype(dtype).name, threads=threads)
+        self.via, self.threads = via, threads or default_threads()
+        self.round_bf16 = bool(jnp.dtype(dtype) == jnp.bfloat16)
+        if via == "ffi":
+            self.bank_key = host_ffi.register(self.bank)
+        else:
+            self.host_forward = _Timed(host_callback(self.bank, limit=self.limit, dtype=jnp.dtype(dtype).name,
+                                                     threads=self.threads), self.bank)
 
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [N, D], routing weights [N, K], expert ids [N, K] -> float32 [N, D]."""
-        y = jax.pure_callback(self.host_forward, jax.ShapeDtypeStruct(x.shape, jnp.float32), x,
-                              idx.astype(jnp.int32), weights.astype(jnp.float32), vmap_method="broadcast_all")
+        if self.via == "ffi":
+            y = host_ffi.host_experts(self.bank_key, x, idx, weights, limit=self.limit, round_bf16=self.round_bf16,
+                                      threads=self.threads)
+        else:
+            y = jax.pure_callback(self.host_forward, jax.ShapeDtypeStruct(x.shape, jnp.float32), x,
+                                  idx.astype(jnp.int32), weights.astype(jnp.float32), vmap_method="broadcast_all")
         if self.w1 is None:
             return y
         experts, slot = expert_slots(idx, self.n_experts)
         dense = jnp.where(self.on_host[...][experts][None], 0.0, routing_matrix(weights, slot, experts.shape[0]))
         return self._selected(x, self.local[...][experts], dense, slot) + y
+
+    def host_stats(self, *, reset: bool = False) -> dict:
+        """{"calls", "seconds", "experts"}: the host calls of this layer, the seconds inside them (plan +
+        GEMV) and the distinct host experts they read, since the start or the last reset."""
+        if self.via == "ffi":
+            return host_ffi.stats(self.bank, reset=reset)
+        return self.host_forward.stats(reset)
+
+
+class _Timed:
+    """A host callback that counts its calls, its seconds and the distinct bank experts it read."""
+
+    def __init__(self, call, bank: ExpertBank):
+        self.call, self.bank = call, bank
+        self.counts = {"calls": 0, "seconds": 0.0, "experts": 0}
+
+    def __call__(self, x, ids, weights):
+        start = time.perf_counter()
+        y = self.call(x, ids, weights)
+        held = self.bank.slot_of[np.asarray(ids).reshape(-1)]
+        self.counts["calls"] += 1
+        self.counts["seconds"] += time.perf_counter() - start
+        self.counts["experts"] += len(np.unique(held[held >= 0]))
+        return y
+
+    def stats(self, reset: bool) -> dict:
+        out = dict(self.counts)
+        if reset:
+            self.counts = {"calls": 0, "seconds": 0.0, "experts": 0}
+        return out
 
 
 def _subset(weights, ids: np.ndarray):
@@ -117,12 +166,12 @@ def _bf16_exact(weight: np.ndarray, name: str) -> np.ndarray:
 
 
 def with_host_experts(model: Model, host: Mapping[int, Sequence[int]], *, threads: int | None = None,
-                      banks: Mapping[int, ExpertBank] | None = None) -> Model:
+                      banks: Mapping[int, ExpertBank] | None = None, via: str = "ffi") -> Model:
     """`model` with the routed experts host[layer] (main layer ids -> global expert ids) of each
     listed layer moved to host banks (`HybridExperts`); other layers and the parameters of everything
     else are unchanged (shared, not copied). `Placement.host_map()` gives `host` from a plan.
     `banks[layer]`, where given, already holds that layer's host experts (nothing is read from the
-    model's arrays for them)."""
+    model's arrays for them); `via`: how the step reaches the host GEMV (`HybridExperts`)."""
     module = model.module()
     n_layers = len(module.layers)
     for layer, ids in host.items():
@@ -132,7 +181,7 @@ def with_host_experts(model: Model, host: Mapping[int, Sequence[int]], *, thread
         if not isinstance(moe, MoE) or type(moe.experts) is not Experts:
             raise ValueError(f"layer {layer}: expected a MoE layer with device experts, found {type(moe.experts)}")
         moe.experts = HybridExperts(moe.experts, ids, dtype=model.dtype, threads=threads,
-                                    bank=(banks or {}).get(int(layer)))
+                                    bank=(banks or {}).get(int(layer)), via=via)
     return Model(*nnx.split(module))
 
 
