@@ -157,6 +157,13 @@ for part in "$@"; do
     bw)  # the host expert pool's bandwidths on this host (16 cores): host read, PCIe, CPU and GPU expert GEMV
       timeout 150 python3 -m jdspark.cli bench bw --json "$OUT/bench_bw.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench_bw.log" ;;
+    host-tests)  # the host experts' FFI custom call (its CUDA handler) and the hybrid layers, on this GPU
+      timeout ${HOST_TEST_SECONDS:-240} python3 -m pytest -q -W ignore -p no:cacheprovider tests/experts/test_host_ffi.py \
+        tests/experts/test_hybrid.py 2>&1 | tail -12 | tee "$OUT/host_gpu_tests.log" ;;
+    hybrid)  # issue 24: a Flash-dims step with host experts, the FFI custom call against the pure_callback
+      # (HYBRID_ARGS: e.g. --layers 8 --host-layers 4 --host-experts 1.0)
+      timeout ${HYBRID_SECONDS:-300} python3 scripts/bench_hybrid.py ${HYBRID_ARGS:---layers 8 --host-layers 4 --host-experts 1.0} \
+        --rows 1 6 --json "$OUT/bench_hybrid.json" 2>&1 | grep -v Warning | tee "$OUT/bench_hybrid.log" ;;
     flash)  # issue 24: the full-size synthetic DeepSeek-V4-Flash-0731 on this GPU and its host, served by the engine
       # (FLASH_ARGS: more arguments, e.g. --widths 0 5 --gpu-memory 136)
       XLA_PYTHON_CLIENT_MEM_FRACTION=${FLASH_MEM_FRACTION:-0.95} timeout ${FLASH_SECONDS:-560} python3 \

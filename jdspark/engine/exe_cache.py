@@ -10,8 +10,8 @@ dtypes and shardings), and the compiled executable is stored serialized under it
 
 On while the persistent compilation cache is (`enable_compile_cache`), in a `jdspark` folder inside
 it (off with JDSPARK_STORE_EXECUTABLES=0). A file that fails to load is recompiled and rewritten;
-programs with host callbacks (the host expert pool) are never stored (their callbacks are Python
-objects of this process), nor, on the CPU, executables XLA's persistent cache handed back
+programs with Python host callbacks (`jax.pure_callback`) are never stored (their callbacks are
+objects of this process; the host experts' FFI custom call names its bank by a content key and is), nor, on the CPU, executables XLA's persistent cache handed back
 (`ExecutableCache.compile`). The key cannot see code patched at run time (a test's monkeypatch):
 such a caller turns the store off.
 """
