@@ -22,6 +22,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -55,6 +56,11 @@ struct Bank {
   std::vector<int32_t> slot_of;
   std::atomic<int64_t> calls{0}, ns{0}, experts{0};
   std::atomic<int> failed{0};
+  // host functions enqueued and not yet finished: releasing the bank (its memory is about to be
+  // freed) waits for them
+  int inflight = 0;
+  std::mutex m;
+  std::condition_variable idle;
 };
 
 std::mutex g_lock;
@@ -247,6 +253,8 @@ void run_staged(void* p) {  // the host function: runs on the driver's callback 
     for (size_t i = 0; i < n; ++i) st.y[i] = std::numeric_limits<float>::quiet_NaN();
     st.bank->failed = rc;
   }
+  std::lock_guard<std::mutex> guard(st.bank->m);
+  if (--st.bank->inflight == 0) st.bank->idle.notify_all();
 }
 
 std::string cu_error(const char* what, CUresult rc) {
@@ -301,7 +309,11 @@ ffi::Error HostExpertsCuda(CUstream stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
   CUresult rc = d.memcpy_dtoh(st->x, CUdeviceptr(x.untyped_data()), st->x_bytes, stream);
   if (!rc) rc = d.memcpy_dtoh(st->ids, CUdeviceptr(ids.untyped_data()), pair_bytes, stream);
   if (!rc) rc = d.memcpy_dtoh(st->w, CUdeviceptr(w.untyped_data()), pair_bytes, stream);
-  if (!rc) rc = d.launch_host_func(stream, run_staged, st);
+  if (!rc) {
+    { std::lock_guard<std::mutex> guard(bank->m); ++bank->inflight; }
+    rc = d.launch_host_func(stream, run_staged, st);
+    if (rc) { std::lock_guard<std::mutex> guard(bank->m); --bank->inflight; }
+  }
   if (!rc) rc = d.memcpy_htod(CUdeviceptr(y->untyped_data()), st->y, st->y_bytes, stream);
   if (rc) return ffi::Error::Internal(cu_error("enqueueing the host experts", rc));
   return ffi::Error::Success();
@@ -347,14 +359,21 @@ int jds_bank_register(int64_t key, int fmt, const uint8_t* data, int64_t expert_
 }
 
 // Drops the registration of `key` over `data` (its memory is about to be freed).
+// Host functions of it still queued on a stream are waited for first.
 void jds_bank_release(int64_t key, const uint8_t* data) {
-  std::lock_guard<std::mutex> guard(g_lock);
-  auto it = g_banks.find(key);
-  if (it == g_banks.end()) return;
-  auto& v = it->second;
-  for (size_t i = v.size(); i-- > 0;)
-    if (v[i]->data == data) { v.erase(v.begin() + i); break; }
-  if (v.empty()) g_banks.erase(it);
+  std::shared_ptr<Bank> gone;
+  {
+    std::lock_guard<std::mutex> guard(g_lock);
+    auto it = g_banks.find(key);
+    if (it == g_banks.end()) return;
+    auto& v = it->second;
+    for (size_t i = v.size(); i-- > 0;)
+      if (v[i]->data == data) { gone = v[i]; v.erase(v.begin() + i); break; }
+    if (v.empty()) g_banks.erase(it);
+  }
+  if (!gone) return;
+  std::unique_lock<std::mutex> lock(gone->m);
+  gone->idle.wait(lock, [&] { return gone->inflight == 0; });
 }
 
 // calls, nanoseconds inside the host part, distinct bank experts read (summed over calls); reset

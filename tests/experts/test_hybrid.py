@@ -59,7 +59,7 @@ def test_layer_equals_device_experts(storage, dtype):
             args = (x, jnp.asarray(w), jnp.asarray(idx))
             want, got = CALL(ex, *args), CALL(hybrid, *args)
             assert got.dtype == jnp.float32 and got.shape == want.shape
-            assert rel(got, want) <= (1e-6 if dtype == jnp.float32 else 2 ** -7), (host, rows)
+            assert rel(got, want) <= (1e-6 if dtype == jnp.float32 else 2 ** -7), (host, rows, rel(got, want))
 
 
 def test_vmap_is_one_batched_call():
