@@ -62,7 +62,8 @@ def _generator(args, max_batch: int = 1):
                                      prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                                      tensor_parallel_size=args.tensor_parallel_size,
                                      expert_parallel_size=args.expert_parallel_size,
-                                     gpu_memory=None if args.gpu_memory is None else args.gpu_memory * 1e9)
+                                     gpu_memory=None if args.gpu_memory is None else args.gpu_memory * 1e9,
+                                     pcie_share=args.pcie_share)
 
 
 def _prompt_and_params(args):
@@ -163,6 +164,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory", type=float,
                    help="GB of weights on the one GPU: the routed experts beyond it live in host memory and run "
                         "on the CPU (the placement is logged; a safetensors checkpoint)")
+    p.add_argument("--pcie-share", type=float, default=None,
+                   help="with --gpu-memory: the share of a step's host experts the GPU reads over PCIe, the rest "
+                        "on the CPU (default: 1/3 on a CUDA GPU, 0 elsewhere)")
     p.add_argument("--reprofile", action="store_true", help="measure V(k) again instead of using the cache")
     p.add_argument("--log-every", type=int, default=0, help="engine log line every N steps")
     _add_parallel_options(p)

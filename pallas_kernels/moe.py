@@ -149,8 +149,11 @@ def supported(fmt: str, d: int, f: int, rows: int, tiles: Tiles | None = None, n
 
 
 def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpret: bool = False,
-        tiles: Tiles | None = None) -> jax.Array:
-    """`ref_moe` as two Pallas kernels reading each distinct expert in place once. float32 [R, D]."""
+        tiles: Tiles | None = None, skip_missing: bool = False) -> jax.Array:
+    """`ref_moe` as two Pallas kernels reading each distinct expert in place once. float32 [R, D].
+    `skip_missing`: a slot whose expert is negative reads nothing and outputs zeros (its routing
+    weights must be 0): for experts read over PCIe (`jdspark.experts.hybrid`), where a padding slot
+    that re-read an expert would cost what a real one does."""
     tiles = tiles or TILES
     r, d = x.shape
     m = experts.shape[0]
@@ -161,7 +164,7 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
     if interpret and tiles.decode == "prmt":  # inline PTX has no interpreter; "offset" gives the same values
         tiles = dataclasses.replace(tiles, decode="offset")
     if tiles.gemv_rows:
-        return _combine(_moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles), slot)
+        return _combine(_moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles, skip_missing), slot)
     dtype = x.dtype
     rp = max(16, 1 << (r - 1).bit_length())
     xp = jnp.zeros((rp, d), dtype).at[:r].set(x)
@@ -170,13 +173,13 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
     experts = experts.astype(jnp.int32)
 
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, fmt=fmt, k=d, limit=limit, dtype=dtype, tiles=tiles),
+        functools.partial(_gate_up_kernel, fmt=fmt, k=d, limit=limit, dtype=dtype, tiles=tiles, skip=skip_missing),
         out_shape=jax.ShapeDtypeStruct((m, rp, f), dtype),
         grid=(m, f // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
     )(experts, dense_t, *_activations(fmt, xp), *w1, *w3)
     out = pl.pallas_call(
-        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(w2), tiles=tiles),
+        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(w2), tiles=tiles, skip=skip_missing),
         out_shape=jax.ShapeDtypeStruct((m, rp, d), dtype),
         grid=(m, d // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_down",
@@ -352,7 +355,12 @@ def _tile_dot(act: jax.Array, w: jax.Array, tiles: Tiles) -> jax.Array:
     return _dot_t(w, act) if tiles.swap else _dot_t(act, w)
 
 
-def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles):
+def _steps(e, k: int, step: int, skip: bool):
+    """The loop's trip count over K: k / step, or 0 for a missing expert (e < 0) under `skip`."""
+    return jnp.where(e >= 0, k // step, 0) if skip else k // step
+
+
+def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles, skip=False):
     n_act = 2 if fmt == "fp4" else 1
     n_w = (len(refs) - n_act - 1) // 2
     act_refs, w1_refs, w3_refs, h_ref = refs[:n_act], refs[n_act:n_act + n_w], refs[n_act + n_w:-1], refs[-1]
@@ -367,14 +375,14 @@ def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles):
                 up + _partial(fmt, e, row0, c, act_refs, w3_refs, dtype, tiles))
 
     zero = jnp.zeros((tiles.out, rp) if tiles.swap else (rp, tiles.out), jnp.float32)
-    gate, up = jax.lax.fori_loop(0, k // tiles.step(fmt), step, (zero, zero))
+    gate, up = jax.lax.fori_loop(0, _steps(e, k, tiles.step(fmt), skip), step, (zero, zero))
     if tiles.swap:
         gate, up = gate.T, up.T
     h = swiglu(gate.astype(dtype), up.astype(dtype), limit) * dense_ref[slot, :, :]
     h_ref[slot, :, pl.ds(row0, tiles.out)] = h.astype(dtype)
 
 
-def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles):
+def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles, skip=False):
     act_refs, w_refs, out_ref = refs[:-n_w - 1], refs[-n_w - 1:-1], refs[-1]
     slot, tile = pl.program_id(0), pl.program_id(1)
     e = experts_ref[slot]
@@ -387,7 +395,7 @@ def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles):
         return acc + _partial(fmt, e, row0, c, slot_acts, w_refs, dtype, tiles)
 
     zero = jnp.zeros((tiles.out, rp) if tiles.swap else (rp, tiles.out), jnp.float32)
-    acc = jax.lax.fori_loop(0, k // tiles.step(fmt), step, zero)
+    acc = jax.lax.fori_loop(0, _steps(e, k, tiles.step(fmt), skip), step, zero)
     out_ref[slot, :, pl.ds(row0, tiles.out)] = (acc.T if tiles.swap else acc).astype(dtype)
 
 
@@ -404,7 +412,7 @@ class _SlotRef:
 
 # ---- the gemv form: no tl.dot, no row padding -----------------------------------------------------
 
-def _moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles) -> jax.Array:
+def _moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles, skip=False) -> jax.Array:
     """Both kernels as per-row products and sums: each program decodes its weight tile once per
     loop step and multiplies it with each of the R rows (unrolled), so no MMA operand layout and
     no padded rows. Under `tiles.skip_rows`, a row that did not select the program's expert (its
@@ -414,7 +422,7 @@ def _moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles) -> ja
     m, f, dtype = experts.shape[0], w1[0].shape[1], x.dtype
     params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     experts, dense_t = experts.astype(jnp.int32), dense.T.astype(jnp.float32)
-    kernel = functools.partial(_gemv_kernel, fmt=fmt, rows=r, limit=limit, dtype=dtype, tiles=tiles)
+    kernel = functools.partial(_gemv_kernel, fmt=fmt, rows=r, limit=limit, dtype=dtype, tiles=tiles, skip=skip)
     h = pl.pallas_call(
         functools.partial(kernel, k=d, n_w=2 * len(w1), per_slot=False),
         out_shape=jax.ShapeDtypeStruct((m, r, f), dtype), grid=(m, f // tiles.out),
@@ -469,7 +477,7 @@ def _gemv_product(fmt, w: tuple, act: tuple) -> jax.Array:
     return jnp.sum(w[0] * act[0].astype(jnp.float32)[None], axis=1)
 
 
-def _gemv_kernel(experts_ref, dense_ref, *refs, fmt, k, rows, limit, dtype, tiles, n_w, per_slot):
+def _gemv_kernel(experts_ref, dense_ref, *refs, fmt, k, rows, limit, dtype, tiles, n_w, per_slot, skip=False):
     """gate/up (refs: x, w1, w3; h = swiglu * dense) or down (per_slot: the slot's own rows of h,
     then w2) for one slot and `out` output features; dense [M, R] is each row's routing weight."""
     n_act = 2 if fmt == "fp4" else 1
@@ -500,8 +508,8 @@ def _gemv_kernel(experts_ref, dense_ref, *refs, fmt, k, rows, limit, dtype, tile
         return tuple(new)
 
     shape = (tiles.out, step_k // FP4_BLOCK) if fmt == "fp4" else (tiles.out,)
-    acc = jax.lax.fori_loop(0, k // step_k, step, tuple(jnp.zeros(shape, jnp.float32)
-                                                        for _ in range(rows * len(groups))))
+    acc = jax.lax.fori_loop(0, _steps(e, k, step_k, skip), step, tuple(jnp.zeros(shape, jnp.float32)
+                                                                        for _ in range(rows * len(groups))))
     sums = [jnp.sum(a, axis=1) if fmt == "fp4" else a for a in acc]
     cols = pl.ds(row0, tiles.out)
     for i in range(rows):

@@ -49,7 +49,7 @@ from bench_step import start_request, step_times  # noqa: E402
 
 from jdspark.config import EngineConfig, QuantConfig  # noqa: E402
 from jdspark.engine.engine import Engine, SpecOptions  # noqa: E402
-from jdspark.experts import bench_bw, cpu_gemv  # noqa: E402
+from jdspark.experts import bench_bw, cpu_gemv, mapped  # noqa: E402
 from jdspark.experts.banks import random_bank  # noqa: E402
 from jdspark.experts.hybrid import HybridExperts, is_main_expert, plan_for, with_host_experts  # noqa: E402
 from jdspark.model.model import Model  # noqa: E402
@@ -75,7 +75,8 @@ def flash_0731_config(preset: str, layers: int | None, experts: int | None):
     return PRESETS[preset](**over)
 
 
-def build(config, dtype, gpu_memory: float, seed: int = 0, via: str = "ffi", threads: int | None = None):
+def build(config, dtype, gpu_memory: float, seed: int = 0, via: str = "ffi", threads: int | None = None,
+          pcie_share: float | None = None):
     """(model with host experts, placement report, seconds to make it). The experts of layers wholly on
     the host are never drawn on the device: random host banks take their place."""
     storage = STORAGES["fp8+fp4"]
@@ -90,7 +91,8 @@ def build(config, dtype, gpu_memory: float, seed: int = 0, via: str = "ffi", thr
                                      skip=lambda path: is_main_expert(path) and path[1] in whole)
     banks = {layer: random_bank("fp4", config.hidden_size, config.moe_intermediate_size, config.n_routed_experts,
                                 seed=seed + layer) for layer in sorted(whole)}
-    model = with_host_experts(Model(graphdef, params), host, banks=banks, via=via, threads=threads)
+    model = with_host_experts(Model(graphdef, params), host, banks=banks, via=via, threads=threads,
+                              pcie_share=pcie_share)
     del params, banks
     gc.collect()
     jax.block_until_ready(model.params)
@@ -109,14 +111,22 @@ def gpu_budget(config, dtype, args) -> float:
     return sum(b for _, b in sizes) - args.host_layers * layer_experts
 
 
+def device_bytes(model: Model) -> int:
+    """Bytes of the model's parameters in device memory (views of host banks left out)."""
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(model.params))[0]
+    return sum(nbytes(x) for kp, x in leaves if not mapped.is_mapped(tuple(k.key for k in kp)))
+
+
 def hybrid_layers(model: Model) -> list[HybridExperts]:
     """The hybrid MoE layers of `model` (each counts its host calls, seconds and experts read)."""
     return [node for _, node in nnx.iter_graph(model.module()) if isinstance(node, HybridExperts)]
 
 
 def host_part(engine: Engine, layers, steps: int, read_GBps: float) -> dict:
-    """Target-only Engine.step() (overlapped, median ms) and its host part: the host calls' own
-    seconds and distinct host experts per call, one call per hybrid layer a step."""
+    """Target-only Engine.step() (overlapped, median ms) and its host part: the CPU calls' own
+    seconds and distinct host experts per call, one call per hybrid layer a step. With a PCIe share q
+    the GPU reads round(q n) of a call's n distinct host experts at the same time, so the step's host
+    bytes are about the CPU's / (1 - q), all read while the CPU computes (`host_GBps`)."""
     def reset():
         for layer in layers:
             layer.host_stats(reset=True)
@@ -127,8 +137,11 @@ def host_part(engine: Engine, layers, steps: int, read_GBps: float) -> dict:
     if calls:
         per_call = sum(c["seconds"] for c in counts) / calls
         host_bytes = sum(c["experts"] for c in counts) / calls * layers[0].bank.weight_nbytes * len(layers)
-        out |= {"host_ms": per_call * 1e3 * len(layers), "host_MB": host_bytes / 1e6,
-                "host_floor_ms": host_bytes / (read_GBps * 1e9) * 1e3}
+        share = layers[0].pcie_share
+        total = host_bytes / (1.0 - share) if share < 1 else float("nan")
+        out |= {"host_ms": per_call * 1e3 * len(layers), "cpu_MB": host_bytes / 1e6, "host_MB": total / 1e6,
+                "pcie_share": share, "host_floor_ms": total / (read_GBps * 1e9) * 1e3}
+        out["host_GBps"] = total / (out["host_ms"] * 1e6)
         out["host_vs_read"] = out["host_ms"] / out["host_floor_ms"]
     return out
 
@@ -192,7 +205,7 @@ def measure(args) -> dict:
     read = bench_bw.host_read(args.read_mb << 20, threads, 5)
     print(f"host read {read['GBps']:.1f} GB/s ({threads} threads)", flush=True)
     budget = gpu_budget(config, dtype, args)
-    model, report, build_s = build(config, dtype, budget, args.seed, args.via, threads)
+    model, report, build_s = build(config, dtype, budget, args.seed, args.via, threads, args.pcie_share)
     print(f"{report}\nweights made in {build_s:.1f} s", flush=True)
     layers = hybrid_layers(model)
     start = time.perf_counter()
@@ -208,12 +221,12 @@ def measure(args) -> dict:
     draft = costs["step0"] - costs["decode"]
     out = {"config": dict(preset=args.preset, layers=config.num_hidden_layers, experts=config.n_routed_experts,
                           draft_stages=DRAFT_STAGES, gpu_memory_GB=budget / 1e9, host_layers=args.host_layers,
-                          widths=list(args.widths), via=args.via,
+                          widths=list(args.widths), via=args.via, pcie_share=layers[0].pcie_share if layers else 0.0,
                           device=str(jax.devices()[0].device_kind), jax=jax.__version__, threads=threads),
            "placement": report, "host_read_GBps": read["GBps"], "build_s": build_s, "startup_s": startup_s,
            "lower_s": engine.exe.lower_seconds, "costs_ms": {k: v * 1e3 for k, v in costs.items()},
            "D_ms": draft * 1e3, "V_ms": {k: (costs[f"step{k}"] - draft) * 1e3 for k in args.widths},
-           "device_weights_GB": sum(nbytes(x) for x in jax.tree.leaves(model.params)) / 1e9}
+           "device_weights_GB": device_bytes(model) / 1e9}
     print(f"costs (ms): {out['costs_ms']}; D {out['D_ms']:.2f}; V {out['V_ms']}", flush=True)
     out["target_only"] = host_part(engine, layers, args.steps, read["GBps"])
     out["target_only"]["sync_ms"] = step_times(engine, False, args.steps, overlap=False)
@@ -238,8 +251,10 @@ def print_table(res: dict) -> None:
     print(f"target-only Engine.step: {t['wall_ms']:.2f} ms overlapped ({t['tok_s']:.1f} tok/s), "
           f"{t['sync_ms']:.2f} ms one call at a time")
     if t["host_layers"]:
-        print(f"host part: {t['host_layers']} host calls/step, {t['host_ms']:.2f} ms, {t['host_MB']:.0f} MB, "
-              f"floor {t['host_floor_ms']:.2f} ms at {res['host_read_GBps']:.1f} GB/s: {t['host_vs_read']:.2f}x")
+        print(f"host part: {t['host_layers']} host layers/step, CPU {t['host_ms']:.2f} ms for {t['cpu_MB']:.0f} MB; "
+              f"with the GPU's PCIe share ({t['pcie_share']:.2f}) ~{t['host_MB']:.0f} MB read while the CPU "
+              f"computes ({t['host_GBps']:.1f} GB/s); floor {t['host_floor_ms']:.2f} ms at "
+              f"{res['host_read_GBps']:.1f} GB/s: {t['host_vs_read']:.2f}x")
     walls = res["step_wall_ms"]
     print("overlapped Engine.step (ms): decode " + f"{walls['decode']:.2f}, "
           + ", ".join(f"k = {k[4:]}: {v:.2f}" for k, v in walls.items() if k != "decode"))
@@ -264,6 +279,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--runs", type=int, default=5, help="synchronised calls per executable cost (fastest kept)")
     ap.add_argument("--read-mb", type=int, default=1024)
     ap.add_argument("--via", choices=["ffi", "callback"], default="ffi", help="how a step reaches the host GEMV")
+    ap.add_argument("--pcie-share", type=float, default=None,
+                    help="share of a call's host experts the GPU reads over PCIe (default: the engine's, 1/3 on CUDA)")
     ap.add_argument("--threads", type=int, default=None, help="host GEMV threads (default: the CPUs of this process)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", action="store_true", help="also trace target-only steps (GPU busy, gaps, host events)")

@@ -52,7 +52,7 @@ def read_config(path: str | Path) -> DSV4Config:
 
 def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False, dequantize: bool = False,
                progress: bool = True, mesh: Mesh | None = None, gpu_memory: float | None = None,
-               routing_counts=None) -> Model:
+               routing_counts=None, pcie_share: float | None = None) -> Model:
     """Load a DeepSeek-V4 checkpoint directory. dtype: "bfloat16" (serving) or "float32" (parity).
     Quantized weights stay compact on the device and are dequantized inside the jitted forward;
     `dequantize=True` expands them to `dtype` at load instead (debugging). `qat_sim=True` builds the
@@ -60,8 +60,8 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
     `mesh` (`jdspark.parallel.mesh.make_mesh`): each parameter goes straight to its shards
     (`jdspark.parallel.rules`), so no device ever holds the whole model.
     `gpu_memory` (bytes of weights on the one GPU): the routed experts beyond it live in host banks
-    and run on the CPU (`jdspark.experts.hybrid`; `routing_counts` [layers, experts] keep the hottest
-    on the GPU, else routing is taken as uniform); the placement is logged."""
+    (`jdspark.experts.hybrid`, `pcie_share`; `routing_counts` [layers, experts] keep the hottest on
+    the GPU, else routing is uniform); the placement is logged."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
     path = Path(path)
@@ -106,7 +106,7 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
         node[leaf[-1]] = array
     nnx.replace_by_pure_dict(state, pure)
     if hosted is not None:
-        return hybrid.with_host_experts(Model(graphdef, state), hosted.host_map())
+        return hybrid.with_host_experts(Model(graphdef, state), hosted.host_map(), pcie_share=pcie_share)
     return Model(graphdef, state) if mesh is None else on_mesh(Model(graphdef, state), mesh)
 
 

@@ -7,7 +7,8 @@ embedded model has 318: on the H200 a call of its draft or verify executable spe
 time goes"). So every small, fully replicated tensor travels inside one flat
 buffer per (dtype, sharding) and is sliced back out inside the executable, where the slice fuses
 into its consumer; large or sharded tensors stay arguments of their own (packing them would copy
-them). The packed copy costs at most `small_bytes` per tensor of extra device memory. The engine
+them), and so do views of host memory (`jdspark.experts.mapped`: a packed copy would move them to
+the GPU). The packed copy costs at most `small_bytes` per tensor of extra device memory. The engine
 packs on the GPU only: on the CPU a call's arguments cost little and the slices lengthen
 compilation by ~30% (docs/BENCHMARKS.md).
 """
@@ -19,6 +20,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from jdspark.experts import mapped
 
 SMALL_BYTES = 1 << 20
 
@@ -36,8 +39,9 @@ class PackedParams:
         arrays, groups = [], {}
         self._layout: list[tuple[int, int | None, tuple[int, ...]]] = []  # (array, offset or None: whole, shape)
         for key_path, leaf in with_paths:
+            names = key_names(key_path)
             if (small_bytes is None or leaf.nbytes > small_bytes or not leaf.sharding.is_fully_replicated
-                    or (apart is not None and apart(key_names(key_path)))):
+                    or mapped.is_mapped(names) or (apart is not None and apart(names))):
                 self._layout.append((len(arrays), None, leaf.shape))
                 arrays.append(leaf)
                 continue

@@ -1,19 +1,25 @@
-// The host experts of one hybrid MoE layer as an XLA FFI custom call ("jds_host_experts").
+// The host experts of one hybrid MoE layer as a pair of XLA FFI custom calls,
+// "jds_host_experts_start" and "jds_host_experts_finish".
 //
-// Inputs x [..., D] (bf16 or f32), ids [..., K] int32, weights [..., K] f32 -> y [..., D] f32: the
-// sum over k of the experts that live in the registered bank (jds_moe_forward of _kernel.cc, which
-// is compiled into the same library), each distinct bank expert read once. Attributes: bank (the
-// key a bank was registered under), limit, round_bf16, threads, tile_f, tile_d, prefetch.
+// start: x [..., D] (bf16 or f32), ids [..., K] int32, weights [..., K] f32 -> pending [..., D] f32:
+// the sum over k of the experts that live in the registered bank (jds_moe_forward of _kernel.cc,
+// compiled into the same library), each distinct bank expert read once; an id the bank does not hold
+// (another slot's, or -1) adds nothing. Attributes: bank (the key a bank was registered under),
+// limit, round_bf16, threads, tile_f, tile_d, prefetch.
+// finish: pending -> y, the same buffer (aliased), once the host part is in it.
+// Between the two, the program runs what does not need the host's result (the layer's device
+// experts, its PCIe share), so the GPU and the CPU work at once.
 //
 // The plan (pairs sorted by bank slot, stable, as cpu_gemv.Plan sorts them) is built here, so no
 // Python runs in the round trip.
-//   - CPU: the handler computes y in place.
-//   - CUDA: the handler only enqueues on the call's stream: x, ids and weights copied to pinned
-//     staging, a host function (cuLaunchHostFunc) that runs the plan and the GEMV on the CUDA
-//     driver's callback thread, and y copied back. The thread that runs the executable does not
-//     wait: it goes on launching the rest of the step (and the next step) while the GPU waits for
-//     the host function in stream order. The driver API is found with dlsym (no CUDA headers or
-//     libraries at build time). Staging is per (bank, rows, K, x dtype), reused in stream order.
+//   - CPU: start computes y where XLA calls it; finish does nothing.
+//   - CUDA: start only enqueues: on the step's stream the copies of x, ids and weights to pinned
+//     staging and an event; on a side stream a wait for that event, a host function
+//     (cuLaunchHostFunc) that runs the plan and the GEMV on the CUDA driver's callback thread, the
+//     copy of y into `pending` and a `done` event. finish makes the step's stream wait for `done`.
+//     The thread that runs the executable never waits: it goes on launching the rest of the step
+//     (and the next step). The driver API is found with dlsym (no CUDA headers or libraries at build
+//     time). Staging is per (bank, rows), reused in stream order.
 // A bank is looked up by key when the handler runs; an unknown key is an error of the call. A host
 // function that fails writes NaN into y and makes the next call of that bank fail with its code.
 
@@ -37,7 +43,7 @@
 
 namespace ffi = xla::ffi;
 
-extern "C" int jds_moe_forward(int fmt, const uint8_t* data, int64_t expert_nbytes, const int64_t* off,
+extern "C" int jds_moe_forward(int fmt, const uint8_t* data, const int64_t* stride, const int64_t* off,
                                int D, int F, int R, int K, const float* x,
                                int n_uniq, const int32_t* uniq_slot, const int32_t* pstart,
                                const int32_t* pair_row, const float* pair_w, const int32_t* pair_out,
@@ -50,8 +56,7 @@ namespace {
 struct Bank {
   int fmt;
   const uint8_t* data;
-  int64_t expert_nbytes;
-  int64_t off[6];
+  int64_t stride[6], off[6];
   int D, F, n_experts, n_slots;
   std::vector<int32_t> slot_of;
   std::atomic<int64_t> calls{0}, ns{0}, experts{0};
@@ -141,7 +146,7 @@ int host_experts(Bank& b, const void* x, bool x_bf16, const int32_t* ids, const 
     s.xp.resize(size_t(R) * D);
     s.h.resize(size_t(n_pairs) * b.F);
     s.out.resize(size_t(P) * D);
-    rc = jds_moe_forward(b.fmt, b.data, b.expert_nbytes, b.off, D, b.F, R, K, xf, int(s.uniq.size()), s.uniq.data(),
+    rc = jds_moe_forward(b.fmt, b.data, b.stride, b.off, D, b.F, R, K, xf, int(s.uniq.size()), s.uniq.data(),
                          s.pstart.data(), s.prow.data(), s.pw.data(), s.pout.data(), s.covered.data(), s.xp.data(),
                          s.h.data(), s.out.data(), y, a.limit, a.round_bf16, a.threads, a.tile_f, a.tile_d, 1,
                          a.prefetch);
@@ -177,11 +182,12 @@ ffi::Error check(const Bank* bank, int64_t key, ffi::AnyBuffer x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-// ---- CPU -------------------------------------------------------------------------------------
+// ---- CPU ---------------------------------------------------------------------------------------
 
-ffi::Error HostExpertsCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w,
-                          ffi::ResultBuffer<ffi::F32> y, int64_t key, float limit, int32_t round_bf16,
-                          int32_t threads, int32_t tile_f, int32_t tile_d, int32_t prefetch) {
+// start computes y where XLA calls it; finish has nothing left to do (its output aliases its input).
+ffi::Error StartCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w,
+                    ffi::ResultBuffer<ffi::F32> y, int64_t key, float limit, int32_t round_bf16,
+                    int32_t threads, int32_t tile_f, int32_t tile_d, int32_t prefetch) {
   auto bank = find_bank(key);
   Shape shape;
   if (auto err = check(bank.get(), key, x, ids, shape); err.failure()) return err;
@@ -193,11 +199,14 @@ ffi::Error HostExpertsCpu(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Buff
   return ffi::Error::Success();
 }
 
+ffi::Error FinishCpu(ffi::Buffer<ffi::F32>, ffi::ResultBuffer<ffi::F32>, int64_t) { return ffi::Error::Success(); }
+
 // ---- CUDA (driver API through dlsym) ------------------------------------------------------------
 
 using CUresult = int;
 using CUstream = void*;
 using CUcontext = void*;
+using CUevent = void*;
 using CUdeviceptr = unsigned long long;
 
 struct Driver {
@@ -208,6 +217,10 @@ struct Driver {
   CUresult (*stream_ctx)(CUstream, CUcontext*) = nullptr;
   CUresult (*ctx_push)(CUcontext) = nullptr;
   CUresult (*ctx_pop)(CUcontext*) = nullptr;
+  CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
+  CUresult (*event_create)(CUevent*, unsigned) = nullptr;
+  CUresult (*event_record)(CUevent, CUstream) = nullptr;
+  CUresult (*stream_wait_event)(CUstream, CUevent, unsigned) = nullptr;
   bool ok = false;
 };
 
@@ -223,14 +236,21 @@ const Driver& driver() {
     d.stream_ctx = (decltype(d.stream_ctx))dlsym(lib, "cuStreamGetCtx");
     d.ctx_push = (decltype(d.ctx_push))dlsym(lib, "cuCtxPushCurrent_v2");
     d.ctx_pop = (decltype(d.ctx_pop))dlsym(lib, "cuCtxPopCurrent_v2");
+    d.stream_create = (decltype(d.stream_create))dlsym(lib, "cuStreamCreate");
+    d.event_create = (decltype(d.event_create))dlsym(lib, "cuEventCreate");
+    d.event_record = (decltype(d.event_record))dlsym(lib, "cuEventRecord");
+    d.stream_wait_event = (decltype(d.stream_wait_event))dlsym(lib, "cuStreamWaitEvent");
     d.ok = d.memcpy_dtoh && d.memcpy_htod && d.launch_host_func && d.host_alloc && d.stream_ctx && d.ctx_push &&
-           d.ctx_pop;
+           d.ctx_pop && d.stream_create && d.event_create && d.event_record && d.stream_wait_event;
     return d;
   }();
   return d;
 }
 
-struct Staging {  // pinned buffers and scratch of one (bank, rows, K, x dtype); written in stream order only
+// Pinned buffers, scratch and events of one (bank, rows): written in stream order only. `inputs`
+// is recorded on the step's stream once x, ids and w are in `x`, `ids`, `w`; `done` on the side
+// stream once y is back on the device.
+struct Staging {
   std::shared_ptr<Bank> bank;
   Shape shape;
   Launch launch;
@@ -239,10 +259,12 @@ struct Staging {  // pinned buffers and scratch of one (bank, rows, K, x dtype);
   float* w = nullptr;
   float* y = nullptr;
   size_t x_bytes = 0, y_bytes = 0;
+  CUevent inputs = nullptr, done = nullptr;
   Work work;
 };
 
-std::map<std::tuple<const Bank*, int, int, bool>, std::unique_ptr<Staging>> g_staging;
+std::map<std::pair<const Bank*, int>, std::unique_ptr<Staging>> g_staging;
+std::map<CUcontext, CUstream> g_side;  // the side stream of each context, where host parts run
 
 void run_staged(void* p) {  // the host function: runs on the driver's callback thread, no CUDA calls
   Staging& st = *static_cast<Staging*>(p);
@@ -261,67 +283,105 @@ std::string cu_error(const char* what, CUresult rc) {
   return std::string("jds_host_experts: ") + what + " failed with CUDA error " + std::to_string(rc);
 }
 
+// The staging of (bank, rows) and the side stream of `stream`'s context, made at first use
+// (with that context current).
 ffi::Error staging_for(const Driver& d, CUstream stream, std::shared_ptr<Bank> bank, const Shape& shape,
-                       const Launch& a, Staging*& out) {
+                       Staging*& out, CUstream& side) {
   std::lock_guard<std::mutex> guard(g_lock);
-  auto& slot = g_staging[{bank.get(), shape.rows, shape.k, shape.x_bf16}];
-  if (!slot) {
-    auto st = std::make_unique<Staging>();
-    st->bank = bank;
-    st->shape = shape;
-    st->launch = a;
-    st->x_bytes = size_t(shape.rows) * bank->D * (shape.x_bf16 ? 2 : 4);
-    st->y_bytes = size_t(shape.rows) * bank->D * 4;
-    const size_t pair_bytes = size_t(shape.rows) * shape.k * 4;
-    CUcontext ctx = nullptr;
-    if (CUresult rc = d.stream_ctx(stream, &ctx)) return ffi::Error::Internal(cu_error("cuStreamGetCtx", rc));
+  CUcontext ctx = nullptr;
+  if (CUresult rc = d.stream_ctx(stream, &ctx)) return ffi::Error::Internal(cu_error("cuStreamGetCtx", rc));
+  auto& slot = g_staging[{bank.get(), shape.rows}];
+  auto& side_slot = g_side[ctx];
+  const bool fresh = !slot || slot->shape.k != shape.k || slot->shape.x_bf16 != shape.x_bf16;
+  if (fresh || !side_slot) {
     if (CUresult rc = d.ctx_push(ctx)) return ffi::Error::Internal(cu_error("cuCtxPushCurrent", rc));
-    void* mem = nullptr;
-    const CUresult rc = d.host_alloc(&mem, st->x_bytes + st->y_bytes + 2 * pair_bytes + 256, 0);
+    CUresult rc = 0;
+    if (!side_slot) rc = d.stream_create(&side_slot, 1 /* CU_STREAM_NON_BLOCKING */);
+    if (!rc && fresh) {
+      auto st = std::make_unique<Staging>();
+      st->bank = bank;
+      st->shape = shape;
+      st->x_bytes = size_t(shape.rows) * bank->D * (shape.x_bf16 ? 2 : 4);
+      st->y_bytes = size_t(shape.rows) * bank->D * 4;
+      const size_t pair_bytes = size_t(shape.rows) * shape.k * 4;
+      auto align = [](size_t n) { return (n + 63) / 64 * 64; };
+      void* mem = nullptr;  // never freed: one small buffer per (bank, rows), for the process's life
+      rc = d.host_alloc(&mem, align(st->x_bytes) + align(st->y_bytes) + 2 * align(pair_bytes), 0);
+      if (!rc) rc = d.event_create(&st->inputs, 2 /* CU_EVENT_DISABLE_TIMING */);
+      if (!rc) rc = d.event_create(&st->done, 2);
+      if (!rc) {
+        auto* base = static_cast<char*>(mem);
+        st->x = base;
+        st->y = reinterpret_cast<float*>(base + align(st->x_bytes));
+        st->ids = reinterpret_cast<int32_t*>(base + align(st->x_bytes) + align(st->y_bytes));
+        st->w = reinterpret_cast<float*>(base + align(st->x_bytes) + align(st->y_bytes) + align(pair_bytes));
+        slot = std::move(st);
+      }
+    }
     CUcontext popped;
     d.ctx_pop(&popped);
-    if (rc) return ffi::Error::Internal(cu_error("cuMemHostAlloc", rc));
-    auto* base = static_cast<char*>(mem);
-    auto align = [](size_t n) { return (n + 63) / 64 * 64; };
-    st->x = base;
-    st->y = reinterpret_cast<float*>(base + align(st->x_bytes));
-    st->ids = reinterpret_cast<int32_t*>(base + align(st->x_bytes) + align(st->y_bytes));
-    st->w = reinterpret_cast<float*>(base + align(st->x_bytes) + align(st->y_bytes) + align(pair_bytes));
-    slot = std::move(st);
+    if (rc) return ffi::Error::Internal(cu_error("making the host experts' staging", rc));
   }
-  slot->launch = a;  // attributes are the executable's: equal for every call of one (bank, shape)
   out = slot.get();
+  side = side_slot;
   return ffi::Error::Success();
 }
 
-ffi::Error HostExpertsCuda(CUstream stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w,
-                           ffi::ResultBuffer<ffi::F32> y, int64_t key, float limit, int32_t round_bf16,
-                           int32_t threads, int32_t tile_f, int32_t tile_d, int32_t prefetch) {
+// start: on the step's stream, x, ids and w to pinned memory (so XLA may reuse their buffers at once)
+// and an event; on the side stream, a wait for that event, the host function (plan + GEMV) and the
+// copy of y into `pending`, then the `done` event. The step's stream goes on with the kernels XLA
+// launches next (the layer's device experts, its PCIe share) while the host computes.
+ffi::Error StartCuda(CUstream stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w,
+                     ffi::ResultBuffer<ffi::F32> pending, int64_t key, float limit, int32_t round_bf16,
+                     int32_t threads, int32_t tile_f, int32_t tile_d, int32_t prefetch) {
   const Driver& d = driver();
   if (!d.ok) return ffi::Error::Internal("jds_host_experts: the CUDA driver API (libcuda.so.1) was not found");
   auto bank = find_bank(key);
   Shape shape;
   if (auto err = check(bank.get(), key, x, ids, shape); err.failure()) return err;
   Staging* st = nullptr;
-  const Launch a{limit, round_bf16, threads, tile_f, tile_d, prefetch};
-  if (auto err = staging_for(d, stream, bank, shape, a, st); err.failure()) return err;
+  CUstream side = nullptr;
+  if (auto err = staging_for(d, stream, bank, shape, st, side); err.failure()) return err;
+  st->launch = Launch{limit, round_bf16, threads, tile_f, tile_d, prefetch};  // the executable's: fixed per call site
   const size_t pair_bytes = size_t(shape.rows) * shape.k * 4;
   CUresult rc = d.memcpy_dtoh(st->x, CUdeviceptr(x.untyped_data()), st->x_bytes, stream);
   if (!rc) rc = d.memcpy_dtoh(st->ids, CUdeviceptr(ids.untyped_data()), pair_bytes, stream);
   if (!rc) rc = d.memcpy_dtoh(st->w, CUdeviceptr(w.untyped_data()), pair_bytes, stream);
+  if (!rc) rc = d.event_record(st->inputs, stream);
+  if (!rc) rc = d.stream_wait_event(side, st->inputs, 0);
   if (!rc) {
     { std::lock_guard<std::mutex> guard(bank->m); ++bank->inflight; }
-    rc = d.launch_host_func(stream, run_staged, st);
+    rc = d.launch_host_func(side, run_staged, st);
     if (rc) { std::lock_guard<std::mutex> guard(bank->m); --bank->inflight; }
   }
-  if (!rc) rc = d.memcpy_htod(CUdeviceptr(y->untyped_data()), st->y, st->y_bytes, stream);
+  if (!rc) rc = d.memcpy_htod(CUdeviceptr(pending->untyped_data()), st->y, st->y_bytes, side);
+  if (!rc) rc = d.event_record(st->done, side);
   if (rc) return ffi::Error::Internal(cu_error("enqueueing the host experts", rc));
+  return ffi::Error::Success();
+}
+
+// finish: the step's stream waits for the `done` event of the start before it (same bank and rows);
+// its output is its input (aliased), now holding y.
+ffi::Error FinishCuda(CUstream stream, ffi::Buffer<ffi::F32> pending, ffi::ResultBuffer<ffi::F32>, int64_t key) {
+  const Driver& d = driver();
+  auto bank = find_bank(key);
+  if (!bank) return ffi::Error::InvalidArgument("jds_host_experts_finish: no host bank is registered under key " +
+                                                std::to_string(key));
+  const int rows = int(pending.element_count() / bank->D);
+  Staging* st = nullptr;
+  {
+    std::lock_guard<std::mutex> guard(g_lock);
+    auto it = g_staging.find({bank.get(), rows});
+    if (it != g_staging.end()) st = it->second.get();
+  }
+  if (!st) return ffi::Error::Internal("jds_host_experts_finish: no start of this bank and row count came before");
+  if (CUresult rc = d.stream_wait_event(stream, st->done, 0)) return ffi::Error::Internal(cu_error("cuStreamWaitEvent", rc));
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-#define JDS_BIND(...)                                                                                          \
+#define JDS_START_BIND(...)                                                                                    \
   ffi::Ffi::Bind()__VA_ARGS__.Arg<ffi::AnyBuffer>()                                                            \
       .Arg<ffi::Buffer<ffi::S32>>()                                                                            \
       .Arg<ffi::Buffer<ffi::F32>>()                                                                            \
@@ -333,20 +393,26 @@ ffi::Error HostExpertsCuda(CUstream stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S
       .Attr<int32_t>("tile_f")                                                                                 \
       .Attr<int32_t>("tile_d")                                                                                 \
       .Attr<int32_t>("prefetch")
+#define JDS_FINISH_BIND(...) \
+  ffi::Ffi::Bind()__VA_ARGS__.Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int64_t>("bank")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jds_host_experts_cpu, HostExpertsCpu, JDS_BIND());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jds_host_experts_cuda, HostExpertsCuda, JDS_BIND(.Ctx<ffi::PlatformStream<void*>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jds_host_experts_start_cpu, StartCpu, JDS_START_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jds_host_experts_start_cuda, StartCuda,
+                              JDS_START_BIND(.Ctx<ffi::PlatformStream<void*>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jds_host_experts_finish_cpu, FinishCpu, JDS_FINISH_BIND());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(jds_host_experts_finish_cuda, FinishCuda,
+                              JDS_FINISH_BIND(.Ctx<ffi::PlatformStream<void*>>()));
 
 extern "C" {
 
 // Registers a bank under `key` (several registrations of one key may live at once: equal content,
 // the key being its fingerprint; the latest is used). slot_of [n_experts]: bank slot or -1.
-int jds_bank_register(int64_t key, int fmt, const uint8_t* data, int64_t expert_nbytes, const int64_t* off, int D,
+int jds_bank_register(int64_t key, int fmt, const uint8_t* data, const int64_t* stride, const int64_t* off, int D,
                       int F, int n_experts, int n_slots, const int32_t* slot_of) {
   auto b = std::make_shared<Bank>();
   b->fmt = fmt;
   b->data = data;
-  b->expert_nbytes = expert_nbytes;
+  std::memcpy(b->stride, stride, sizeof(b->stride));
   std::memcpy(b->off, off, sizeof(b->off));
   b->D = D;
   b->F = F;

@@ -484,11 +484,11 @@ uint64_t jds_read_sum(const uint64_t* p, int64_t n_words, int reps, int nthreads
 }
 
 // The routed-expert forward of the host experts of one block of rows.
-//   data: bank base [S, expert_nbytes]; off: byte offsets of w1, w3, w2, s1, s3, s2 in a run
+//   data: bank base; tensor t (w1, w3, w2, s1, s3, s2) of slot s at data + off[t] + s * stride[t]
 //   x [R, D]; pairs sorted by expert: pstart [n_uniq + 1], uniq_slot [n_uniq], pair_row [P],
 //   pair_w [P] (routing weight), pair_out [P] (= r * K + k); covered [R * K] (1 where a pair wrote)
 //   scratch: xp [R, D], h [P, F], out [R * K, D]; y [R, D] (written).
-int jds_moe_forward(int fmt, const uint8_t* data, int64_t expert_nbytes, const int64_t* off,
+int jds_moe_forward(int fmt, const uint8_t* data, const int64_t* stride, const int64_t* off,
                     int D, int F, int R, int K, const float* x,
                     int n_uniq, const int32_t* uniq_slot, const int32_t* pstart,
                     const int32_t* pair_row, const float* pair_w, const int32_t* pair_out,
@@ -513,9 +513,9 @@ int jds_moe_forward(int fmt, const uint8_t* data, int64_t expert_nbytes, const i
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < int64_t(n_uniq) * nft; ++item) {
       const int u = int(item / nft), ft = int(item % nft);
-      const uint8_t* base = data + int64_t(uniq_slot[u]) * expert_nbytes;
-      Mat w1{base + off[0], base + off[3], F, D, fmt, rnd && fmt == FP8_F32};
-      Mat w3{base + off[1], base + off[4], F, D, fmt, rnd && fmt == FP8_F32};
+      const int64_t s = uniq_slot[u];
+      Mat w1{data + off[0] + s * stride[0], data + off[3] + s * stride[3], F, D, fmt, rnd && fmt == FP8_F32};
+      Mat w3{data + off[1] + s * stride[1], data + off[4] + s * stride[4], F, D, fmt, rnd && fmt == FP8_F32};
       const int p0 = pstart[u], np = pstart[u + 1] - p0;
       const float* xs[64];
       for (int c0 = 0; c0 < np; c0 += 64) {
@@ -551,8 +551,8 @@ int jds_moe_forward(int fmt, const uint8_t* data, int64_t expert_nbytes, const i
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < int64_t(n_uniq) * ndt; ++item) {
       const int u = int(item / ndt), dtile = int(item % ndt);
-      const uint8_t* base = data + int64_t(uniq_slot[u]) * expert_nbytes;
-      Mat w2{base + off[2], base + off[5], D, F, fmt, rnd && fmt == FP8_F32};
+      const int64_t s = uniq_slot[u];
+      Mat w2{data + off[2] + s * stride[2], data + off[5] + s * stride[5], D, F, fmt, rnd && fmt == FP8_F32};
       const int p0 = pstart[u], np = pstart[u + 1] - p0;
       const float* hs[64];
       for (int c0 = 0; c0 < np; c0 += 64) {

@@ -1,9 +1,12 @@
 """Host banks: the routed experts of one MoE layer in their packed checkpoint storage, in host memory.
 
-One `ExpertBank` holds some (or all) routed experts of a layer, each expert one contiguous run of
-bytes (`data[slot]`), so a host GEMV or a host -> device copy of an expert reads one range. Inside an
-expert's run the six tensors of the checkpoint follow each other, each starting at a multiple of 64
-bytes, in the checkpoint's own layout (row-major [out, in], the model's `[E, out, in]` per expert):
+One `ExpertBank` holds some (or all) routed experts of a layer in one page-aligned allocation
+(`data`), tensor by tensor: each of the six checkpoint tensors has a region of its own holding that
+tensor of every slot, `[S, *shape]`, C-contiguous and starting on a page boundary. So a tensor of all
+the bank's experts is one dense array, which the GPU can read in place once the allocation is pinned
+(`jdspark.experts.mapped`: the PCIe share of a hybrid layer), and a host GEMV finds tensor t of slot
+s at `offsets[t] + s * strides[t]`. Each tensor keeps the checkpoint's own layout (row-major
+[out, in], the model's `[E, out, in]` per expert):
 
     fmt "fp4" (ds_fp4):  w1, w3 codes uint8 [F, D/2], w2 codes uint8 [D, F/2]   (low nibble = even
                          element), then e8m0 scale bytes s1, s3 uint8 [F, D/32], s2 uint8 [D, F/32]
@@ -16,8 +19,7 @@ Bytes per expert at Flash dims (D 4096, F 2048): fp4 13,369,344; fp8 (e8m0) 25,1
 
 `expert_ids[slot]` is the global expert id of each slot, `slot_of[e]` the slot of global expert e or
 -1 where the expert does not live in this bank (it lives on the GPU), so a hybrid layer's host part is
-a bank over a subset of the layer's experts. The arrays are plain numpy memory aligned to 4096 bytes
-(page-aligned, so a later `cudaHostRegister` can pin them in place).
+a bank over a subset of the layer's experts.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ FP8_BLOCK = 128  # = jdspark.model.dequant.FP8_BLOCK
 
 FORMATS = ("fp4", "fp8", "bf16")
 SCALE_DTYPES = {"e8m0": np.uint8, "float32": np.float32}
-_ALIGN = 64
 _PAGE = 4096
 TENSORS = ("w1", "w3", "w2", "s1", "s3", "s2")
 
@@ -63,13 +64,15 @@ def tensor_specs(fmt: str, dim: int, inter: int, scale_dtype: str = "e8m0") -> d
     return {"w1": ((f, d), u16), "w3": ((f, d), u16), "w2": ((d, f), u16)}
 
 
-def layout(fmt: str, dim: int, inter: int, scale_dtype: str = "e8m0") -> tuple[dict[str, int], int]:
-    """(byte offset of each tensor inside an expert's run, the run's length: a multiple of 64)."""
-    offsets, pos = {}, 0
+def layout(fmt: str, dim: int, inter: int, n_slots: int, scale_dtype: str = "e8m0"
+           ) -> tuple[dict[str, int], dict[str, int], int]:
+    """(byte offset of each tensor's region, bytes of that tensor per expert (the region's stride
+    from one slot to the next), total bytes) of a bank of `n_slots` experts: regions page-aligned."""
+    offsets, strides, pos = {}, {}, 0
     for name, (shape, dt) in tensor_specs(fmt, dim, inter, scale_dtype).items():
-        offsets[name] = pos
-        pos = _round_up(pos + math.prod(shape) * dt.itemsize, _ALIGN)
-    return offsets, pos
+        offsets[name], strides[name] = pos, math.prod(shape) * dt.itemsize
+        pos = _round_up(pos + n_slots * strides[name], _PAGE)
+    return offsets, strides, max(pos, _PAGE)
 
 
 def weight_bytes(fmt: str, dim: int, inter: int, scale_dtype: str = "e8m0") -> int:
@@ -116,15 +119,17 @@ class ExpertBank:
     inter: int               # F, expert width
     n_experts: int           # experts of the layer (global ids 0..n_experts-1)
     expert_ids: np.ndarray   # int32 [S]: global id held by each slot
-    data: np.ndarray         # uint8 [S, expert_nbytes], page-aligned, one contiguous run per expert
+    data: np.ndarray         # uint8 [total], page-aligned, one region per tensor (`layout`)
     scale_dtype: str = "e8m0"
 
     def __post_init__(self):
-        self.offsets, self.expert_nbytes = layout(self.fmt, self.dim, self.inter, self.scale_dtype)
         self.expert_ids = np.asarray(self.expert_ids, np.int32)
-        if self.data.shape != (len(self.expert_ids), self.expert_nbytes) or self.data.dtype != np.uint8:
+        self.offsets, self.strides, total = layout(self.fmt, self.dim, self.inter, len(self.expert_ids),
+                                                   self.scale_dtype)
+        self.expert_nbytes = sum(self.strides.values())
+        if self.data.shape != (total,) or self.data.dtype != np.uint8:
             raise ValueError(f"bank data {self.data.dtype}{list(self.data.shape)}: expected uint8"
-                             f"[{len(self.expert_ids)}, {self.expert_nbytes}] for {self.describe()}")
+                             f"[{total}] for {self.describe()}")
         if len(self.expert_ids) and (self.expert_ids.min() < 0 or self.expert_ids.max() >= self.n_experts
                                      or len(np.unique(self.expert_ids)) != len(self.expert_ids)):
             raise ValueError(f"expert_ids must be distinct ids in [0, {self.n_experts}), got {self.expert_ids}")
@@ -137,8 +142,7 @@ class ExpertBank:
               scale_dtype: str = "e8m0") -> "ExpertBank":
         """A bank with uninitialised storage for `expert_ids` (default: all experts)."""
         ids = np.arange(n_experts, dtype=np.int32) if expert_ids is None else np.asarray(expert_ids, np.int32)
-        _, nbytes = layout(fmt, dim, inter, scale_dtype)
-        data = aligned_empty((len(ids), nbytes))
+        data = aligned_empty((layout(fmt, dim, inter, len(ids), scale_dtype)[2],))
         return cls(fmt, dim, inter, n_experts, ids, data, scale_dtype)
 
     @classmethod
@@ -171,14 +175,26 @@ class ExpertBank:
 
     # access -------------------------------------------------------------------------------------
     def view(self, name: str) -> np.ndarray:
-        """[S, *shape] view (no copy) of tensor `name` ("w1", "w3", "w2", "s1", "s3", "s2") of every slot."""
+        """[S, *shape] view (no copy, C-contiguous) of tensor `name` ("w1", "w3", "w2", "s1", "s3", "s2")
+        of every slot: its region of `data`."""
         shape, dt = tensor_specs(self.fmt, self.dim, self.inter, self.scale_dtype)[name]
-        off = self.offsets[name]
-        n = math.prod(shape) * dt.itemsize
-        return self.data[:, off:off + n].view(dt).reshape(len(self.expert_ids), *shape)
+        region = self.raw(name)
+        return region.view(dt).reshape(len(self.expert_ids), *shape)
+
+    def raw(self, name: str) -> np.ndarray:
+        """uint8 [S, stride] view of tensor `name`'s region: its bytes, one row per slot."""
+        off, stride = self.offsets[name], self.strides[name]
+        return self.data[off:off + len(self.expert_ids) * stride].reshape(len(self.expert_ids), stride)
+
+    def addressing(self) -> tuple[np.ndarray, np.ndarray]:
+        """int64 (offsets, strides) of the tensors in TENSORS order, as the C++ and numba kernels
+        address a bank: tensor t of slot s at data + offsets[t] + s * strides[t] (0, 0 for the absent
+        scales of bf16)."""
+        return (np.array([self.offsets.get(n, 0) for n in TENSORS], np.int64),
+                np.array([self.strides.get(n, 0) for n in TENSORS], np.int64))
 
     def expert(self, e: int) -> dict[str, np.ndarray]:
-        """The tensors of global expert `e` (views into its contiguous run)."""
+        """The tensors of global expert `e` (views into the bank)."""
         slot = int(self.slot_of[e])
         if slot < 0:
             raise KeyError(f"expert {e} is not in this host bank (it holds {len(self.expert_ids)} of {self.n_experts})")
@@ -216,9 +232,10 @@ def random_bank(fmt: str, dim: int, inter: int, n_experts: int, *, scale_dtype: 
     outputs stay finite: for tests and `bench bw`, fast enough for GB-sized banks."""
     bank = ExpertBank.empty(fmt, dim, inter, n_experts, expert_ids, scale_dtype)
     rng = np.random.default_rng(seed)
-    rows = bank.data
-    for i in range(rows.shape[0]):
-        rows[i] = rng.integers(0, 256, rows.shape[1], dtype=np.uint8)
+    for name in bank.offsets:
+        rows = bank.raw(name)
+        for i in range(rows.shape[0]):
+            rows[i] = rng.integers(0, 256, rows.shape[1], dtype=np.uint8)
     for name in ("w1", "w3", "w2"):
         v = bank.view(name)
         if fmt == "fp8":

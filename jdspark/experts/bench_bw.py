@@ -8,7 +8,12 @@ Measures, in one run:
   Flash expert dims by default (D 4096, F 2048): K = 6 experts per row drawn from a bank far larger
   than the caches, each call a fresh draw; GBps = bytes of the distinct experts read / time. The
   numba backend is timed beside the C++ one (at rows 1 by default);
-- the GPU routed-expert kernel (pallas_kernels.moe) at the same dims, when JAX sees a GPU.
+- the GPU routed-expert kernel (pallas_kernels.moe) at the same dims, when JAX sees a GPU: over
+  experts in device memory, and over experts read in place from pinned host memory over PCIe
+  (`jdspark.experts.mapped`, the PCIe share of a hybrid layer);
+- both shares at once: the CPU GEMV (one thread fewer) in a thread while the GPU kernel reads host
+  experts, each rate measured as the other runs; their ratio is the q* split of a hybrid layer
+  (`hybrid.CUDA_PCIE_SHARE`: q = GPU / (GPU + CPU)).
 
 Figures are per-call medians. Prints a table; `--json PATH` writes
 {"host_read_GBps", "cpu_gemv": [{"format", "rows", "GBps", ...}], ...}. On a shared machine the
@@ -172,16 +177,20 @@ def pcie_h2d(gpu, sizes_mb=(1, 16, 256, 1024), repeats: int = 5) -> list[dict]:
 
 
 def gpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, bank_experts: int, repeats: int,
-                   interpret: bool = False, device=None) -> list[dict]:
-    """The GPU routed-expert kernel (pallas_kernels.moe) on random stored experts at these dims."""
+                   interpret: bool = False, device=None, source: str = "device") -> list[dict]:
+    """The GPU routed-expert kernel (pallas_kernels.moe) on random stored experts at these dims, in
+    device memory (`source` "device") or read in place from the pinned host bank ("host")."""
     import jax
     import jax.numpy as jnp
-    from pallas_kernels import moe as kmoe
+    from jdspark.experts import mapped
     from jdspark.model.moe import expert_slots, routing_matrix
+    from pallas_kernels import moe as kmoe
     fmt, scale = FORMATS[fmt_name]
     n = max(bank_experts, TOP_K)
     bank = random_bank(fmt, dim, inter, n, scale_dtype=scale)
-    put = (lambda a: jax.device_put(a, device)) if device is not None else jnp.asarray
+    device = device or jax.devices()[0]
+    put = (lambda a: jax.device_put(a, device)) if source == "device" else \
+        (lambda a: mapped.device_view(a, device, bank.data))
     if fmt == "bf16":
         w = [put(bank.view(name).view(jnp.bfloat16)) for name in ("w1", "w3", "w2")]
         stored = [(w[0],), (w[1],), (w[2],)]
@@ -190,7 +199,6 @@ def gpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, bank_exper
         stored = [(put(code(bank.view(a))), put(bank.view(b))) for a, b in (("w1", "s1"), ("w3", "s3"), ("w2", "s2"))]
     kfmt = "bf16" if fmt == "bf16" else fmt
     per_expert = bank.weight_nbytes
-    del bank
     rng = np.random.default_rng(0)
     results = []
     for rows in rows_list:
@@ -215,9 +223,44 @@ def gpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, bank_exper
             if it:
                 calls.append((len(np.unique(idx)) * per_expert, time.perf_counter() - t))
         rates = [b / t / 1e9 for b, t in calls]
-        results.append({"format": fmt_name, "rows": rows, "GBps": float(np.median(rates)),
+        results.append({"format": fmt_name, "rows": rows, "source": source, "GBps": float(np.median(rates)),
                         "us": float(np.median([t for _, t in calls]) * 1e6)})
+    del stored
     return results
+
+
+def together(fmt_name: str, dim: int, inter: int, rows: int, *, bank_experts: int, threads: int,
+             repeats: int = 100, interpret: bool = False) -> dict:
+    """The CPU GEMV (`threads` - 1 threads, one bank) in a thread while the GPU kernel reads another
+    bank's experts from host memory: each one's GB/s while the other runs, and the split q = GPU /
+    (GPU + CPU) that balances them."""
+    import threading
+    fmt, scale = FORMATS[fmt_name]
+    cpu_bank = random_bank(fmt, dim, inter, max(bank_experts, TOP_K), scale_dtype=scale, seed=1)
+    rng = np.random.default_rng(2)
+    stop, done = threading.Event(), []
+
+    def cpu():
+        while not stop.is_set():
+            ids = np.stack([rng.choice(len(cpu_bank.expert_ids), TOP_K, replace=False) for _ in range(rows)])
+            x = rng.standard_normal((rows, dim)).astype(np.float32)
+            t = time.perf_counter()
+            cpu_gemv.moe_forward(cpu_bank, x, ids, np.full((rows, TOP_K), 0.2, np.float32), limit=10.0,
+                                 threads=max(1, threads - 1))
+            done.append((len(np.unique(ids)) * cpu_bank.weight_nbytes, time.perf_counter() - t))
+
+    worker = threading.Thread(target=cpu)
+    worker.start()
+    try:
+        gpu = gpu_gemv_sweep(fmt_name, dim, inter, [rows], bank_experts=bank_experts, repeats=repeats,
+                             source="host", interpret=interpret)
+    finally:
+        stop.set()
+        worker.join()
+    cpu_rate = sum(b for b, _ in done) / sum(t for _, t in done) / 1e9 if done else float("nan")
+    gpu_rate = gpu[0]["GBps"] if gpu else float("nan")
+    return {"format": fmt_name, "rows": rows, "cpu_GBps": cpu_rate, "gpu_GBps": gpu_rate,
+            "pcie_share": gpu_rate / (gpu_rate + cpu_rate)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,11 +306,14 @@ def run(args) -> dict:
     else:
         res["gpu"] = str(gpu)
         res["pcie_h2d"] = pcie_h2d(gpu)
-        res["gpu_gemv"] = []
+        res["gpu_gemv"], res["together"] = [], []
         for f in formats:
             try:
-                res["gpu_gemv"] += gpu_gemv_sweep(f, args.dim, args.inter, rows_list,
-                                                  bank_experts=args.bank_experts, repeats=args.repeats, device=gpu)
+                for source in ("device", "host"):
+                    res["gpu_gemv"] += gpu_gemv_sweep(f, args.dim, args.inter, rows_list, bank_experts=args.bank_experts,
+                                                      repeats=args.repeats, device=gpu, source=source)
+                res["together"] += [together(f, args.dim, args.inter, rows, bank_experts=args.bank_experts,
+                                             threads=threads) for rows in sorted({1, max(rows_list)})]
             except Exception as e:  # noqa: BLE001 - report, keep the rest
                 res.setdefault("gpu_gemv_errors", {})[f] = f"{type(e).__name__}: {e}"
     return res
@@ -292,7 +338,11 @@ def format_table(res: dict) -> str:
         lines.append(f"GPU expert GEMV: {res['gpu']}")
     else:
         for g in res["gpu_gemv"]:
-            lines.append(f"GPU expert GEMV {g['format']} rows {g['rows']}: {g['us']:.0f} us, {g['GBps']:.0f} GB/s")
+            lines.append(f"GPU expert GEMV {g['format']} rows {g['rows']}, experts in {g['source']} memory: "
+                         f"{g['us']:.0f} us, {g['GBps']:.1f} GB/s")
+        for t in res["together"]:
+            lines.append(f"at once, {t['format']} rows {t['rows']}: CPU GEMV {t['cpu_GBps']:.1f} GB/s, GPU reading "
+                         f"host experts {t['gpu_GBps']:.1f} GB/s: PCIe share q = {t['pcie_share']:.2f}")
         for f, e in res.get("gpu_gemv_errors", {}).items():
             lines.append(f"GPU expert GEMV {f}: failed: {e}")
     return "\n".join(lines)

@@ -40,7 +40,7 @@ import threading
 
 import numpy as np
 
-from jdspark.experts.banks import TENSORS, ExpertBank
+from jdspark.experts.banks import ExpertBank
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,13 @@ def kernel() -> ctypes.CDLL:
             P = ctypes.c_void_p
             i32, i64, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_float
             lib.jds_moe_forward.restype = ctypes.c_int
-            lib.jds_moe_forward.argtypes = [i32, P, i64, P, i32, i32, i32, i32, P, i32, P, P, P, P, P, P,
+            lib.jds_moe_forward.argtypes = [i32, P, P, P, i32, i32, i32, i32, P, i32, P, P, P, P, P, P,
                                             P, P, P, P, f32, i32, i32, i32, i32, i32, i32]
             lib.jds_read_sum.restype = ctypes.c_uint64
             lib.jds_read_sum.argtypes = [P, i64, i32, i32]
             lib.jds_has_simd.restype = ctypes.c_int
             lib.jds_bank_register.restype = ctypes.c_int
-            lib.jds_bank_register.argtypes = [i64, i32, P, i64, P, i32, i32, i32, i32, P]
+            lib.jds_bank_register.argtypes = [i64, i32, P, P, P, i32, i32, i32, i32, P]
             lib.jds_bank_release.restype = None
             lib.jds_bank_release.argtypes = [i64, P]
             lib.jds_bank_stats.restype = ctypes.c_int
@@ -213,13 +213,13 @@ def _forward_cpp(bank, x, plan, limit, round_bf16, threads, simd) -> np.ndarray:
     if plan.n_pairs == 0:
         y[...] = 0.0
         return y
-    off = np.array([bank.offsets.get(n, 0) for n in TENSORS], np.int64)
+    off, stride = bank.addressing()
     xp = np.empty_like(x)
     h = np.empty((plan.n_pairs, f), np.float32)
     out = np.empty((r * k, d), np.float32)
     rc = lib.jds_moe_forward(
         format_code(bank), _ptr(bank.data),
-        bank.expert_nbytes, _ptr(off), d, f, r, k, _ptr(x), plan.n_experts, _ptr(plan.uniq_slot),
+        _ptr(stride), _ptr(off), d, f, r, k, _ptr(x), plan.n_experts, _ptr(plan.uniq_slot),
         _ptr(plan.pstart), _ptr(plan.pair_row), _ptr(plan.pair_w), _ptr(plan.pair_out), _ptr(plan.covered),
         _ptr(xp), _ptr(h), _ptr(out), _ptr(y), float(limit), int(round_bf16), int(threads), TILE_F, TILE_D,
         int(simd), PREFETCH)

@@ -36,7 +36,7 @@ def _bf16(v, fbuf, ubuf):
 
 
 @njit(inline="always")
-def _dot(fmt, u8, u16, f32, slot, off_w, off_s, row, K, xv, round_w, wtmp, fbuf, ubuf):
+def _dot(fmt, u8, u16, f32, off_w, off_s, row, K, xv, round_w, wtmp, fbuf, ubuf):
     acc = np.float32(0.0)
     if fmt == FP4:
         base = off_w + row * (K // 2)
@@ -44,13 +44,13 @@ def _dot(fmt, u8, u16, f32, slot, off_w, off_s, row, K, xv, round_w, wtmp, fbuf,
         for b in range(K // 32):
             blk = np.float32(0.0)
             for j in range(16):
-                q = u8[slot, base + 16 * b + j]
+                q = u8[base + 16 * b + j]
                 blk += E2M1[q & 15] * xv[32 * b + 2 * j] + E2M1[q >> 4] * xv[32 * b + 2 * j + 1]
-            acc += blk * E8M0[u8[slot, sbase + b]]
+            acc += blk * E8M0[u8[sbase + b]]
     elif fmt == BF16:
         base = (off_w >> 1) + row * K
         for k in range(K):
-            wtmp[k] = np.uint32(u16[slot, base + k]) << np.uint32(16)
+            wtmp[k] = np.uint32(u16[base + k]) << np.uint32(16)
         wf = wtmp[:K].view(np.float32)
         for k in range(K):
             acc += wf[k] * xv[k]
@@ -59,18 +59,18 @@ def _dot(fmt, u8, u16, f32, slot, off_w, off_s, row, K, xv, round_w, wtmp, fbuf,
         base = off_w + row * K
         for b in range(nb):
             if fmt == FP8_F32:
-                s = f32[slot, (off_s >> 2) + (row // 128) * nb + b]
+                s = f32[(off_s >> 2) + (row // 128) * nb + b]
             else:
-                s = E8M0[u8[slot, off_s + (row // 128) * nb + b]]
+                s = E8M0[u8[off_s + (row // 128) * nb + b]]
             blk = np.float32(0.0)
             k1 = min(K, 128 * (b + 1))
             if round_w:
                 for k in range(128 * b, k1):
-                    blk += _bf16(E4M3[u8[slot, base + k]] * s, fbuf, ubuf) * xv[k]
+                    blk += _bf16(E4M3[u8[base + k]] * s, fbuf, ubuf) * xv[k]
                 acc += blk
             else:
                 for k in range(128 * b, k1):
-                    blk += E4M3[u8[slot, base + k]] * xv[k]
+                    blk += E4M3[u8[base + k]] * xv[k]
                 acc += blk * s
     return acc
 
@@ -84,7 +84,7 @@ def _scratch(n):
 
 
 @njit(parallel=True, cache=True)
-def _phase(down, fmt, u8, u16, f32, off, D, F, x, uniq_slot, pstart, pair_row, pair_w, pair_out, h, out,
+def _phase(down, fmt, u8, u16, f32, off, stride, D, F, x, uniq_slot, pstart, pair_row, pair_w, pair_out, h, out,
            limit, rnd, tile):
     """One GEMV phase, threads over (expert, tile of output rows): gate and up into h [pairs, F],
     or (`down`) h through w2 into out [rows x k, D]."""
@@ -93,17 +93,17 @@ def _phase(down, fmt, u8, u16, f32, off, D, F, x, uniq_slot, pstart, pair_row, p
     n_tiles = (n_rows + tile - 1) // tile
     for item in prange(uniq_slot.shape[0] * n_tiles):
         u, t = item // n_tiles, item % n_tiles
-        slot = uniq_slot[u]
+        at = off + uniq_slot[u] * stride  # the slot's tensors (w1, w3, w2, s1, s3, s2) in the bank's bytes
         wtmp, fbuf, ubuf = _scratch(max(D, F))
         for row in range(t * tile, min(n_rows, (t + 1) * tile)):
             for p in range(pstart[u], pstart[u + 1]):
                 if down:
-                    o = _dot(fmt, u8, u16, f32, slot, off[2], off[5], row, F, h[p], round_w, wtmp, fbuf, ubuf)
+                    o = _dot(fmt, u8, u16, f32, at[2], at[5], row, F, h[p], round_w, wtmp, fbuf, ubuf)
                     out[pair_out[p], row] = _bf16(o, fbuf, ubuf) if rnd else o
                     continue
                 xv = x[pair_row[p]]
-                g = _dot(fmt, u8, u16, f32, slot, off[0], off[3], row, D, xv, round_w, wtmp, fbuf, ubuf)
-                up = _dot(fmt, u8, u16, f32, slot, off[1], off[4], row, D, xv, round_w, wtmp, fbuf, ubuf)
+                g = _dot(fmt, u8, u16, f32, at[0], at[3], row, D, xv, round_w, wtmp, fbuf, ubuf)
+                up = _dot(fmt, u8, u16, f32, at[1], at[4], row, D, xv, round_w, wtmp, fbuf, ubuf)
                 if rnd:
                     g, up = _bf16(g, fbuf, ubuf), _bf16(up, fbuf, ubuf)
                 if limit > 0:
@@ -129,17 +129,16 @@ def _sum_pairs(out, covered, y):
 def forward(bank, x: np.ndarray, plan, limit: float, round_bf16: bool, threads: int, fmt: int,
             tiles: tuple[int, int]) -> np.ndarray:
     """The C++ kernel's plan run by numba; `fmt` is the kernel's format code, `tiles` its (F, D) tiles."""
-    from jdspark.experts.banks import TENSORS
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
     r, d, f = x.shape[0], bank.dim, bank.inter
     y = np.zeros((r, d), np.float32)
     if plan.n_pairs == 0:
         return y
-    off = np.array([bank.offsets.get(n, 0) for n in TENSORS], np.int64)
+    off, stride = bank.addressing()
     u8 = bank.data
     h = np.zeros((plan.n_pairs, f), np.float32)
     out = np.zeros((r * plan.k, d), np.float32)
-    args = (fmt, u8, u8.view(np.uint16), u8.view(np.float32), off, d, f, x, plan.uniq_slot, plan.pstart,
+    args = (fmt, u8, u8.view(np.uint16), u8.view(np.float32), off, stride, d, f, x, plan.uniq_slot, plan.pstart,
             plan.pair_row, plan.pair_w, plan.pair_out, h, out, np.float32(limit), bool(round_bf16))
     _phase(False, *args, tiles[0])
     _phase(True, *args, tiles[1])

@@ -100,6 +100,10 @@ class Experts(nnx.Module):
         # are not measured with it and keep the gather).
         self.implementation = "auto"
 
+    # Whether a negative expert index names a missing expert (a padding slot: zero routing weight)
+    # that the kernel must not read: experts read over PCIe (`jdspark.experts.hybrid.MappedExperts`).
+    skip_missing = False
+
     def _kernel(self, fmt: str, rows: int, d: int, f: int) -> bool:
         """Whether this call runs the in-place kernel (`implementation`, sizes, no QAT rounding of h)."""
         if self.qat_sim or resolve_implementation(self.implementation) != "pallas":
@@ -128,12 +132,14 @@ class Experts(nnx.Module):
         (_, w3), (_, w2) = self.w3.stored(), self.w2.stored()
         if self._kernel(fmt, x.shape[0], x.shape[-1], w1[0].shape[1]):
             return moe_kernels.moe(x, experts, dense, slot, w1, w3, w2, fmt=fmt, limit=self.limit,
-                                   interpret=interpret_mode())
+                                   interpret=interpret_mode(), skip_missing=self.skip_missing)
         return sum_expert_outputs(self._outputs(x, experts, dense), x.dtype)
 
     def _outputs(self, x: jax.Array, experts: jax.Array, dense: jax.Array) -> jax.Array:
         """Each gathered expert's weighted output, fp32 [N, M, D] (before the rounding to x.dtype)."""
         dtype = x.dtype
+        if self.skip_missing:  # a missing expert's slot has routing weight 0: any expert stands in
+            experts = jnp.maximum(experts, 0)
         if self.qat_sim:
             x = fp8_sim(x, 128)
         gate = jnp.einsum("nd,efd->nef", x, self.w1.take(experts, dtype), preferred_element_type=jnp.float32)

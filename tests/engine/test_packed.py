@@ -37,3 +37,13 @@ def test_tensors_kept_apart_stay_arguments_of_their_own():
     assert all(any(a is leaves[n] for a in packed.arrays) for n in norms)  # passed as they are, not copied
     for got, want in zip(jax.tree.leaves(packed.unpack(packed.arrays)), jax.tree.leaves(params)):
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+def test_views_of_host_memory_are_never_packed():
+    """A parameter under a `host_mapped` module (a view of pinned host memory the GPU reads in place,
+    `jdspark.experts.mapped`) stays an argument of its own, however small: packing would copy it."""
+    small = jnp.ones((4, 8), jnp.bfloat16)
+    params = {"layers": {"0": {"ffn": {"experts": {"host_mapped": {"w1": {"weight": small}}, "bias": small + 1}}}}}
+    packed = PackedParams(params)
+    assert any(a is small for a in packed.arrays) and len(packed.arrays) == 2
+    np.testing.assert_array_equal(packed.unpack(packed.arrays)["layers"]["0"]["ffn"]["experts"]["bias"], small + 1)

@@ -20,3 +20,15 @@ def test_bench_bw_small(tmp_path, capsys):
 def test_bench_bw_bad_format(capsys):
     assert bench_bw.main(["--formats", "int3", "--no-gpu"]) == 2
     assert "unknown format" in capsys.readouterr().err
+
+
+def test_gpu_kernel_over_host_experts_and_both_shares_at_once():
+    """The GPU rows of `bench bw` run their code path on the CPU too (the kernel interpreted, the
+    host bank a plain copy): experts in device memory and in the host bank, and the two shares at
+    once, with the split q between 0 and 1."""
+    for source in ("device", "host"):
+        (row,) = bench_bw.gpu_gemv_sweep("fp4", 512, 256, [2], bank_experts=8, repeats=1, interpret=True,
+                                         source=source)
+        assert row["source"] == source and row["GBps"] > 0
+    both = bench_bw.together("fp4", 512, 256, 1, bank_experts=8, threads=2, repeats=2, interpret=True)
+    assert both["cpu_GBps"] > 0 and both["gpu_GBps"] > 0 and 0 < both["pcie_share"] < 1
