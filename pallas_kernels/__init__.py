@@ -2,7 +2,9 @@
 
 - `rejection_sampler`: `race` / `ref_race`, the vocabulary-wide exponential race of exact verification;
 - `sinkhorn`: `sinkhorn` / `ref_sinkhorn`, the mHC Sinkhorn projection;
-- `moe`: `moe` / `ref_moe`, routed experts read in place.
+- `moe`: `moe` / `ref_moe`, routed experts read in place (from device memory, or from pinned host
+  memory over PCIe: the PCIe share of `jdspark.experts.hybrid`);
+- `fp8_linear`: `fp8_linear` / `ref_fp8_linear`, FP8 block-scaled linears read in place.
 
 Kernels are the bottom layer: nothing here imports `jdspark`. The choice between a kernel and its
 reference is one setting, `implementation`, validated and resolved here for every kernel:
@@ -10,7 +12,7 @@ reference is one setting, `implementation`, validated and resolved here for ever
 elsewhere). A Pallas kernel run on a CPU runs in interpret mode (`interpret_mode`). Callers resolve
 the setting once (`resolve_implementation`) and call the kernel or its reference; the engine takes
 it as `Engine(..., implementation=...)` and applies it to the sampler and, through the model graph
-(`jdspark.model.hyper.with_implementation`), to Sinkhorn.
+(`jdspark.model.hyper.with_implementation`), to Sinkhorn, the routed experts and the FP8 linears.
 """
 
 from __future__ import annotations
