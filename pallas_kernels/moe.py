@@ -355,9 +355,13 @@ def _tile_dot(act: jax.Array, w: jax.Array, tiles: Tiles) -> jax.Array:
     return _dot_t(w, act) if tiles.swap else _dot_t(act, w)
 
 
-def _steps(e, k: int, step: int, skip: bool):
-    """The loop's trip count over K: k / step, or 0 for a missing expert (e < 0) under `skip`."""
-    return jnp.where(e >= 0, k // step, 0) if skip else k // step
+def _loop_k(e, n: int, body, init, skip: bool):
+    """fori_loop(0, n, body, init) over K's steps; under `skip`, a missing expert (e < 0) runs no
+    step and returns `init`. A branch around a static loop: Triton's scf.for took no traced bound
+    (its lowering gave the bounds different types)."""
+    if not skip:
+        return jax.lax.fori_loop(0, n, body, init)
+    return jax.lax.cond(e >= 0, lambda acc: jax.lax.fori_loop(0, n, body, acc), lambda acc: acc, init)
 
 
 def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles, skip=False):
@@ -375,7 +379,7 @@ def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles, 
                 up + _partial(fmt, e, row0, c, act_refs, w3_refs, dtype, tiles))
 
     zero = jnp.zeros((tiles.out, rp) if tiles.swap else (rp, tiles.out), jnp.float32)
-    gate, up = jax.lax.fori_loop(0, _steps(e, k, tiles.step(fmt), skip), step, (zero, zero))
+    gate, up = _loop_k(e, k // tiles.step(fmt), step, (zero, zero), skip)
     if tiles.swap:
         gate, up = gate.T, up.T
     h = swiglu(gate.astype(dtype), up.astype(dtype), limit) * dense_ref[slot, :, :]
@@ -395,7 +399,7 @@ def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles, skip=False):
         return acc + _partial(fmt, e, row0, c, slot_acts, w_refs, dtype, tiles)
 
     zero = jnp.zeros((tiles.out, rp) if tiles.swap else (rp, tiles.out), jnp.float32)
-    acc = jax.lax.fori_loop(0, _steps(e, k, tiles.step(fmt), skip), step, zero)
+    acc = _loop_k(e, k // tiles.step(fmt), step, zero, skip)
     out_ref[slot, :, pl.ds(row0, tiles.out)] = (acc.T if tiles.swap else acc).astype(dtype)
 
 
@@ -508,8 +512,8 @@ def _gemv_kernel(experts_ref, dense_ref, *refs, fmt, k, rows, limit, dtype, tile
         return tuple(new)
 
     shape = (tiles.out, step_k // FP4_BLOCK) if fmt == "fp4" else (tiles.out,)
-    acc = jax.lax.fori_loop(0, _steps(e, k, step_k, skip), step, tuple(jnp.zeros(shape, jnp.float32)
-                                                                        for _ in range(rows * len(groups))))
+    acc = _loop_k(e, k // step_k, step, tuple(jnp.zeros(shape, jnp.float32) for _ in range(rows * len(groups))),
+                  skip)
     sums = [jnp.sum(a, axis=1) if fmt == "fp4" else a for a in acc]
     cols = pl.ds(row0, tiles.out)
     for i in range(rows):

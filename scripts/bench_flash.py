@@ -49,6 +49,7 @@ from bench_step import start_request, step_times  # noqa: E402
 
 from jdspark.config import EngineConfig, QuantConfig  # noqa: E402
 from jdspark.engine.engine import Engine, SpecOptions  # noqa: E402
+from jdspark.engine.executables import enable_compile_cache  # noqa: E402
 from jdspark.experts import bench_bw, cpu_gemv, mapped  # noqa: E402
 from jdspark.experts.banks import random_bank  # noqa: E402
 from jdspark.experts.hybrid import HybridExperts, is_main_expert, plan_for, with_host_experts  # noqa: E402
@@ -283,11 +284,15 @@ def main(argv=None) -> dict:
                     help="share of a call's host experts the GPU reads over PCIe (default: the engine's, 1/3 on CUDA)")
     ap.add_argument("--threads", type=int, default=None, help="host GEMV threads (default: the CPUs of this process)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--compile-cache", action="store_true",
+                    help="keep the executables on disk ($JDSPARK_CACHE): a second run skips compiling")
     ap.add_argument("--trace", action="store_true", help="also trace target-only steps (GPU busy, gaps, host events)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if 0 not in args.widths:
         ap.error("--widths must include 0 (D = step[0] - decode)")
+    if args.compile_cache:
+        enable_compile_cache()
     res = measure(args)
     print_table(res)
     if args.json:

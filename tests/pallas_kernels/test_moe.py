@@ -198,3 +198,37 @@ def test_prmt_decoder_on_every_code_and_scale():
         want = np.where(code == 8, np.float32(-0.0), want)  # -0.0 (sums as +0.0)
         np.testing.assert_array_equal(g.view(np.uint32), want.view(np.uint32))
 
+
+
+def check_skip_missing(fmt, scale_dtype, rows, dtype, interpret, tiles=None):
+    """`skip_missing`: slots whose expert is -1 (routing weight 0) read nothing and add nothing; the
+    result equals the reference with those slots pointing at any real expert under weight 0."""
+    x, experts, dense, slot, *ws = inputs(fmt, rows, seed=rows + 7, dtype=dtype, scale_dtype=scale_dtype)
+    used = np.unique(np.asarray(slot))
+    missing = jnp.asarray(used[::2])  # every other used slot, the first among them
+    experts = experts.at[missing].set(-1)
+    dense = dense.at[:, missing].set(0.0)
+    run = jax.jit(lambda *a: moe(*a, fmt=fmt, limit=4.0, interpret=interpret, tiles=tiles, skip_missing=True))
+    got = np.asarray(run(x, experts, dense, slot, *ws))
+    want = np.asarray(jax.jit(lambda *a: ref_moe(*a, fmt=fmt, limit=4.0))(
+        x, jnp.maximum(experts, 0), dense, slot, *ws))
+    scale = np.abs(want).max()
+    assert scale > 0 and len(used) > 1
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, atol=tol * scale, rtol=0)
+
+
+@pytest.mark.parametrize("fmt,scale_dtype", CASES, ids=[f"{f}-{s}" for f, s in CASES])
+def test_skip_missing_interpret(fmt, scale_dtype):
+    check_skip_missing(fmt, scale_dtype, 6, jnp.float32, interpret=True)
+    check_skip_missing(fmt, scale_dtype, 2, jnp.float32, interpret=True, tiles=GEMV_TILES)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,scale_dtype", CASES, ids=[f"{f}-{s}" for f, s in CASES])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_skip_missing_compiled(fmt, scale_dtype, rows):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    check_skip_missing(fmt, scale_dtype, rows, jnp.bfloat16, interpret=False)
+    check_skip_missing(fmt, scale_dtype, rows, jnp.float32, interpret=False, tiles=GEMV_TILES)
