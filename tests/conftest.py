@@ -76,38 +76,38 @@ def compile_counter() -> CompileCounter:
 
 # ---- a tiny target + DSpark drafter over a 16-symbol vocabulary, shared by engine and API tests ----
 
-SPEC_CONFIG = tiny_dspark_config(
+DSPARK_CONFIG = tiny_dspark_config(
     vocab_size=16, num_hidden_layers=3, compress_ratios=(0, 4, 16, 0, 0), num_hash_layers=1,
     extra=dict(dspark_block_size=5, dspark_noise_token_id=3, dspark_target_layer_ids=[1, 2], dspark_markov_rank=16))
 CHARS = "abcdefghijklmn"  # token id i + 2 (0: BOS, 1: EOS)
 
 
 @pytest.fixture(scope="session")
-def spec_model():
-    return Model.random(SPEC_CONFIG, "float32", seed=3)
+def dspark_model():
+    return Model.random(DSPARK_CONFIG, "float32", seed=3)
 
 
 @pytest.fixture(scope="session")
-def spec_engine(spec_model, char_tokenizer):
+def dspark_engine(dspark_model, char_tokenizer):
     """Two slots in one batch bucket, every width compiled once for the session, the character
     tokenizer; users set `speculative` and `width_policy` and finish or cancel their requests.
     (Each bucket is a full set of executables; tests/engine/test_buckets.py tests buckets.)"""
-    return Engine(spec_model, EngineConfig(max_seq_len=256, gamma=5, max_batch=2, batch_buckets=(2,)), prefill_chunk=16,
+    return Engine(dspark_model, EngineConfig(max_seq_len=256, gamma=5, max_batch=2, batch_buckets=(2,)), prefill_chunk=16,
                   tokenizer=char_tokenizer)
 
 
 @pytest.fixture(scope="session")
-def target_engine(spec_model):
-    """SPEC_CONFIG's target alone: two slots, no tokenizer, speculative=False, so only prefill and
-    decode are compiled (a fraction of `spec_engine`'s start-up). For tests of what does not need
+def target_engine(dspark_model):
+    """DSPARK_CONFIG's target alone: two slots, no tokenizer, speculative=False, so only prefill and
+    decode are compiled (a fraction of `dspark_engine`'s start-up). For tests of what does not need
     the drafter; users finish or cancel their requests."""
-    return Engine(spec_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=2, batch_buckets=(2,)),
+    return Engine(dspark_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=2, batch_buckets=(2,)),
                   prefill_chunk=16, speculative=False)
 
 
 @pytest.fixture(scope="session")
 def char_tokenizer(tmp_path_factory):
-    """A character-level tokenizer.json for SPEC_CONFIG's vocabulary."""
+    """A character-level tokenizer.json for DSPARK_CONFIG's vocabulary."""
     from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
     hf = HFTokenizer(models.WordLevel({"<bos>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}},
@@ -121,13 +121,13 @@ def char_tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def spec_checkpoint(tmp_path_factory, char_tokenizer):
-    """A random SPEC_CONFIG checkpoint in the official layout, with the character tokenizer."""
+def dspark_checkpoint(tmp_path_factory, char_tokenizer):
+    """A random DSPARK_CONFIG checkpoint in the official layout, with the character tokenizer."""
     import shutil
 
     from jdspark.checkpoint.synthetic import write_checkpoint
-    path = tmp_path_factory.mktemp("spec_checkpoint")
-    write_checkpoint(SPEC_CONFIG, path, seed=1)
+    path = tmp_path_factory.mktemp("dspark_checkpoint")
+    write_checkpoint(DSPARK_CONFIG, path, seed=1)
     shutil.copy(char_tokenizer.path, path / "tokenizer.json")
     return path
 

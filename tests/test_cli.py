@@ -6,23 +6,23 @@ from jdspark.cli import main
 
 
 @pytest.mark.slow  # loads and compiles a checkpoint's engine
-def test_generate_target_only_prints_text_and_stats(spec_checkpoint, capsys):
-    code = main(["generate", "--model", str(spec_checkpoint), "--dtype", "float32", "--max-seq-len", "64",
+def test_generate_target_only_prints_text_and_stats(dspark_checkpoint, capsys):
+    code = main(["generate", "--model", str(dspark_checkpoint), "--dtype", "float32", "--max-seq-len", "64",
                  "--max-tokens", "6", "--temperature", "0", "--no-speculative", "--stats", "abc"])
     out, err = capsys.readouterr()
     assert code == 0 and len(out.strip()) >= 1 and '"generated_tokens"' in err
 
 
-def test_generate_errors_exit_2(spec_checkpoint, capsys, monkeypatch, tmp_path):
-    assert main(["generate", "--model", str(spec_checkpoint), "--no-speculative", "--temperature", "-1", "x"]) == 2
+def test_generate_errors_exit_2(dspark_checkpoint, capsys, monkeypatch, tmp_path):
+    assert main(["generate", "--model", str(dspark_checkpoint), "--no-speculative", "--temperature", "-1", "x"]) == 2
     assert "temperature=-1.0: must be a number >= 0" in capsys.readouterr().err
     monkeypatch.setattr("jdspark.assets.DEFAULT_MODEL", str(tmp_path / "absent"))  # as if not installed
     assert main(["generate", "x"]) == 2
     assert "pass --model PATH" in capsys.readouterr().err
 
 
-def test_engine_options_are_checked_before_compiling(spec_checkpoint, capsys):
-    common = ["generate", "--model", str(spec_checkpoint), "--dtype", "float32", "--max-seq-len", "64", "x"]
+def test_engine_options_are_checked_before_compiling(dspark_checkpoint, capsys):
+    common = ["generate", "--model", str(dspark_checkpoint), "--dtype", "float32", "--max-seq-len", "64", "x"]
     assert main([*common, "--widths", "2,7"]) == 2
     assert "widths=(2, 7): each must be in 0..gamma=5" in capsys.readouterr().err
     assert main([*common, "--width", "3", "--widths", "2,5"]) == 2
@@ -34,10 +34,10 @@ def test_engine_options_are_checked_before_compiling(spec_checkpoint, capsys):
     assert "argument --widths: '2,a': expected comma-separated integers" in capsys.readouterr().err
 
 
-def test_gpu_memory_reaches_the_placement(spec_checkpoint, capsys):
+def test_gpu_memory_reaches_the_placement(dspark_checkpoint, capsys):
     """--gpu-memory GB goes to the loader's placement, which refuses less than the weights that are
     not routed experts (they stay on the GPU), before anything compiles."""
-    common = ["generate", "--model", str(spec_checkpoint), "--max-seq-len", "64", "x"]
+    common = ["generate", "--model", str(dspark_checkpoint), "--max-seq-len", "64", "x"]
     assert main([*common, "--gpu-memory", "0.000001"]) == 2
     assert "gpu_memory=1000 bytes is less than the" in capsys.readouterr().err
 

@@ -8,16 +8,16 @@ from jdspark import Generator, SamplingParams
 from jdspark.engine.errors import EngineError
 from tests.conftest import CHARS
 
-# The session engine with every width (tests/conftest.py spec_engine) is compiled for these: minutes on
+# The session engine with every width (tests/conftest.py dspark_engine) is compiled for these: minutes on
 # a 2-core CPU. `make test-fast` leaves them out; `make test` (CI) runs them.
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def generator(spec_engine):
-    spec_engine.set_policy(speculative=True)
-    spec_engine.set_policy(width_policy=lambda confidence: 5)
-    return Generator(spec_engine)
+def generator(dspark_engine):
+    dspark_engine.set_policy(speculative=True)
+    dspark_engine.set_policy(width_policy=lambda confidence: 5)
+    return Generator(dspark_engine)
 
 
 def test_generate_from_text_and_from_ids(generator, char_tokenizer):
@@ -65,9 +65,9 @@ def test_token_ids_without_tokenizer_and_clear_errors(target_engine):
     assert engine.running == [] and engine.free_slots == 2  # failed requests leave no slot behind
 
 
-def test_from_pretrained_loads_drafter_and_tokenizer(spec_checkpoint):
-    gen = Generator.from_pretrained(spec_checkpoint, dtype="float32", max_seq_len=256, max_batch=2,
-                                    batch_buckets=(2,), prefill_chunk=16)  # spec_engine's shapes: cached
+def test_from_pretrained_loads_drafter_and_tokenizer(dspark_checkpoint):
+    gen = Generator.from_pretrained(dspark_checkpoint, dtype="float32", max_seq_len=256, max_batch=2,
+                                    batch_buckets=(2,), prefill_chunk=16)  # dspark_engine's shapes: cached
     assert gen.tokenizer is not None and sorted(gen.engine.exe.step) == [0, 1, 2, 3, 4, 5]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     speculative = gen.generate("hello", params)

@@ -6,6 +6,14 @@ class EngineError(ValueError):
     """A request or setting the engine cannot take; the message names the value and the fix."""
 
 
+class SamplingError(EngineError):
+    """A sampling parameter outside its range; `param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class PromptError(EngineError):
     """The prompt itself cannot run: empty, not token ids, or an id outside the vocabulary."""
 

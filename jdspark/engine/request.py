@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from jdspark.config import EngineConfig
-from jdspark.engine.errors import ContextLengthError, PromptError
+from jdspark.engine.errors import ContextLengthError, PromptError, SamplingError
 from jdspark.engine.stats import CompletionStats
 
 
@@ -44,7 +44,7 @@ class SamplingParams:
         ]
         for name, ok, expected in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r}: must be {expected}")
+                raise SamplingError(name, f"{name}={getattr(self, name)!r}: must be {expected}")
 
 
 def _number(x) -> bool:

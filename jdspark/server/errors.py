@@ -11,7 +11,7 @@ import logging
 
 from pydantic import ValidationError
 
-from jdspark.engine.errors import CapacityError, ContextLengthError, EngineError, PromptError
+from jdspark.engine.errors import CapacityError, ContextLengthError, EngineError, PromptError, SamplingError
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +59,13 @@ def from_validation_error(e: ValidationError) -> APIError:
     return APIError(400, f"{kind} '{param}': {err['msg']}{got}", param=param, code=err["type"])
 
 
-def sampling_error(e: ValueError, renames: dict[str, str] | None = None) -> APIError:
-    """SamplingParams' ValueError ('name=value: must be ...') as a 400 whose param is that name
-    (or the request's own name for it: `renames`, e.g. max_tokens -> max_completion_tokens)."""
+def sampling_error(e: SamplingError, renames: dict[str, str] | None = None) -> APIError:
+    """A SamplingParams error as a 400 whose param is the parameter it names (or the request's own
+    name for it: `renames`, e.g. max_tokens -> max_completion_tokens)."""
+    param = (renames or {}).get(e.param, e.param)
     message = str(e)
-    param = message.split("=", 1)[0] if "=" in message.split(":", 1)[0] else None
-    if param and renames and param in renames:
-        param = renames[param]
-        message = f"{param}{message[message.index('='):]}"
+    if param != e.param and message.startswith(e.param):
+        message = param + message[len(e.param):]
     return APIError(400, clip(message, 300), param=param)
 
 

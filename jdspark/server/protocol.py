@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jdspark.engine.errors import SamplingError
 from jdspark.engine.request import SamplingParams
 from jdspark.server.errors import APIError, from_validation_error, sampling_error
 
@@ -88,7 +89,7 @@ class _Common(BaseModel):
             return SamplingParams(max_tokens=max_tokens, temperature=1.0 if self.temperature is None else self.temperature,
                                   top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k if top_k < vocab_size else 0,
                                   seed=self.seed, stop=tuple(stop), ignore_eos=self.ignore_eos)
-        except ValueError as e:
+        except SamplingError as e:
             raise sampling_error(e, renames) from None
 
     @property

@@ -13,7 +13,7 @@ from jdspark.engine.request import SamplingParams
 from jdspark.speculative.selector import AdaptiveWidth
 from tests.conftest import generate_to_end
 
-# The session engine with every width (tests/conftest.py spec_engine) is compiled for these: minutes on
+# The session engine with every width (tests/conftest.py dspark_engine) is compiled for these: minutes on
 # a 2-core CPU. `make test-fast` leaves them out; `make test` (CI) runs them.
 pytestmark = pytest.mark.slow
 
@@ -23,13 +23,13 @@ GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
-def engine(spec_engine):
+def engine(dspark_engine):
     """The shared engine, restored to its defaults afterwards; each step reads its own call (no
     overlap), since these tests follow the width choice step by step."""
-    saved = spec_engine.policy()
-    spec_engine.set_policy(overlap=False)
-    yield spec_engine
-    spec_engine.set_policy(**saved)
+    saved = dspark_engine.policy()
+    dspark_engine.set_policy(overlap=False)
+    yield dspark_engine
+    dspark_engine.set_policy(**saved)
 
 
 def generate(engine, params=GREEDY, prompt=PROMPT):

@@ -27,8 +27,8 @@ def own_width(confidence) -> int:
 
 
 @pytest.fixture(scope="module")
-def engine(spec_model):
-    return Engine(spec_model, EngineConfig(max_seq_len=96, gamma=5, max_batch=16, batch_buckets=(1, 4, 16)),
+def engine(dspark_model):
+    return Engine(dspark_model, EngineConfig(max_seq_len=96, gamma=5, max_batch=16, batch_buckets=(1, 4, 16)),
                   prefill_chunk=8, widths=(2, 5), width_policy=own_width)
 
 

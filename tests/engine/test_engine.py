@@ -12,26 +12,26 @@ from jdspark.engine import executables
 from jdspark.engine.engine import Engine, EngineError, SpecOptions
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
-from tests.conftest import SPEC_CONFIG, generate_to_end
+from tests.conftest import DSPARK_CONFIG, generate_to_end
 
-# The session engine with every width (tests/conftest.py spec_engine) is compiled for these: minutes on
+# The session engine with every width (tests/conftest.py dspark_engine) is compiled for these: minutes on
 # a 2-core CPU. `make test-fast` leaves them out; `make test` (CI) runs them.
 pytestmark = pytest.mark.slow
 
 
-CONFIG = SPEC_CONFIG
+CONFIG = DSPARK_CONFIG
 PROMPT = np.array([5, 9, 2, 14, 7, 7, 1, 12, 0, 4, 8, 11], np.int32)
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model(spec_model):
-    return spec_model
+def model(dspark_model):
+    return dspark_model
 
 
 @pytest.fixture(scope="module")
-def engine(spec_engine):
-    return spec_engine
+def engine(dspark_engine):
+    return dspark_engine
 
 
 def run(engine, prompt, params, width=None):
@@ -152,13 +152,13 @@ def test_bad_requests_get_clear_errors(engine, model):
     assert engine.running == [] and engine.free_slots == engine.config.max_batch
 
 
-def test_non_finite_logits_end_the_request_with_an_error(spec_model):
+def test_non_finite_logits_end_the_request_with_an_error(dspark_model):
     """A model whose weights are NaN: the request ends with finish_reason "error" and a message that
     says why, and no token is emitted (the verifier's invalid flag, read by the engine). Mutation
     caught: the engine ignoring the flag and emitting the -1 (or any) token. Same shapes as the
     session's target_engine, so its executables come from the compile cache."""
-    poisoned = Model(spec_model.graphdef, jax.tree.map(
-        lambda a: a * np.nan if np.issubdtype(a.dtype, np.floating) else a, spec_model.params))
+    poisoned = Model(dspark_model.graphdef, jax.tree.map(
+        lambda a: a * np.nan if np.issubdtype(a.dtype, np.floating) else a, dspark_model.params))
     engine = Engine(poisoned, EngineConfig(max_seq_len=64, gamma=5, max_batch=2, batch_buckets=(2,)),
                     prefill_chunk=16, speculative=False)
     delta = engine.add(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=0))

@@ -88,19 +88,19 @@ def test_programs_with_host_callbacks_are_not_stored(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_static_key_names_the_kernels_and_the_packing(spec_model):
+def test_static_key_names_the_kernels_and_the_packing(dspark_model):
     config = EngineConfig(max_seq_len=64, gamma=5, max_batch=2)
     def key(implementation, pack):
-        return Executables(spec_model, config, 16, implementation, (), pack).static_key()
+        return Executables(dspark_model, config, 16, implementation, (), pack).static_key()
     assert len({key("xla", False), key("pallas", False), key("xla", True)}) == 3
     assert key("xla", False) == key("xla", False)
 
 
-def test_a_second_engine_loads_every_executable_and_decodes_the_same(target_engine, spec_model):
+def test_a_second_engine_loads_every_executable_and_decodes_the_same(target_engine, dspark_model):
     """target_engine's configuration again: nothing traced, the same greedy and seeded tokens.
     Mutation caught: a store that writes nothing, or keys that miss the arguments (the engine would
     load another program's executable and fail or decode differently)."""
-    again = Engine(spec_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=2, batch_buckets=(2,)),
+    again = Engine(dspark_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=2, batch_buckets=(2,)),
                    prefill_chunk=16, speculative=False)
     assert again.exe.loaded == again.exe.count == target_engine.exe.count
     prompt = np.array([5, 9, 2, 14, 7, 7, 1, 12], np.int32)

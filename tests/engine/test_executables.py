@@ -18,7 +18,7 @@ from jdspark.engine import executables
 from jdspark.engine.engine import Engine
 from jdspark.engine.request import SamplingParams
 from jdspark.model import hyper
-from tests.conftest import SPEC_CONFIG
+from tests.conftest import DSPARK_CONFIG
 
 
 def test_slot_inputs_unpack_exactly_on_the_device():
@@ -58,14 +58,14 @@ def test_read_output_splits_a_step_and_a_decode_result():
     np.testing.assert_array_equal(decode.token, [3, 9])
 
 
-@pytest.mark.slow  # the session spec_engine
-def test_non_finite_logits_come_back_as_the_invalid_flag(spec_engine):
+@pytest.mark.slow  # the session dspark_engine
+def test_non_finite_logits_come_back_as_the_invalid_flag(dspark_engine):
     """Parameters poisoned with NaN in one call (they are an argument of every executable): the
     prefill, decode and step[3] results say invalid, with token -1 and nothing accepted; with clean
     parameters the same calls are valid (one row alone: tests/speculative/test_non_finite.py).
     Mutation caught: the verifier's `p <= u q` test back (NaN accepts every draft) or the race's
     silent token 0, or an executable that drops the invalid column."""
-    engine, exe = spec_engine, spec_engine.exe
+    engine, exe = dspark_engine, dspark_engine.exe
     assert not engine.running
     b = engine.config.max_batch
     poisoned = jax.tree.map(lambda a: a * jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else a, exe.params.arrays)
@@ -74,78 +74,76 @@ def test_non_finite_logits_come_back_as_the_invalid_flag(spec_engine):
                                     slot=np.arange(b), width=np.full(b, 3))
     ids = np.full((b, exe.prefill_chunk), 5, np.int32)
     n_valid, reset = np.full(b, 3, np.int32), np.ones(b, bool)
-    try:
-        for params, bad in ((exe.params.arrays, False), (poisoned, True)):
-            out, engine.state, engine.draft_cache = exe.prefill(params, engine.state, engine.draft_cache, ids, n_valid,
-                                                                reset, slots)
-            outputs = [out]
-            for call in (exe.decode, exe.step[3]):
-                out, engine.state, engine.draft_cache = call(params, engine.state, engine.draft_cache, slots)
-                outputs.append(out)
-            for out in outputs:
-                got = executables.read_output(out, engine.config.gamma)
-                np.testing.assert_array_equal(got.invalid, bad)
-                if bad:
-                    np.testing.assert_array_equal(got.token, -1)
-                    np.testing.assert_array_equal(got.n_accepted, 0)
-                else:
-                    assert (got.token >= 0).all()
-    finally:
-        engine.reset()
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)  # the calls donate state and cache: the engine's stay
+    for params, bad in ((exe.params.arrays, False), (poisoned, True)):
+        out, state, draft_cache = exe.prefill(params, copy(engine.state), copy(engine.draft_cache), ids, n_valid,
+                                              reset, slots)
+        outputs = [out]
+        for call in (exe.decode, exe.step[3]):
+            out, state, draft_cache = call(params, state, draft_cache, slots)
+            outputs.append(out)
+        for out in outputs:
+            got = executables.read_output(out, engine.config.gamma)
+            np.testing.assert_array_equal(got.invalid, bad)
+            if bad:
+                np.testing.assert_array_equal(got.token, -1)
+                np.testing.assert_array_equal(got.n_accepted, 0)
+            else:
+                assert (got.token >= 0).all()
 
 
-def test_the_kernel_setting_is_checked_before_compiling(spec_model):
+def test_the_kernel_setting_is_checked_before_compiling(dspark_model):
     with pytest.raises(ValueError, match="implementation='gpu' is not one of"):
-        Engine(spec_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=1), speculative=False,
+        Engine(dspark_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=1), speculative=False,
                implementation="gpu")
 
 
 @pytest.mark.slow  # compiles a float32 engine under a low precision
-def test_a_float32_model_compiles_every_dot_at_full_precision(spec_model):
+def test_a_float32_model_compiles_every_dot_at_full_precision(dspark_model):
     """Under a low ambient precision (TF32 is the GPU default) the engine's dots still say highest."""
     with jax.default_matmul_precision("bfloat16"):
-        engine = Engine(spec_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=1), prefill_chunk=8,
+        engine = Engine(dspark_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=1), prefill_chunk=8,
                         speculative=False)
     for exe in (engine.exe.prefill, engine.exe.decode):
         dots = re.findall(r" dot\(.*", exe.as_text())
         assert dots and all("operand_precision={highest,highest}" in d for d in dots)
 
 
-def test_the_kernel_setting_reaches_every_mhc_site(spec_model):
+def test_the_kernel_setting_reaches_every_mhc_site(dspark_model):
     """Executables trace the model graph with the setting on every Sinkhorn site (nothing global).
     Mutation caught: the setting applied to the sampler only."""
     config = EngineConfig(max_seq_len=64, gamma=5, max_batch=1)
     for name in ("pallas", "xla"):
-        exe = executables.Executables(spec_model, config, 8, name, (), pack_params=False)  # not compiled
-        sites = [m for _, m in nnx.iter_graph(nnx.merge(exe.graphdef, spec_model.params))
+        exe = executables.Executables(dspark_model, config, 8, name, (), pack_params=False)  # not compiled
+        sites = [m for _, m in nnx.iter_graph(nnx.merge(exe.graphdef, dspark_model.params))
                  if isinstance(m, hyper.HyperConnection)]
         assert sites and {site.implementation for site in sites} == {name}
-    assert {m.implementation for _, m in nnx.iter_graph(spec_model.module())
+    assert {m.implementation for _, m in nnx.iter_graph(dspark_model.module())
             if isinstance(m, hyper.HyperConnection)} == {"auto"}  # the model itself is unchanged
 
 
 @pytest.mark.gpu
-def test_auto_lowers_to_the_pallas_kernels_on_the_gpu_and_xla_does_not(spec_model):
+def test_auto_lowers_to_the_pallas_kernels_on_the_gpu_and_xla_does_not(dspark_model):
     """On the GPU "auto" is "pallas": step[5] lowers to Triton calls of the race and of Sinkhorn;
     with "xla" neither appears (the lowered program, before XLA's own fusions)."""
     config = EngineConfig(max_seq_len=64, gamma=5, max_batch=1)
-    decode, cache = spec_model.init_state(config), dspark.init_draft_cache(SPEC_CONFIG, 1, spec_model.dtype)
+    decode, cache = dspark_model.init_state(config), dspark.init_draft_cache(DSPARK_CONFIG, 1, dspark_model.dtype)
     slots = jnp.zeros((1, len(executables.SLOT_FIELDS)), jnp.int32)
     texts = {}
     for name in ("auto", "xla"):
-        exe = executables.Executables(spec_model, config, 8, name, (5,), pack_params=False)
+        exe = executables.Executables(dspark_model, config, 8, name, (5,), pack_params=False)
         texts[name] = jax.jit(exe.step_function(5)).lower(exe.params.arrays, decode, cache, slots).as_text()
     assert "rejection_race" in texts["auto"] and "mhc_sinkhorn" in texts["auto"]
     assert "rejection_race" not in texts["xla"] and "mhc_sinkhorn" not in texts["xla"]
 
 
-def test_every_step_keeps_the_state_and_draft_buffers_in_place(spec_engine):
+def test_every_step_keeps_the_state_and_draft_buffers_in_place(dspark_engine):
     """The donated state and draft cache come back in the same device buffers on every call of
     prefill, decode and step[k]. A buffer that moved would make XLA update the call's CUDA graph
     (the commands reading it) on the GPU. It failed while the programs dropped the donated inputs
     they do not read (the state's `written`): that output got a new buffer every call, and the
     draft cache's length took the freed one."""
-    engine = spec_engine
+    engine = dspark_engine
 
     def addresses():
         leaves = jax.tree_util.tree_flatten_with_path((engine.state, engine.draft_cache))[0]

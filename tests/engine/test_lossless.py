@@ -19,21 +19,21 @@ from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
 from jdspark.speculative.sampling import warp_probs
 from jdspark.speculative.selector import AdaptiveWidth
-from tests.conftest import SPEC_CONFIG
+from tests.conftest import DSPARK_CONFIG
 from tests.speculative.test_verify import biased_rejection_sample
 
-# The session engine with every width (tests/conftest.py spec_engine) is compiled for these: minutes on
+# The session engine with every width (tests/conftest.py dspark_engine) is compiled for these: minutes on
 # a 2-core CPU. `make test-fast` leaves them out; `make test` (CI) runs them.
 pytestmark = pytest.mark.slow
 
 
-# SPEC_CONFIG's layers (window, CSA, HCA), drafter stages and 16-token vocabulary at a quarter of its
+# DSPARK_CONFIG's layers (window, CSA, HCA), drafter stages and 16-token vocabulary at a quarter of its
 # widths: the statistical tests run 17920 requests of 256 rows through the engine, and what they test
 # (the sampler, the verification, the engine's rows) does not depend on the widths. step[1] at 256
-# rows: 0.8 GFLOP against SPEC_CONFIG's 10.5; the power test's 40 rounds 23 s against 66 s (2-core
+# rows: 0.8 GFLOP against DSPARK_CONFIG's 10.5; the power test's 40 rounds 23 s against 66 s (2-core
 # CPU, one process). The mutations below were measured on it; the batch-mate test keeps the session
-# engine (SPEC_CONFIG).
-STAT_CONFIG = SPEC_CONFIG.replace(hidden_size=64, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=16,
+# engine (DSPARK_CONFIG).
+STAT_CONFIG = DSPARK_CONFIG.replace(hidden_size=64, head_dim=32, qk_rope_head_dim=16, q_lora_rank=32, o_lora_rank=16,
                              index_n_heads=4, index_head_dim=32, moe_intermediate_size=32)
 STAT_PROMPT = np.array([5, 9, 2, 14], np.int32)
 WARPS = {"T=1": dict(temperature=1.0), "T=0.7,top_k=8,top_p=0.9": dict(temperature=0.7, top_k=8, top_p=0.9)}
@@ -150,7 +150,7 @@ def test_speculative_sampling_is_lossless(stat_engine, model, warp):
 
     Mutation caught: the bonus token drawn from row K - 1 instead of row K (measured on
     STAT_CONFIG: the (t3, t4) pair's p-value 3e-27 at T = 1 and 0 at T = 0.7; 2e-33 and 0 on
-    SPEC_CONFIG; with max_tokens = 3 it survived, issue 22)."""
+    DSPARK_CONFIG; with max_tokens = 3 it survived, issue 22)."""
     p_values, widths, mixed = lossless_p_values(stat_engine, model, warp, 10)
     assert min(p_values) > ALPHA, p_values
     assert widths[1] > 0 and widths[2] > 0 and mixed > 0  # the selector really chose, per request
@@ -161,9 +161,9 @@ def test_speculative_sampling_is_lossless_with_the_power_to_see_tv_1pct(xla_stat
     """10240 requests at T = 0.7, top-k 8, top-p 0.9 with the jnp sampler.
 
     Mutation caught: the drafter sampling its tokens without top-p while the verifier gets the
-    filtered q (TV ~1.7% on SPEC_CONFIG, issue 22). Measured on STAT_CONFIG: pair p-values 1e-10,
+    filtered q (TV ~1.7% on DSPARK_CONFIG, issue 22). Measured on STAT_CONFIG: pair p-values 1e-10,
     2e-6, 4e-7 at 10240 requests; at the fast tier's 2560 they were 0.08, 0.31, 0.02 (it survived
-    there). On SPEC_CONFIG: 3e-5, 3e-5, 9e-4 at 10240; 0.04, 0.09, 0.10 at 2560."""
+    there). On DSPARK_CONFIG: 3e-5, 3e-5, 9e-4 at 10240; 0.04, 0.09, 0.10 at 2560."""
     warp = WARPS["T=0.7,top_k=8,top_p=0.9"]
     p_values, widths, mixed = lossless_p_values(xla_stat_engine, model, warp, 40)
     assert min(p_values) > ALPHA, p_values
@@ -185,11 +185,11 @@ def test_the_lossless_test_catches_a_sampler_that_skips_the_residual(model, monk
     assert min(p_values) < ALPHA, p_values
 
 
-def test_a_seeded_request_does_not_depend_on_its_batch_mate(spec_engine):
+def test_a_seeded_request_does_not_depend_on_its_batch_mate(dspark_engine):
     """A seeded T = 1 request alone, then next to a batch-mate with other sampling parameters
     whose confidences ask for other widths: the same tokens, because each
     row verifies at its own width with its own noise. It failed while widths were batch-wide."""
-    engine = spec_engine
+    engine = dspark_engine
     engine.set_policy(speculative=True,  # each request its own width
                       width_policy=lambda confidence: min(5, int(confidence[0] * 6)))
     params = SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)

@@ -16,12 +16,12 @@ def greedy(max_tokens, **more):
 
 
 @pytest.fixture
-def engine(spec_engine):
+def engine(dspark_engine):
     """The shared engine at a fixed width (the same widths with and without overlap), restored."""
-    saved = spec_engine.policy()
-    spec_engine.set_policy(speculative=True, width_policy=lambda confidence: 5, overlap=True)
-    yield spec_engine
-    spec_engine.set_policy(**saved)
+    saved = dspark_engine.policy()
+    dspark_engine.set_policy(speculative=True, width_policy=lambda confidence: 5, overlap=True)
+    yield dspark_engine
+    dspark_engine.set_policy(**saved)
 
 
 def together(engine, requests, overlap: bool) -> list[list[int]]:

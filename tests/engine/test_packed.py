@@ -6,11 +6,11 @@ import numpy as np
 
 from jdspark.engine.packed import PackedParams, key_names
 from jdspark.model.model import Model
-from tests.conftest import SPEC_CONFIG
+from tests.conftest import DSPARK_CONFIG
 
 
 def test_unpack_inside_jit_returns_every_parameter_exactly():
-    params = Model.random(SPEC_CONFIG, "bfloat16", seed=3).params
+    params = Model.random(DSPARK_CONFIG, "bfloat16", seed=3).params
     leaves = jax.tree.leaves(params)
     big = max(leaves, key=lambda x: x.nbytes)
     packed = PackedParams(params, small_bytes=big.nbytes - 1)  # the largest tensor stays its own buffer
@@ -26,7 +26,7 @@ def test_unpack_inside_jit_returns_every_parameter_exactly():
 
 
 def test_tensors_kept_apart_stay_arguments_of_their_own():
-    params = Model.random(SPEC_CONFIG, "bfloat16", seed=3).params
+    params = Model.random(DSPARK_CONFIG, "bfloat16", seed=3).params
     names = [key_names(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     norms = [n for n in names if n[-2:] == ("attn_norm", "weight")]
     assert norms and all(isinstance(part, (str, int)) for part in norms[0])

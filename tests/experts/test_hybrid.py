@@ -19,7 +19,7 @@ from jdspark.engine.request import SamplingParams
 from jdspark.experts.hybrid import HybridExperts, host_banks, is_main_expert, pcie_split, with_host_experts
 from jdspark.model.model import Model
 from jdspark.model.quantized import Storage
-from tests.conftest import SPEC_CONFIG, generate_to_end
+from tests.conftest import DSPARK_CONFIG, generate_to_end
 from tests.model.test_quantized import BASE, FLASH, random_experts, routing
 
 CFG = tiny_config(num_hidden_layers=3, compress_ratios=(0, 4, 16, 0), num_hash_layers=1)
@@ -177,7 +177,7 @@ def test_a_given_bank_stands_for_experts_never_held(fp4_checkpoint):
 def test_engine_greedy_tokens_equal_and_nothing_recompiles(compile_counter):
     """Target-only and speculative (width 2) decoding of a hybrid model emit the all-device
     model's greedy tokens; after the first request nothing compiles."""
-    model = bf16_valued(Model.random(SPEC_CONFIG, "float32", seed=3))
+    model = bf16_valued(Model.random(DSPARK_CONFIG, "float32", seed=3))
     hybrid = with_host_experts(model, {0: [0, 3, 6], 2: [1, 2]})
     prompt = np.array([5, 9, 2, 14, 7, 7, 1, 12], np.int32)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)

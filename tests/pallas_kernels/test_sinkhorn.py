@@ -12,7 +12,7 @@ from jdspark.model import hyper
 from jdspark.model.model import Model
 from pallas_kernels import resolve_implementation
 from pallas_kernels.sinkhorn import ref_sinkhorn, sinkhorn
-from tests.conftest import SPEC_CONFIG
+from tests.conftest import DSPARK_CONFIG
 
 EPS = 1e-6
 kernel = jax.jit(sinkhorn, static_argnums=(1, 2, 3))
@@ -61,8 +61,8 @@ def test_a_model_with_the_kernel_computes_what_it_computes_with_the_loop():
     kernel (`hyper.with_implementation(..., "pallas")`, as "auto" is on the GPU) and through the
     jnp loop ("xla"): the same logits. The setting lives in the model graph, so the two models
     trace separately and nothing global changes."""
-    model = Model.random(SPEC_CONFIG, "float32", seed=2)
-    ids = np.random.default_rng(2).integers(2, SPEC_CONFIG.vocab_size, (2, 12))
+    model = Model.random(DSPARK_CONFIG, "float32", seed=2)
+    ids = np.random.default_rng(2).integers(2, DSPARK_CONFIG.vocab_size, (2, 12))
     built = {name: Model(hyper.with_implementation(model.graphdef, model.params, name), model.params)
              for name in ("pallas", "xla")}
     sites = [m for _, m in nnx.iter_graph(built["pallas"].module()) if isinstance(m, hyper.HyperConnection)]
@@ -75,7 +75,7 @@ def test_a_model_with_the_kernel_computes_what_it_computes_with_the_loop():
 def test_implementation_setting_is_validated_in_one_place():
     assert resolve_implementation("xla") == "xla" and resolve_implementation("pallas") == "pallas"
     assert resolve_implementation("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
-    model = Model.random(SPEC_CONFIG, "float32", seed=2)
+    model = Model.random(DSPARK_CONFIG, "float32", seed=2)
     with pytest.raises(ValueError, match="implementation='triton' is not one of"):
         hyper.with_implementation(model.graphdef, model.params, "triton")
     with pytest.raises(ValueError, match="implementation='kernel' is not one of"):

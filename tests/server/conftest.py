@@ -57,11 +57,11 @@ class Server:
 
 
 @pytest.fixture(scope="session")
-def server(spec_model, char_tokenizer):
+def server(dspark_model, char_tokenizer):
     # One batch bucket: the API tests do not test buckets (tests/engine/test_buckets.py does), and
     # each bucket is a full set of executables to compile.
     config = EngineConfig(max_seq_len=320, gamma=5, max_batch=SLOTS, batch_buckets=(SLOTS,))
-    engine = Engine(spec_model, config, prefill_chunk=16, options=SpecOptions(width=5), widths=(5,),
+    engine = Engine(dspark_model, config, prefill_chunk=16, options=SpecOptions(width=5), widths=(5,),
                     tokenizer=char_tokenizer)
     s = Server(create_app(engine, char_tokenizer, MODEL, api_key=API_KEY, max_queue=QUEUE), engine)
     yield s

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from jdspark.engine.errors import CapacityError, ContextLengthError, EngineError, PromptError
+from jdspark.engine.errors import CapacityError, ContextLengthError, EngineError, PromptError, SamplingError
+from jdspark.engine.request import SamplingParams
 from jdspark.server import responses
 from jdspark.server.errors import APIError, clip, field_path, from_engine_error, internal, sampling_error
 
@@ -85,7 +86,9 @@ def test_errors_name_fields_and_hide_internals(caplog):
     assert field_path(("prompt", "list[int]", 0)) == "prompt.0"
     assert field_path(("messages", 1, "content", "str")) == "messages.1.content"
     assert field_path(()) is None
-    e = sampling_error(ValueError("max_tokens=0: must be an integer >= 1"), {"max_tokens": "max_completion_tokens"})
+    with pytest.raises(SamplingError) as raised:
+        SamplingParams(max_tokens=0)
+    e = sampling_error(raised.value, {"max_tokens": "max_completion_tokens"})
     assert e.param == "max_completion_tokens" and e.message.startswith("max_completion_tokens=0")
     assert len(clip("x" * 10 ** 6)) < 120
     e = internal(RuntimeError("secret path /home/x"))

@@ -22,9 +22,9 @@ import pytest
 
 from jdspark.drafter import dspark
 from jdspark.engine.request import SamplingParams
-from tests.conftest import SPEC_CONFIG
+from tests.conftest import DSPARK_CONFIG
 
-# The session engine with every width (tests/conftest.py spec_engine) is compiled for these: minutes on
+# The session engine with every width (tests/conftest.py dspark_engine) is compiled for these: minutes on
 # a 2-core CPU. `make test-fast` leaves them out; `make test` (CI) runs them.
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,12 @@ PAD = 96  # every recomputation runs at one length: one compilation (the forward
 
 @functools.partial(jax.jit, static_argnums=0)  # the model by identity: its weights are constants here
 def _fresh_proposal(model, padded: jax.Array, n: jax.Array, anchor: jax.Array) -> dspark.Proposal:
-    features = model.forward(padded[None], SPEC_CONFIG.dspark.target_layer_ids).features
+    features = model.forward(padded[None], DSPARK_CONFIG.dspark.target_layer_ids).features
     module = model.module()
-    cache = dspark.init_draft_cache(SPEC_CONFIG, 1, model.dtype)
+    cache = dspark.init_draft_cache(DSPARK_CONFIG, 1, model.dtype)
     cache = dspark.push_context(module, cache, features, n[None])
     zeros, ones = jnp.zeros(1, jnp.float32), jnp.ones(1, jnp.float32)
-    noise = jnp.ones((1, SPEC_CONFIG.dspark.block_size, SPEC_CONFIG.vocab_size), jnp.float32)
+    noise = jnp.ones((1, DSPARK_CONFIG.dspark.block_size, DSPARK_CONFIG.vocab_size), jnp.float32)
     return dspark.propose(module, cache, anchor[None], zeros, jnp.zeros(1, jnp.int32), ones, noise)
 
 
@@ -53,8 +53,8 @@ def fresh_proposal(model, committed: np.ndarray, anchor: int) -> dspark.Proposal
     return _fresh_proposal(model, padded, np.int32(len(committed)), np.int32(anchor))
 
 
-def test_drafts_equal_a_recomputation_over_the_committed_context(spec_engine, spec_model):
-    engine = spec_engine
+def test_drafts_equal_a_recomputation_over_the_committed_context(dspark_engine, dspark_model):
+    engine = dspark_engine
     engine.set_policy(speculative=True, width_policy=lambda confidence: 3, overlap=False)  # each step read whole
     first = engine.add(PROMPT, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
     rid, tokens = first.request_id, list(first.tokens)
@@ -69,7 +69,7 @@ def test_drafts_equal_a_recomputation_over_the_committed_context(spec_engine, sp
     assert 0 in accepted[2:] and max(accepted) > 0, accepted  # rejections and acceptances behind the checks
     for step in (3, 6, 8):
         committed, anchor = contexts[step]
-        want = fresh_proposal(spec_model, committed, anchor)
+        want = fresh_proposal(dspark_model, committed, anchor)
         got = records[step + 1].rows[0].stale_confidence  # the proposal drafted at `step`
         np.testing.assert_allclose(got, np.asarray(want.confidence)[0], rtol=1e-5, atol=1e-6, err_msg=str(step))
         n = records[step].rows[0].n_accepted  # the accepted drafts were the proposal's first tokens

@@ -10,9 +10,9 @@ from flax import nnx
 from jdspark.drafter import dspark
 from jdspark.model.model import Model
 from jdspark.train import adamw, drafter
-from tests.conftest import SPEC_CONFIG
+from tests.conftest import DSPARK_CONFIG
 
-CONFIG = SPEC_CONFIG  # window 8, 3 layers + 2 drafter stages, vocabulary 16
+CONFIG = DSPARK_CONFIG  # window 8, 3 layers + 2 drafter stages, vocabulary 16
 GAMMA = CONFIG.dspark.block_size
 
 

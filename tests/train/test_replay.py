@@ -9,9 +9,9 @@ from flax import nnx
 
 from jdspark.model.model import Model
 from jdspark.train import drafter, replay
-from tests.conftest import SPEC_CONFIG
+from tests.conftest import DSPARK_CONFIG
 
-GAMMA = SPEC_CONFIG.dspark.block_size
+GAMMA = DSPARK_CONFIG.dspark.block_size
 
 
 def simulate(alpha: np.ndarray, rng: np.random.Generator, runs: int) -> tuple[np.ndarray, float]:
@@ -61,10 +61,10 @@ def test_block_lengths_are_a_distribution():
 
 @pytest.mark.slow  # the target and the drafter compiled together: about 18 s
 def test_token_acceptance_is_min_one_draft_over_target_probability():
-    model = Model.random(SPEC_CONFIG, "float32", seed=3)
+    model = Model.random(DSPARK_CONFIG, "float32", seed=3)
     graphdef, params, frozen = nnx.split(model.module(), drafter.DRAFTER, ...)
     rng = np.random.default_rng(2)
-    ids = jnp.asarray(rng.integers(4, SPEC_CONFIG.vocab_size, (2, 24)), jnp.int32)
+    ids = jnp.asarray(rng.integers(4, DSPARK_CONFIG.vocab_size, (2, 24)), jnp.int32)
     anchors = jnp.asarray([[2, 9], [5, 11]], jnp.int32)
 
     @jax.jit
