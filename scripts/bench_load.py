@@ -1,5 +1,6 @@
 """Start-up time: `load_model` from the official safetensors vs. from the `jdspark convert` (orbax)
-directory of the same model, on the current default device.
+directory of the same model, on the current default device; or, with `--gpu-memory GB`, the load
+into a GPU / host placement (issue 24) against the all-device load.
 
 Writes a synthetic checkpoint in the official storage (FP8 linears, ds_fp4 experts), converts it,
 loads each format `--repeats` times (parameters on the device, `block_until_ready`), checks that
@@ -7,7 +8,14 @@ both give identical logits, prints a table and writes JSON. `--drop-caches` (roo
 cache before each load, so the numbers include reading the disk; without it the files just written
 are usually still cached and the numbers measure decoding and the host-to-device copy.
 
+`--gpu-memory GB`: no conversion; the safetensors checkpoint is loaded with that many GB of weights
+on the device and the other routed experts streamed into host banks, then loaded all on the device;
+the run states the host memory each load added at its peak (the process's resident set, sampled
+every 5 ms, above what it held before the load), and how far the hybrid model's logits are from
+the all-device ones.
+
     python scripts/bench_load.py --preset flash --layers 4 --json load.json
+    python scripts/bench_load.py --preset flash --layers 4 --gpu-memory 8 --repeats 1 --json load.json
 """
 
 from __future__ import annotations
@@ -15,10 +23,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,12 +67,67 @@ def drop_caches() -> bool:
         return False
 
 
-def timed_load(path: Path, dtype: str, cold: bool):
+def resident_bytes() -> int:
+    """This process's resident set now (Linux /proc; 0 elsewhere)."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+
+
+class PeakResident:
+    """The most resident memory above the level at entry, sampled every 5 ms while the block runs."""
+
+    def __enter__(self):
+        self.base = self.peak = resident_bytes()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, resident_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, resident_bytes())
+
+    @property
+    def added(self) -> int:
+        return self.peak - self.base
+
+
+def timed_load(path: Path, dtype: str, cold: bool, gpu_memory: float | None = None):
     dropped = drop_caches() if cold else False
     start = time.perf_counter()
-    model = load_model(path, dtype=dtype, progress=False)
-    jax.block_until_ready(model.params)
-    return model, time.perf_counter() - start, dropped
+    with PeakResident() as peak:
+        model = load_model(path, dtype=dtype, progress=False, gpu_memory=gpu_memory)
+        jax.block_until_ready(model.params)
+    return model, time.perf_counter() - start, dropped, peak.added
+
+
+def hybrid_rows(args, config, src: Path, rows: list) -> dict:
+    """The load into the placement, then the all-device load: seconds, the host memory each added
+    at its peak, and the hybrid logits against the all-device ones."""
+    ids = np.arange(16) * 7 % config.vocab_size
+    out = {}
+    for name, gpu_memory in (("hybrid", args.gpu_memory * 1e9), ("all-device", None)):
+        model, seconds, dropped, added = timed_load(src, args.dtype, args.drop_caches, gpu_memory)
+        rows.append((f"load safetensors, {name}", seconds, dir_bytes(src), dropped))
+        out[name] = {"seconds": seconds, "host_peak_added_bytes": added,
+                     "logits": np.asarray(model.logits(ids), np.float32)}
+        print(f"{name}: {seconds:.2f} s, host memory added at peak {added / 2**30:.2f} GiB", flush=True)
+        del model
+        gc.collect()
+    got, want = out["hybrid"].pop("logits"), out["all-device"].pop("logits")
+    out["max_abs_diff"] = float(np.abs(got - want).max())
+    out["max_abs_logit"] = float(np.abs(want).max())
+    out["same_argmax"] = bool((got.argmax(-1) == want.argmax(-1)).all())
+    print(f"hybrid vs all-device logits: max |diff| {out['max_abs_diff']:.3g} (max |logit| "
+          f"{out['max_abs_logit']:.3g}), same argmax: {out['same_argmax']}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -75,8 +140,12 @@ def main(argv=None) -> int:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/jdspark_bench_load"))
     parser.add_argument("--drop-caches", action="store_true", help="empty the page cache before each load (root)")
     parser.add_argument("--keep", action="store_true", help="keep the written checkpoints")
+    parser.add_argument("--gpu-memory", type=float, default=None,
+                        help="GB of weights on the device: the load into a GPU / host placement instead of orbax")
     parser.add_argument("--json", type=Path, default=Path("bench_load.json"))
     args = parser.parse_args(argv)
+    if args.gpu_memory is not None:
+        return placement_main(args)
 
     config = config_for(args)
     shutil.rmtree(args.workdir, ignore_errors=True)
@@ -94,7 +163,7 @@ def main(argv=None) -> int:
     logits, device_bytes = {}, None
     for fmt, path in (("safetensors", src), ("orbax", dst)):
         for r in range(args.repeats):
-            model, seconds, dropped = timed_load(path, args.dtype, args.drop_caches)
+            model, seconds, dropped, _ = timed_load(path, args.dtype, args.drop_caches)
             rows.append((f"load {fmt} #{r + 1}", seconds, dir_bytes(path), dropped))
             if r == 0:
                 logits[fmt] = model.logits(ids)
@@ -121,6 +190,31 @@ def main(argv=None) -> int:
     if not args.keep:
         shutil.rmtree(args.workdir, ignore_errors=True)
     return 0 if identical else 1
+
+
+def placement_main(args) -> int:
+    """`--gpu-memory`: write the checkpoint, then `hybrid_rows`; table and JSON."""
+    logging.basicConfig(format="%(message)s")
+    logging.getLogger("jdspark.checkpoint.loader").setLevel(logging.INFO)  # the placement report
+    config = config_for(args)
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    src = args.workdir / "safetensors"
+    rows = []
+    start = time.perf_counter()
+    write_checkpoint(config, src, progress=True)
+    rows.append(("write synthetic safetensors", time.perf_counter() - start, dir_bytes(src), None))
+    result = hybrid_rows(args, config, src, rows)
+    print(f"{'step':40s} {'seconds':>9s} {'GiB':>8s} {'GiB/s':>7s}")
+    for step, seconds, nbytes, _ in rows:
+        print(f"{step:40s} {seconds:9.2f} {nbytes / 2**30:8.2f} {nbytes / 2**30 / seconds:7.2f}")
+    result |= {"preset": args.preset, "config": config.to_dict(), "dtype": args.dtype, "gpu_memory_GB": args.gpu_memory,
+               "device": str(jax.devices()[0]), "jax": jax.__version__,
+               "rows": [{"step": s, "seconds": t, "bytes": b} for s, t, b, _ in rows]}
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    if not args.keep:
+        shutil.rmtree(args.workdir, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":

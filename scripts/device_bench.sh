@@ -71,6 +71,11 @@ for part in "$@"; do
     load)
       timeout 150 python3 scripts/bench_load.py --preset flash --layers 2 --experts 32 --json "$OUT/bench_load.json" 2>&1 \
         | grep -v -E "Warning|it/s|B/s" | tee "$OUT/bench_load.log" ;;
+    load-placement)  # issue 24: a Flash checkpoint written to disk, loaded into a GPU / host placement
+      # (PLACEMENT_ARGS, default 2 layers x 256 experts with one layer's experts on the host)
+      timeout ${PLACEMENT_SECONDS:-240} python3 scripts/bench_load.py ${PLACEMENT_ARGS:---preset flash --layers 2 --gpu-memory 9.4} \
+        --workdir "$WORK/load" --json "$OUT/bench_load_placement.json" 2>&1 | grep -v -E "Warning|it/s|B/s" \
+        | tee "$OUT/bench_load_placement.log" ;;
     adaptive)
       timeout 400 python3 scripts/bench_adaptive.py --tokens 128 --repeats 7 2>&1 | grep -v Warning | tee "$OUT/bench_adaptive.log" ;;
     serve)  # jdspark's FastAPI / uvicorn dependencies, installed from the wheels in $WHEELS where they are missing
