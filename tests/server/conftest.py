@@ -19,6 +19,22 @@ MODEL = "tiny"
 SLOTS, QUEUE = 8, 4
 
 
+class EngineDouble:
+    """The real engine behind the server, whose steps a test can hold or fail: `before_step()`, when
+    set, runs at the start of every `step()` (on the engine thread); everything else is the engine's."""
+
+    def __init__(self, engine: Engine):
+        self._engine, self.before_step = engine, None
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def step(self):
+        if self.before_step is not None:
+            self.before_step()
+        return self._engine.step()
+
+
 class Server:
     def __init__(self, app, engine):
         self.app, self.engine = app, engine
@@ -61,8 +77,8 @@ def server(dspark_model, char_tokenizer):
     # One batch bucket: the API tests do not test buckets (tests/engine/test_buckets.py does), and
     # each bucket is a full set of executables to compile.
     config = EngineConfig(max_seq_len=320, gamma=5, max_batch=SLOTS, batch_buckets=(SLOTS,))
-    engine = Engine(dspark_model, config, prefill_chunk=16, options=SpecOptions(width=5), widths=(5,),
-                    tokenizer=char_tokenizer)
+    engine = EngineDouble(Engine(dspark_model, config, prefill_chunk=16, options=SpecOptions(width=5), widths=(5,),
+                                 tokenizer=char_tokenizer))
     s = Server(create_app(engine, char_tokenizer, MODEL, api_key=API_KEY, max_queue=QUEUE), engine)
     yield s
     s.stop()

@@ -20,18 +20,17 @@ def paused(engine, free_steps: int = 0):
     """Hold the engine thread inside its next step, after `free_steps` more, until the block ends
     (requests pile up). A prompt's first token comes from the step that reads its prefill call (the
     one after the step that issued it), so a test that wants it first lets two steps through."""
-    gate, step, calls = threading.Event(), engine.step, iter(range(free_steps))
+    gate, calls = threading.Event(), iter(range(free_steps))
 
-    def held_step():
+    def hold():
         if next(calls, None) is None and not gate.wait(60):
             raise TimeoutError("the held step was never released: a test waited on the engine it held")
-        return step()
-    engine.step = held_step
+    engine.before_step = hold
     try:
         yield gate
     finally:
         gate.set()
-        del engine.step
+        engine.before_step = None
 
 
 def wait_for(condition, timeout=20.0):
@@ -132,15 +131,13 @@ def test_a_disconnected_queued_request_leaves_the_queue_at_once(server, client):
 
 def test_engine_failure_fails_running_requests_and_server_recovers(server, client, compile_counter):
     expected = client.completions.create(model=MODEL, prompt="abc", max_tokens=10, **GREEDY).choices[0].text
-    step = server.engine.step
     failures = iter([RuntimeError("device on fire")])
 
-    def failing_step():
+    def fail_once():
         failure = next(failures, None)
         if failure is not None:
             raise failure
-        return step()
-    server.engine.step = failing_step
+    server.engine.before_step = fail_once
     try:
         with pytest.raises(openai.InternalServerError, match="the engine failed while running this request") as e:
             client.completions.create(model=MODEL, prompt="abc", max_tokens=10, **GREEDY)
@@ -153,7 +150,7 @@ def test_engine_failure_fails_running_requests_and_server_recovers(server, clien
         assert not any("device on fire" in line for line in lines)
         assert lines[-2] == "data: [DONE]"
     finally:
-        del server.engine.step
+        server.engine.before_step = None
     before = compile_counter.count  # the reset state has the compiled shapes: nothing recompiles
     assert client.completions.create(model=MODEL, prompt="abc", max_tokens=10, **GREEDY).choices[0].text == expected
     assert compile_counter.count == before
