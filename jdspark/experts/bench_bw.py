@@ -266,6 +266,11 @@ def together(fmt_name: str, dim: int, inter: int, rows: int, *, bank_experts: in
 # ------------------------------------------------------------------------------------------------
 
 
+def _progress(message: str) -> None:
+    """A measurement as it finishes, on stderr: a run cut short still shows what it measured."""
+    print(f"bench bw: {message}", file=sys.stderr, flush=True)
+
+
 def run(args) -> dict:
     threads = args.threads or cpu_gemv.default_threads()
     rows_list = _ints(args.rows)
@@ -280,6 +285,7 @@ def run(args) -> dict:
            "simd": bool(cpu_gemv.kernel().jds_has_simd())}
     read = host_read(read_mb << 20, threads, args.repeats)
     res.update(host_read_GBps=read["GBps"], host_read_best_GBps=read["best_GBps"], host_read=read)
+    _progress(f"host read {read['GBps']:.2f} GB/s")
     numba_rows = set(_ints(args.numba_rows)) if args.numba_rows else set()
     backends = {"cpp": set(rows_list)}
     if numba_rows:
@@ -292,6 +298,8 @@ def run(args) -> dict:
     for f in formats:
         gemv += cpu_gemv_sweep(f, args.dim, args.inter, rows_list, threads=threads, repeats=args.repeats,
                                bank_experts=args.bank_experts, backends=backends)
+        _progress(f"CPU GEMV {f}: " + ", ".join(f"rows {g['rows']} {g['GBps']:.1f} GB/s" for g in gemv
+                                                if g["format"] == f and g["backend"] == "cpp"))
     # the read test once more after the sweep: the machine may be busier or quieter by now
     read2 = host_read(read_mb << 20, threads, args.repeats)
     res["host_read_after_GBps"] = read2["GBps"]
@@ -306,12 +314,15 @@ def run(args) -> dict:
     else:
         res["gpu"] = str(gpu)
         res["pcie_h2d"] = pcie_h2d(gpu)
+        _progress("PCIe " + ", ".join(f"{p['kind']} {p['MiB']} MiB {p['GBps']:.1f} GB/s" for p in res["pcie_h2d"]))
         res["gpu_gemv"], res["together"] = [], []
         for f in formats:
             try:
                 for source in ("device", "host"):
                     res["gpu_gemv"] += gpu_gemv_sweep(f, args.dim, args.inter, rows_list, bank_experts=args.bank_experts,
                                                       repeats=args.repeats, device=gpu, source=source)
+                _progress(f"GPU GEMV {f}: " + ", ".join(f"rows {g['rows']} {g['source']} {g['GBps']:.1f} GB/s"
+                                                        for g in res["gpu_gemv"] if g["format"] == f))
                 res["together"] += [together(f, args.dim, args.inter, rows, bank_experts=args.bank_experts,
                                              threads=threads) for rows in sorted({1, max(rows_list)})]
             except Exception as e:  # noqa: BLE001 - report, keep the rest
