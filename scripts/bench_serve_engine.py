@@ -124,6 +124,11 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             "call_ms": {kind: mean_ms([r.seconds for r in rs]) for kind, rs in calls.items()},
             "profiled_ms": {kind: mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])
                             for kind, rs in calls.items()},
+            # the verify calls by executable width: how many, and their wall against the profile's price
+            "verify_by_width": {int(k): {"steps": len(rs), "ms": mean_ms([r.seconds for r in rs]),
+                                         "profiled_ms": mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])}
+                                for k in sorted({r.width for r in calls["verify"]})
+                                for rs in [[r for r in calls["verify"] if r.width == k]]},
             "tokens_per_step": tokens / max(len(records), 1)}
 
 
@@ -231,7 +236,9 @@ def main(argv=None) -> int:
                       f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms  "
                       f"drafting steps {level['drafting_steps']}/{level['steps']}  call ms (profiled): "
                       + " ".join(f"{k} {v:.2f} ({level['profiled_ms'][k]:.2f})"
-                                 for k, v in level["call_ms"].items() if v),
+                                 for k, v in level["call_ms"].items() if v)
+                      + "  by width: " + " ".join(f"k{k} x{w['steps']} {w['ms']:.2f} ({w['profiled_ms']:.2f})"
+                                                  for k, w in level["verify_by_width"].items()),
                       flush=True)
             if args.out:  # after every level, so a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))
