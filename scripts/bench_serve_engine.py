@@ -12,6 +12,8 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
                speculating request (`engine/widths.py`); a new request's stale confidences start
                at the engine's recent average (`SpecOptions.first_confidence="recent"`);
 - per_request_ones: the same with new requests at confidences of 1 (`first_confidence="ones"`);
+- per_request_queued: per_request priced with costs of queued calls (`SpecOptions.profile="queued"`:
+               the executables' rate when issued back to back, as overlapped steps run them);
 - budget:      Algorithm 1 over stale confidences with the bucket's measured costs.
 
 Reports output tokens/s, p50 / p90 / p99 of time to first token and inter-token latency (gaps
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "budget")
+MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "per_request_queued", "budget")
 PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
                 "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"", "for i in range(10):", "with open(path) as f:",
                 "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
@@ -65,12 +67,15 @@ def build(args, max_running: int | None = None, buckets: tuple[int, ...] | None 
 
 
 def set_mode(engine, mode: str) -> None:
+    profile = "queued" if mode == "per_request_queued" else "synchronised"
+    if engine.selectors:  # an adaptive engine: its selectors measured under the mode's profile
+        engine.set_policy(options=dataclasses.replace(engine.options, profile=profile))
     options = engine.options
     if mode == "none":
         engine.set_policy(speculative=False)
         return
     batch_widths = {"fixed5": "per_request", "padded": "padded", "per_request": "per_request",
-                    "per_request_ones": "per_request", "budget": "budget"}
+                    "per_request_ones": "per_request", "per_request_queued": "per_request", "budget": "budget"}
     first = "ones" if mode == "per_request_ones" else "recent"
     engine.set_policy(speculative=True, width_policy=(lambda confidence: 5) if mode == "fixed5" else engine.selector,
                       options=dataclasses.replace(options, batch_widths=batch_widths[mode], first_confidence=first))

@@ -1,7 +1,11 @@
 """Measured costs of the engine's executables, cached on disk per (device kind, model config,
 engine config).
 
-A cost is the fastest of N synchronised calls of one compiled executable on the engine's state. The
+A cost is the fastest of N synchronised calls of one compiled executable on the engine's state, or,
+under `SpecOptions(profile="queued")`, of N samples of `QUEUED` calls issued back to back and
+synchronised once, per call: overlapped steps issue a call before reading the one before, so on a
+GPU the host's dispatch hides behind the device, and one call at a time prices what serving does not
+pay (H200, embedded model: step[5] profiled at 2.47 ms, its overlapped serving calls 2.01-2.11). The
 labels are timed in interleaved rounds, after warm-up rounds lasting at least `WARM_S`: on the H200 a
 profile taken label after label, right after compiling, found the GPU at idle clocks (bucket 1's
 decode at 2.76 ms against the 1.6 ms its serving steps then took). Every slot is active, as in a full
@@ -48,12 +52,15 @@ def cost_key(model_config: dict, dtype: str, engine_config: dict) -> str:
 
 
 WARM_S = 0.5  # warm-up rounds run at least this long (clocks up, caches filled)
+QUEUED = 4  # calls per timed sample of the "queued" profile
 
 
-def measure(run, labels, runs: int, reset=lambda: None, clock: Callable[[], float] = time.perf_counter) -> list[float]:
-    """The fastest of `runs` timed calls per label (interference only slows a call), in rounds that
-    call every label once; `run(label)` runs and blocks on one call, `reset()` (untimed) runs before
-    each call; `clock` reads the time (a test passes a fake one)."""
+def measure(run, labels, runs: int, reset=lambda: None, clock: Callable[[], float] = time.perf_counter,
+            calls: int = 1) -> list[float]:
+    """The fastest of `runs` timed samples per label (interference only slows a call), over `calls`
+    (the calls one sample makes), in rounds that sample every label once; `run(label)` runs one
+    sample and blocks on it, `reset()` (untimed) runs before each sample; `clock` reads the time (a
+    test passes a fake one)."""
     start = clock()
     while True:  # warm-up rounds
         for label in labels:
@@ -68,11 +75,11 @@ def measure(run, labels, runs: int, reset=lambda: None, clock: Callable[[], floa
             begin = clock()
             run(label)
             times[label].append(clock() - begin)
-    return [min(times[label]) for label in labels]
+    return [min(times[label]) / calls for label in labels]
 
 
 def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path | None, reprofile: bool,
-                    reset=lambda: None, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+                    reset=lambda: None, clock: Callable[[], float] = time.perf_counter, calls: int = 1) -> dict[str, float]:
     """{label: seconds} from the cache file of `key` when it holds these labels, else measured and stored."""
     path = (cache_dir or default_cache_dir()) / f"{key}.json"
     # Several processes run every call together, so all measure (none reads a cache it alone may
@@ -83,7 +90,7 @@ def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path
             costs = dict(zip(data["labels"], data["costs_s"]))
             log.info("costs from %s: %s", path, _fmt(costs))
             return costs
-    costs = dict(zip(labels, distributed.from_process_0(measure(run, labels, runs, reset, clock))))
+    costs = dict(zip(labels, distributed.from_process_0(measure(run, labels, runs, reset, clock, calls))))
     log.info("profiled costs (fastest of %d runs): %s", runs, _fmt(costs))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"labels": list(labels), "costs_s": list(costs.values()), "runs": runs}, indent=1))
@@ -96,8 +103,10 @@ def _fmt(costs: dict[str, float]) -> str:
 
 def measure_bucket(engine, n: int) -> dict[str, float]:
     """{"decode": s, "step{k}": s} of an engine's batch bucket n: rows 0..n-1 active at full width,
-    greedy, on emptied state; cached per device kind, model, dtype, engine config and bucket."""
-    config, exe = engine.config, engine.exe.buckets[n]
+    greedy, on emptied state, one call or `QUEUED` at a time (`SpecOptions.profile`, while the state
+    has room for them); cached per device kind, model, dtype, engine config, bucket and profile."""
+    config, exe, profile = engine.config, engine.exe.buckets[n], engine.options.profile
+    queued = max(1, min(QUEUED, (config.max_seq_len - 1) // (config.gamma + 1))) if profile == "queued" else 1
     active = np.arange(config.max_batch) < n
     zeros = np.zeros(n, np.int32)
     slots = slot_inputs(active=np.ones(n, bool), temperature=np.zeros(n, np.float32), top_k=zeros,
@@ -106,8 +115,9 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     calls = {"decode": exe.decode, **{f"step{k}": exe.step[k] for k in sorted(exe.step)}}
 
     def run(label):
-        out, engine.state, engine.draft_cache = calls[label](engine.exe.params.arrays, engine.state,
-                                                             engine.draft_cache, slots)
+        for _ in range(queued):
+            out, engine.state, engine.draft_cache = calls[label](engine.exe.params.arrays, engine.state,
+                                                                 engine.draft_cache, slots)
         jax.block_until_ready(out)
 
     def reset():
@@ -117,10 +127,11 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
 
     mesh = {"mesh": dict(engine.model.mesh.shape)} if engine.model.mesh is not None else {}  # other executables
     key = cost_key(engine.model.config.to_dict(), str(engine.model.dtype), {**dataclasses.asdict(config), "bucket": n,
-                                                                           **mesh})
+                                                                           "profile": profile, **mesh})
     options = engine.options
     cache_dir = Path(options.cost_cache_dir) if options.cost_cache_dir else None
-    measured = load_or_measure(key, run, list(calls), options.profile_runs, cache_dir, options.reprofile, reset)
+    measured = load_or_measure(key, run, list(calls), options.profile_runs, cache_dir, options.reprofile, reset,
+                               calls=queued)
     reset()
     return measured
 
@@ -170,3 +181,18 @@ def measured_selector(engine, bucket: int) -> AdaptiveWidth:
     draft = max(step[0] - measured["decode"], 0.0)
     return AdaptiveWidth([s - draft for s in step], draft, engine.config.gamma,
                          decode_cost=max(measured["decode"], 1e-6))
+
+
+def measured_selectors(engine) -> tuple[dict[int, AdaptiveWidth], AdaptiveWidth, LiveCosts]:
+    """Every batch bucket's `measured_selector` (under the engine's `options.profile`), the largest
+    bucket's, and the live costs that correct them."""
+    selectors = {n: measured_selector(engine, n) for n in engine.config.buckets}
+    return selectors, selectors[max(selectors)], LiveCosts(selectors)
+
+
+def summary(policy) -> dict:
+    """D and V(k) (seconds) a width policy reads; None when it is no AdaptiveWidth (a fixed width, or
+    a policy of the caller's)."""
+    if not isinstance(policy, AdaptiveWidth):
+        return {"draft_cost_s": None, "verify_costs_s": None}
+    return {"draft_cost_s": policy.draft_cost, "verify_costs_s": policy.verify_costs.tolist()}

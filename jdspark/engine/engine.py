@@ -30,17 +30,15 @@ from jdspark.engine.errors import CapacityError, EngineError
 from jdspark.engine.executables import Executables, read_output
 from jdspark.engine.options import SpecOptions, WidthPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
-from jdspark.engine.sequence import ConfidencePrior, Sequence
+from jdspark.engine.sequence import NON_FINITE, ConfidencePrior, Sequence
 from jdspark.engine.stats import RowRecord, StepReaders, StepRecord
 from jdspark.engine.widths import choose, compiled_widths
 from jdspark.model.model import Model
-from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
+from jdspark.speculative.selector import AdaptiveWidth
 from jdspark.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-NON_FINITE = ("the model produced non-finite logits or draft probabilities for this request (NaN or inf); "
-              "it was stopped instead of emitting a token drawn from them")
 
 
 class Engine:
@@ -69,7 +67,7 @@ class Engine:
         self._unread: list[IssuedPrefill | IssuedVerify] = []  # calls issued and not yet read (the previous step's)
         self._last_read = 0.0  # when a call was last read (perf_counter): where an overlapped step's time starts
         self.tokenizer = tokenizer
-        self._new_breaker()  # validates the fallback options before anything is compiled
+        options.breaker()  # validates the fallback options before anything is compiled
         on_gpu = jax.default_backend() == "gpu"
         pack_params = on_gpu if pack_params is None else pack_params
         chunk = min(prefill_chunk, config.max_seq_len)
@@ -86,9 +84,9 @@ class Engine:
         log.info("%d executables (batch buckets %s) ready in %.1f s: %d loaded from disk, %.1f s loading, tracing "
                  "and lowering", self.exe.count, list(config.buckets), time.perf_counter() - start, self.exe.loaded,
                  self.exe.lower_seconds)
-        self.selector: AdaptiveWidth | None = None  # the largest bucket's; `selectors` has every bucket's
-        self.selectors: dict[int, AdaptiveWidth] = {}
+        self.selector, self.selectors = None, {}  # the measured selectors: the largest bucket's, every bucket's
         self.live: costs.LiveCosts | None = None  # the selectors as the steps take them (`costs.LiveCosts`)
+        self._measured: dict[str, tuple] = {}  # profile -> (selectors, selector, live) measured under it
         self.width_policy = self._width_policy(width_policy, widths)
         log.info("engine ready in %.1f s (compile cache %s)", time.perf_counter() - start,
                  jax.config.jax_compilation_cache_dir or "off")
@@ -105,8 +103,13 @@ class Engine:
         if gamma not in widths:
             raise EngineError(f"adaptive width needs width gamma={gamma} compiled (every width rounds up to a "
                               f"compiled one), got {widths}")
-        self.selectors = {n: costs.measured_selector(self, n) for n in self.config.buckets}
-        self.selector, self.live = self.selectors[max(self.selectors)], costs.LiveCosts(self.selectors)
+        return self._measure()
+
+    def _measure(self) -> AdaptiveWidth:
+        """The selectors of `options.profile`, measured once per profile (`costs.measured_selectors`)."""
+        if self.options.profile not in self._measured:
+            self._measured[self.options.profile] = costs.measured_selectors(self)
+        self.selectors, self.selector, self.live = self._measured[self.options.profile]
         return self.selector
 
     def _fresh_state(self):
@@ -170,7 +173,7 @@ class Engine:
         rid, self._next_id = self._next_id, self._next_id + 1
         self._slots[b] = Sequence(rid, len(prompt), params, seed=seed, gamma=self.config.gamma,
                                   eos_token_id=self.model.config.eos_token_id, tokenizer=self.tokenizer,
-                                  breaker=self._new_breaker(), confidence=self._first_confidence())
+                                  breaker=self.options.breaker(), confidence=self._first_confidence())
         self._slot_of[rid] = b
         self._pending[b] = PendingPrompt(prompt)
         return rid
@@ -263,8 +266,8 @@ class Engine:
                    options: SpecOptions | None = None, overlap: bool | None = None) -> None:
         """Change how the engine speculates, between steps, on the executables it compiled: speculation
         on or off, the width policy (`selector` is the measured adaptive one), the options (a new
-        breaker applies to requests admitted afterwards), overlapped steps or not (only while no
-        request runs). Benchmarks and tests compare policies so."""
+        breaker applies to requests admitted afterwards; a new `profile` measures the costs again),
+        overlapped steps or not (those two only while no request runs). Benchmarks compare so."""
         if speculative and not self.exe.step:
             raise EngineError("speculative=True: this engine compiled no step widths (it was built with "
                               "speculative=False); build one with speculative=True")
@@ -275,8 +278,14 @@ class Engine:
                 read_output(call.out, self.config.gamma)
             self._unread, self.overlap = [], overlap
         if options is not None:
-            self._new_breaker(options)  # validates before anything changes
-            self.options = options
+            options.breaker()  # validates before anything changes
+            remeasure = bool(self.selectors) and options.profile != self.options.profile
+            if remeasure and self.running:
+                raise EngineError(f"profile={options.profile!r}: requests are running; change it when none runs")
+            self.options, adaptive = options, self._adaptive()
+            if remeasure:
+                selector = self._measure()  # the new profile's selectors; the adaptive policy follows them
+                self.width_policy = selector if adaptive else self.width_policy
         if speculative is not None:
             self.speculative = speculative
         if width_policy is not None:
@@ -376,17 +385,8 @@ class Engine:
         self._readers.publish(record, self.options.log_every)
 
     def cost_summary(self, bucket: int | None = None) -> dict:
-        """D and V(k) (seconds) the width policy in use reads at a batch bucket (default the largest;
-        `live` costs); None when it is no AdaptiveWidth (a fixed width, or a policy of the caller's)."""
-        policy = self._policy_at(bucket or max(self.config.buckets))
-        if not isinstance(policy, AdaptiveWidth):
-            return {"draft_cost_s": None, "verify_costs_s": None}
-        return {"draft_cost_s": policy.draft_cost, "verify_costs_s": policy.verify_costs.tolist()}
-
-    def _new_breaker(self, options: SpecOptions | None = None) -> FallbackBreaker | None:
-        o = options or self.options
-        return FallbackBreaker(o.fallback_threshold, o.fallback_min_drafted, o.fallback_cooldown) \
-            if o.fallback_threshold else None
+        """`costs.summary` of the width policy in use at a batch bucket (default the largest; `live` costs)."""
+        return costs.summary(self._policy_at(bucket or max(self.config.buckets)))
 
     def _emit(self, b: int, new: list[int], invalid: bool = False) -> Delta:
         """Slot b's sequence takes the tokens; a finished request leaves its slot. An invalid

@@ -7,8 +7,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from jdspark.speculative.selector import FallbackBreaker
+
 WidthPolicy = Callable[[np.ndarray], int]  # stale confidences [gamma] of one request -> width k
 BATCH_WIDTHS = ("per_request", "padded", "budget")  # how a batch's rows get widths: jdspark.engine.widths
+PROFILES = ("synchronised", "queued")  # how the executables' costs are measured: jdspark.engine.costs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +38,20 @@ class SpecOptions:
     pause_steps: int = 32
     first_confidence: str = "recent"  # where a new request's stale confidences start, and where a probe is
     # judged: "ones", or "recent" (the engine's running average, `sequence.ConfidencePrior`)
+    profile: str = "synchronised"  # a cost: one call at a time, or "queued": calls issued back to back
+    # (the rate of overlapped steps, which hide the host's dispatch behind the device; `costs.measure_bucket`)
 
     def __post_init__(self):
         if not isinstance(self.pause_steps, int) or self.pause_steps < 0:
             raise ValueError(f"pause_steps={self.pause_steps!r}: must be an integer >= 0 (0: never pause)")
         if self.first_confidence not in ("ones", "recent"):
             raise ValueError(f"first_confidence={self.first_confidence!r}: use 'ones' or 'recent'")
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile={self.profile!r}: use one of {', '.join(PROFILES)}")
         if self.batch_widths not in BATCH_WIDTHS:
             raise ValueError(f"batch_widths={self.batch_widths!r}: use one of {', '.join(BATCH_WIDTHS)}")
+
+    def breaker(self) -> FallbackBreaker | None:
+        """A new request's acceptance breaker (None when `fallback_threshold` is 0); validates them."""
+        return FallbackBreaker(self.fallback_threshold, self.fallback_min_drafted, self.fallback_cooldown) \
+            if self.fallback_threshold else None

@@ -19,6 +19,9 @@ from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
 
 MAX_BACKOFF = 5  # a pause is at most 2**5 times `SpecOptions.pause_steps` long
 
+NON_FINITE = ("the model produced non-finite logits or draft probabilities for this request (NaN or inf); "
+              "it was stopped instead of emitting a token drawn from them")
+
 
 class ConfidencePrior:
     """Where a new request's stale confidences start (`SpecOptions.first_confidence="recent"`): ones

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jdspark.engine.engine import SpecOptions
+from jdspark.engine.errors import EngineError
 from jdspark.engine.request import SamplingParams
 from jdspark.speculative.selector import AdaptiveWidth
 from tests.conftest import generate_to_end
@@ -196,3 +197,24 @@ def test_engine_logs_throughput_acceptance_widths_and_costs(engine, caplog):
         generate(engine, SamplingParams(max_tokens=30, temperature=1.0, seed=4, ignore_eos=True))
     lines = [r.getMessage() for r in caplog.records if "tok/s" in r.getMessage()]
     assert lines and all("acceptance" in line and "widths {" in line and "V=[" in line for line in lines)
+
+
+def test_a_new_profile_measures_the_selectors_again_once(engine, tmp_path):
+    """`SpecOptions.profile`: the selectors measured under "queued" (calls back to back) replace the
+    synchronised ones, the adaptive policy follows them, switching back restores the first set
+    without measuring, and a switch while a request runs is refused."""
+    options, first = engine.options, engine.selector
+    assert engine.width_policy is first
+    engine.set_policy(options=dataclasses.replace(options, profile="queued", profile_runs=1, reprofile=True,
+                                                  cost_cache_dir=str(tmp_path)))
+    queued = engine.selector
+    assert queued is not first and engine.width_policy is queued and engine.selectors[max(engine.selectors)] is queued
+    assert np.all(np.isfinite(queued.step_costs)) and queued.decode_cost > 0
+    assert generate(engine).token_ids  # serves under the new selectors
+    engine.set_policy(options=options)
+    assert engine.selector is first and engine.width_policy is first  # kept, not measured again
+    rid = engine.add(PROMPT, GREEDY).request_id
+    with pytest.raises(EngineError, match="profile=.queued.: requests are running"):
+        engine.set_policy(options=dataclasses.replace(options, profile="queued"))
+    engine.cancel(rid)
+    assert engine.options is options

@@ -4,8 +4,10 @@ Time is a fake clock that the calls advance, so the figures are exact. The live 
 corrected by what the steps took."""
 
 import numpy as np
+import pytest
 
 from jdspark.engine import costs
+from jdspark.engine.options import SpecOptions
 from jdspark.speculative.selector import AdaptiveWidth
 
 
@@ -60,6 +62,20 @@ def test_reset_runs_before_every_call_and_is_not_timed(tmp_path):
     assert costs.load_or_measure("key", run, ["step0"], 3, tmp_path, reprofile=True, reset=reset,
                                  clock=clock) == {"step0": 6.0}  # reprofile: measured although cached
 
+
+def test_a_queued_sample_is_priced_per_call():
+    """The "queued" profile times samples of several calls issued back to back: a cost is per call."""
+    clock = FakeClock()
+
+    def run(label):  # one sample: 4 calls of 2 s each
+        clock.now += 4 * 2.0
+
+    assert costs.measure(run, ["step5"], 2, clock=clock, calls=4) == [2.0]
+
+
+def test_options_name_an_unknown_profile():
+    with pytest.raises(ValueError, match="profile='async': use one of synchronised, queued"):
+        SpecOptions(profile="async")
 
 
 def test_live_costs_move_each_kind_of_call_towards_what_the_steps_took():
