@@ -13,6 +13,9 @@ class SamplingError(EngineError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickled and copied with both arguments (args holds the message alone)
+        return type(self), (self.param, str(self))
+
 
 class PromptError(EngineError):
     """The prompt itself cannot run: empty, not token ids, or an id outside the vocabulary."""

@@ -2,6 +2,8 @@
 every width, packed parameters, the draft cache, no compilation after warm-up, clear errors.
 Losslessness of sampling is in test_lossless.py."""
 
+import pickle
+
 import jax
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import executables
 from jdspark.engine.engine import Engine, EngineError, SpecOptions
+from jdspark.engine.errors import SamplingError
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
 from tests.conftest import DSPARK_CONFIG, generate_to_end
@@ -147,8 +150,10 @@ def test_bad_requests_get_clear_errors(engine, model):
     with pytest.raises(EngineError, match="speculative=True needs a checkpoint with a DSpark drafter"):
         Engine(Model.random(CONFIG.replace(extra={}, num_nextn_predict_layers=1, compress_ratios=(0, 4, 16, 0))),
                EngineConfig(max_seq_len=32), speculative=True)
-    with pytest.raises(ValueError, match="temperature=-1: must be a number >= 0"):
+    with pytest.raises(SamplingError, match="temperature=-1: must be a number >= 0") as raised:
         SamplingParams(temperature=-1)
+    copied = pickle.loads(pickle.dumps(raised.value))  # it crosses processes with its param
+    assert (copied.param, str(copied)) == ("temperature", str(raised.value))
     assert engine.running == [] and engine.free_slots == engine.config.max_batch
 
 
