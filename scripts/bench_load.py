@@ -15,7 +15,7 @@ every 5 ms, above what it held before the load), and how far the hybrid model's 
 the all-device ones.
 
     python scripts/bench_load.py --preset flash --layers 4 --json load.json
-    python scripts/bench_load.py --preset flash --layers 4 --gpu-memory 8 --repeats 1 --json load.json
+    python scripts/bench_load.py --preset flash --layers 4 --gpu-memory 8 --json load.json
 """
 
 from __future__ import annotations
@@ -65,6 +65,21 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def written(config, src: Path) -> tuple:
+    """Write the synthetic checkpoint to `src`; its table row."""
+    start = time.perf_counter()
+    write_checkpoint(config, src, progress=True)
+    return ("write synthetic safetensors", time.perf_counter() - start, dir_bytes(src), None)
+
+
+def print_rows(rows: list) -> None:
+    """(step, seconds, bytes, page cache dropped or None) as a table."""
+    print(f"{'step':40s} {'seconds':>9s} {'GiB':>8s} {'GiB/s':>7s} {'cold':>5s}")
+    for step, seconds, nbytes, dropped in rows:
+        cold = "" if dropped is None else "yes" if dropped else "no"
+        print(f"{step:40s} {seconds:9.2f} {nbytes / 2**30:8.2f} {nbytes / 2**30 / seconds:7.2f} {cold:>5s}")
 
 
 def resident_bytes() -> int:
@@ -150,11 +165,7 @@ def main(argv=None) -> int:
     config = config_for(args)
     shutil.rmtree(args.workdir, ignore_errors=True)
     src, dst = args.workdir / "safetensors", args.workdir / "orbax"
-    rows = []
-
-    start = time.perf_counter()
-    write_checkpoint(config, src, progress=True)
-    rows.append(("write synthetic safetensors", time.perf_counter() - start, dir_bytes(src), None))
+    rows = [written(config, src)]
     start = time.perf_counter()
     convert(src, dst, dtype=args.dtype, progress=False)
     rows.append(("jdspark convert (load + orbax save)", time.perf_counter() - start, dir_bytes(dst), None))
@@ -175,10 +186,7 @@ def main(argv=None) -> int:
     print(f"\n{args.preset} layers={config.num_hidden_layers} experts={config.n_routed_experts} dtype={args.dtype} "
           f"device={jax.devices()[0].device_kind} jax={jax.__version__}; params on device "
           f"{device_bytes / 2**30:.2f} GiB; identical logits: {identical}")
-    print(f"{'step':40s} {'seconds':>9s} {'GiB':>8s} {'GiB/s':>7s} {'cold':>5s}")
-    for step, seconds, nbytes, dropped in rows:
-        cold = "" if dropped is None else "yes" if dropped else "no"
-        print(f"{step:40s} {seconds:9.2f} {nbytes / 2**30:8.2f} {nbytes / 2**30 / seconds:7.2f} {cold:>5s}")
+    print_rows(rows)
     result = {
         "preset": args.preset, "config": config.to_dict(), "dtype": args.dtype, "device": str(jax.devices()[0]),
         "jax": jax.__version__, "device_param_bytes": device_bytes, "identical_logits": identical,
@@ -199,14 +207,9 @@ def placement_main(args) -> int:
     config = config_for(args)
     shutil.rmtree(args.workdir, ignore_errors=True)
     src = args.workdir / "safetensors"
-    rows = []
-    start = time.perf_counter()
-    write_checkpoint(config, src, progress=True)
-    rows.append(("write synthetic safetensors", time.perf_counter() - start, dir_bytes(src), None))
+    rows = [written(config, src)]
     result = hybrid_rows(args, config, src, rows)
-    print(f"{'step':40s} {'seconds':>9s} {'GiB':>8s} {'GiB/s':>7s}")
-    for step, seconds, nbytes, _ in rows:
-        print(f"{step:40s} {seconds:9.2f} {nbytes / 2**30:8.2f} {nbytes / 2**30 / seconds:7.2f}")
+    print_rows(rows)
     result |= {"preset": args.preset, "config": config.to_dict(), "dtype": args.dtype, "gpu_memory_GB": args.gpu_memory,
                "device": str(jax.devices()[0]), "jax": jax.__version__,
                "rows": [{"step": s, "seconds": t, "bytes": b} for s, t, b, _ in rows]}

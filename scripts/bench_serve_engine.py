@@ -123,6 +123,9 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
     # each kind of call's host wall time (choice, call, outputs, emission) beside its profiled cost
     measured = getattr(engine, "selectors", {}) or {}  # bucket -> the AdaptiveWidth of its profiled costs
     calls = {"decode": [r for r in records if not r.drafted_call], "verify": [r for r in records if r.drafted_call]}
+    by_width: dict[int, list] = {}  # the verify calls by executable width
+    for r in calls["verify"]:
+        by_width.setdefault(int(r.width), []).append(r)
     return {"concurrency": concurrency, "requests": len(done), "tokens_per_s": tokens / wall,
             "ttft_ms": pct(ttft), "itl_ms": pct(itl), "steps": len(records), "wall_s": wall,
             "drafting_steps": len(calls["verify"]),
@@ -130,10 +133,9 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             "profiled_ms": {kind: mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])
                             for kind, rs in calls.items()},
             # the verify calls by executable width: how many, and their wall against the profile's price
-            "verify_by_width": {int(k): {"steps": len(rs), "ms": mean_ms([r.seconds for r in rs]),
-                                         "profiled_ms": mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])}
-                                for k in sorted({r.width for r in calls["verify"]})
-                                for rs in [[r for r in calls["verify"] if r.width == k]]},
+            "verify_by_width": {k: {"steps": len(rs), "ms": mean_ms([r.seconds for r in rs]),
+                                    "profiled_ms": mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])}
+                                for k, rs in sorted(by_width.items())},
             "tokens_per_step": tokens / max(len(records), 1)}
 
 

@@ -210,6 +210,7 @@ def test_a_new_profile_measures_the_selectors_again_once(engine, tmp_path):
     queued = engine.selector
     assert queued is not first and engine.width_policy is queued and engine.selectors[max(engine.selectors)] is queued
     assert np.all(np.isfinite(queued.step_costs)) and queued.decode_cost > 0
+    assert len(list(tmp_path.glob("*.json"))) == len(engine.config.buckets)  # measured, under their own keys
     assert generate(engine).token_ids  # serves under the new selectors
     engine.set_policy(options=options)
     assert engine.selector is first and engine.width_policy is first  # kept, not measured again
