@@ -1,20 +1,119 @@
-"""How long one tiny-model extend takes to compile here (device start-up cost probe)."""
+"""Where a cold start-up's compile time goes: the embedded engine's executables (one batch bucket,
+prefill, decode, step[0..5]) lowered one after another, each compiled by a pool of N threads as
+soon as it is lowered (as the engine does), or by P worker processes (each lowering and compiling
+its share), with the engine's XLA options (`compiler_options`; XLA_FLAGS overrides them) and no
+compile cache. Prints each program's lowering and compile time (threads: its start and end, to
+see whether the compiles overlap) and the wall; `--json` writes them.
 
+    python scripts/compile_probe.py --threads 1      # serial
+    python scripts/compile_probe.py --threads 8
+    python scripts/compile_probe.py --processes 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
 
-from jdspark.config import EngineConfig, tiny_config
-from jdspark.model.model import Model
+def build(args):
+    """(Executables, decode state, draft cache) of the embedded model's 1-slot engine."""
+    from jdspark.assets import default_model_dir
+    from jdspark.checkpoint.loader import load_model
+    from jdspark.config import EngineConfig
+    from jdspark.drafter import dspark
+    from jdspark.engine.executables import Executables
+    from jdspark.engine.widths import compiled_widths
+    model = load_model(default_model_dir(), dtype=args.dtype)
+    config = EngineConfig(max_seq_len=args.max_seq_len, gamma=model.config.dspark.block_size, max_batch=1,
+                          batch_buckets=(1,))
+    widths = compiled_widths(model.config, config, True, None, None)
+    exe = Executables(model, config, args.prefill_chunk, "auto", widths, pack_params=True)
+    draft = model.on_devices(dspark.init_draft_cache(model.config, 1, model.dtype))
+    return exe, model.init_state(config), draft
 
-model = Model.random(tiny_config(), "bfloat16", seed=1)
-decode = model.init_state(EngineConfig(max_seq_len=256, gamma=5, max_batch=1))
-for s in (6, 1):
-    f = jax.jit(lambda p, d, i, n: nnx.merge(model.graphdef, p).extend(i, d, n))
+
+def lower(exe, decode, draft, keys=None):
+    """(key, (lowered, seconds)) for the programs named in `keys` (default all), one at a time."""
+    for key, (function, arguments) in exe.programs(decode, draft).items():
+        if keys is None or str(key) in keys:
+            start = time.perf_counter()
+            yield key, (exe.jit(function, decode, draft).lower(*arguments), time.perf_counter() - start)
+
+
+def run_threads(args) -> dict:
+    from jdspark.engine.compiling import compiler_options
+    exe, decode, draft = build(args)
+    options, rows, futures, origin = compiler_options(exe.config), {}, [], time.perf_counter()
+
+    def compile_one(key, program):
+        start = time.perf_counter()
+        program.compile(options or None)
+        rows[key].update(compile_start_s=start - origin, compile_end_s=time.perf_counter() - origin)
+
+    with ThreadPoolExecutor(args.threads) as pool:
+        for key, (program, seconds) in lower(exe, decode, draft).items():  # lowered one by one, lazily
+            text = program.as_text()
+            rows[key] = {"program": str(key), "lower_s": seconds, "hlo_chars": len(text),
+                         "triton_calls": text.count("__gpu$xla.gpu.triton")}
+            futures.append(pool.submit(compile_one, key, program))
+        for future in futures:
+            future.result()  # a failed compile raises here
+    return {"mode": f"threads={args.threads}", "options": options, "lower_s": sum(r["lower_s"] for r in rows.values()),
+            "wall_s": time.perf_counter() - origin, "programs": list(rows.values())}
+
+
+def run_worker(args) -> None:
+    """Lower and compile the programs named in --worker (comma-separated keys)."""
+    from jdspark.engine.compiling import compiler_options
+    exe, decode, draft = build(args)
+    for key, (program, seconds) in lower(exe, decode, draft, set(args.worker.split(";"))):
+        start = time.perf_counter()
+        program.compile(compiler_options(exe.config) or None)
+        print(json.dumps({"program": str(key), "lower_s": seconds, "compile_s": time.perf_counter() - start}),
+              flush=True)
+
+
+def run_processes(args) -> dict:
+    exe, decode, draft = build(args)
+    keys = [str(k) for k in exe.programs(decode, draft)]
+    shares = [keys[i::args.processes] for i in range(args.processes)]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    origin = time.perf_counter()
+    workers = [subprocess.Popen([sys.executable, __file__, "--worker", ";".join(share), "--dtype", args.dtype,
+                                 "--max-seq-len", str(args.max_seq_len), "--prefill-chunk", str(args.prefill_chunk)],
+                                stdout=subprocess.PIPE, env=env, text=True) for share in shares if share]
+    rows = [json.loads(line) for w in workers for line in w.communicate()[0].splitlines() if line.startswith("{")]
+    return {"mode": f"processes={args.processes}", "wall_s": time.perf_counter() - origin, "programs": rows}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int)
+    p.add_argument("--processes", type=int)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--json")
+    args = p.parse_args()
+    if args.worker:
+        return run_worker(args)
     start = time.perf_counter()
-    lowered = f.lower(model.params, decode, jnp.zeros((1, s), jnp.int32), jnp.ones((1,), jnp.int32))
-    mid = time.perf_counter()
-    lowered.compile()
-    print(f"S={s}: lower {mid - start:.1f}s compile {time.perf_counter() - mid:.1f}s", flush=True)
+    result = run_processes(args) if args.processes else run_threads(args)
+    result["total_s"] = time.perf_counter() - start
+    for row in result["programs"]:
+        print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    print({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items() if k != "programs"})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

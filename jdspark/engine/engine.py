@@ -40,7 +40,6 @@ from jdspark.tokenizer.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-
 class Engine:
     """Slots of running requests over one decode state. Faces hand it prompts and read `Delta`s:
     `add` / `add_many` admit (and prefill), `step` advances every running request, `cancel` drops
@@ -81,8 +80,9 @@ class Engine:
         self._next_id, self.prior = 0, ConfidencePrior(config.gamma)
         start = time.perf_counter()
         self.exe.compile(self.state, self.draft_cache)
-        log.info("%d executables (batch buckets %s) ready in %.1f s: %d loaded from disk, %.1f s loading, tracing "
-                 "and lowering", self.exe.count, list(config.buckets), time.perf_counter() - start, self.exe.loaded,
+        log.info("%d executables (batch buckets %s) ready in %.1f s: %d loaded from disk, %d from compile workers "
+                 "(%.1f s), %.1f s loading, tracing and lowering here", self.exe.count, list(config.buckets),
+                 time.perf_counter() - start, self.exe.loaded, self.exe.from_workers, self.exe.worker_seconds,
                  self.exe.lower_seconds)
         self.selector, self.selectors = None, {}  # the measured selectors: the largest bucket's, every bucket's
         self.live: costs.LiveCosts | None = None  # the selectors as the steps take them (`costs.LiveCosts`)

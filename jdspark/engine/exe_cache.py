@@ -92,15 +92,15 @@ class ExecutableCache:
         return cls(os.path.join(folder, "jdspark"), static)
 
     @staticmethod
-    def compile(program: jax.stages.Lowered) -> tuple[jax.stages.Compiled, bool]:
-        """(compiled, whether it may be stored). On the CPU not when XLA's persistent cache handed it
+    def compile(program: jax.stages.Lowered, options: dict | None = None) -> tuple[jax.stages.Compiled, bool]:
+        """(compiled with XLA `options`, whether it may be stored). On the CPU not when XLA's persistent cache handed it
         back: XLA:CPU serializes such an executable without the functions it JIT-linked (measured:
         the stored copy loads, then fails with "Function wrapped_iota not found"). On the GPU a
         cache hit stores and reloads correctly (H200, 30 executables). Thread-safe: compilations
         run in parallel, and each thread sees only its own cache hits."""
         _watch_cache_hits()
         _this_thread.cache_hit = False
-        compiled = program.compile()
+        compiled = program.compile(options or None)
         return compiled, not (_this_thread.cache_hit and jax.default_backend() == "cpu")
 
     def _path(self, name: str, args) -> Path:

@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import NamedTuple
 
 import jax
@@ -61,7 +61,8 @@ from flax import nnx, struct
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
-from jdspark.engine import packed
+from jdspark.engine import compiling, packed
+from jdspark.engine.compiling import compile_all, compiler_options, load_all
 from jdspark.engine.exe_cache import ExecutableCache
 from jdspark.model import hyper, state
 from jdspark.model.model import Model
@@ -194,37 +195,6 @@ class Bucket:
     step: dict[int, jax.stages.Compiled] = dataclasses.field(default_factory=dict)
 
 
-def _pool(jobs: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=max(1, min(jobs, os.cpu_count() or 1)))
-
-
-def load_all(store: ExecutableCache | None, arguments: dict, outputs) -> dict:
-    """{key: the stored executable, or None} for programs called with `arguments[key]`, loaded in
-    parallel threads (measured: 8 executables of the embedded engine load in 3.4 s against 5.6-6.4 s
-    one by one on the 2-core CPU, so deserializing leaves the GIL; on the H200 16 loaded in 1.3 s,
-    where one by one had taken 0.9 s each)."""
-    if store is None:
-        return dict.fromkeys(arguments)
-    with _pool(len(arguments)) as pool:
-        futures = {key: pool.submit(store.load, str(key), args, outputs) for key, args in arguments.items()}
-        return {key: future.result() for key, future in futures.items()}
-
-
-def compile_all(lowered: dict, store: ExecutableCache | None = None, arguments: dict | None = None) -> dict:
-    """Compile lowered programs in parallel (XLA compiles outside the GIL): start-up on a many-core
-    host is the longest compilation, not the sum. With a `store`, each is stored as it finishes
-    (under its key and `arguments[key]`), so a start-up cut short keeps what it compiled."""
-    with _pool(len(lowered)) as pool:
-        futures = {pool.submit(ExecutableCache.compile, program): key for key, program in lowered.items()}
-        compiled = {}
-        for future in as_completed(futures):
-            key = futures[future]
-            compiled[key], storable = future.result()
-            if store and storable:
-                store.save(str(key), arguments[key], compiled[key])
-    return compiled
-
-
 class Executables:
     """AOT-compiled prefill, decode and step[k] per batch bucket, for one model, engine config and
     prefill chunk."""
@@ -249,6 +219,8 @@ class Executables:
         self.prefill_buckets = tuple(sorted({*(prefill_buckets or engine.buckets), engine.max_batch}))
         self.lower_seconds = 0.0
         self.loaded = 0  # executables loaded from disk by `compile` (exe_cache)
+        self.from_workers = 0  # executables `compile` had compile workers build (`compiling`)
+        self.worker_seconds = 0.0  # how long `compile` waited for them
 
     @property
     def largest(self) -> Bucket:
@@ -283,22 +255,29 @@ class Executables:
         neither match the CPU nor keep greedy speculative output equal to greedy target-only output
         (rounding that depends on the verified width flips near-ties). A bfloat16 model keeps the
         default (its few float32 dots, e.g. the head, stay as measured in docs/BENCHMARKS.md)."""
-        full_float32 = self.dtype == jnp.float32
-        with jax.default_matmul_precision("float32") if full_float32 else contextlib.nullcontext():
+        with self.precision():
             self._compile(decode, draft_cache)
 
-    def _compile(self, decode, draft_cache) -> None:
-        params = self.params.arrays
-        # Outputs keep the inputs' layout (on a mesh too), so a compiled step never sees another one.
+    def precision(self):
+        """The matmul precision every program is traced under (`compile`)."""
+        full_float32 = self.dtype == jnp.float32
+        return jax.default_matmul_precision("float32") if full_float32 else contextlib.nullcontext()
+
+    def jit(self, function, decode, draft_cache):
+        """`function` jitted as every engine call is: the state and draft cache donated, the outputs
+        in the inputs' layout (on a mesh too), so a compiled step never sees another one."""
         def layout(tree):
             return jax.tree.map(lambda a: a.sharding, tree)
 
         # keep_unused: a donated input the program does not read (the state's `written`) would be dropped from
         # it, its output would get a new buffer every call, and the outputs of its shape would pair with
         # other inputs: state buffers moving between calls, each move an update of the call's CUDA graph
-        kept = dict(donate_argnums=(1, 2), keep_unused=True,
-                    out_shardings=(decode.length.sharding, layout(decode), layout(draft_cache)))
-        programs = {}  # (bucket, "prefill" | "decode" | width) -> (function, example arguments)
+        return jax.jit(function, donate_argnums=(1, 2), keep_unused=True,
+                       out_shardings=(decode.length.sharding, layout(decode), layout(draft_cache)))
+
+    def programs(self, decode, draft_cache) -> dict:
+        """{(bucket, "prefill" | "decode" | width): (function, example arguments)}: every executable."""
+        params, programs = self.params.arrays, {}
         for b in self.buckets:
             slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)
             if b in self.prefill_buckets:
@@ -308,16 +287,35 @@ class Executables:
             programs[b, "decode"] = self._decode, (params, decode, draft_cache, slots)
             for k in self.widths:
                 programs[b, k] = self.step_function(k), (params, decode, draft_cache, slots)
+        return programs
+
+    def lowering(self, program, decode, draft_cache):
+        """A function lowering `program` ((function, example arguments), an item of `programs`)."""
+        function, arguments = program
+        return functools.partial(self.jit(function, decode, draft_cache).lower, *arguments)
+
+    def _compile(self, decode, draft_cache) -> None:
+        programs = self.programs(decode, draft_cache)
         store = ExecutableCache.default(self.static_key())
         outputs = (jnp.zeros(()), decode, draft_cache)
         start = time.perf_counter()
         arguments = {key: args for key, (_, args) in programs.items()}
         compiled = load_all(store, arguments, outputs)
-        lowered = {key: jax.jit(function, **kept).lower(*args)
-                   for key, (function, args) in programs.items() if compiled[key] is None}
-        self.lower_seconds = time.perf_counter() - start  # loading, tracing and lowering: serial, in Python
-        self.loaded = len(programs) - len(lowered)
-        compiled |= compile_all(lowered, store, arguments)
+        missing = [key for key in programs if compiled[key] is None]
+        workers = compiling.workers(len(missing)) if store else 0
+        if workers and compiling.eligible(self, decode, draft_cache):
+            begun = time.perf_counter()
+            compiling.compile_in_workers(self, decode, draft_cache, missing, workers)
+            self.worker_seconds = time.perf_counter() - begun
+            compiled |= load_all(store, {key: arguments[key] for key in missing}, outputs)
+            self.from_workers = sum(compiled[key] is not None for key in missing)
+        lowerings = {key: self.lowering(programs[key], decode, draft_cache)
+                     for key in programs if compiled[key] is None}
+        loading = time.perf_counter() - start - self.worker_seconds
+        self.loaded = len(programs) - len(lowerings) - self.from_workers
+        fresh, lowering = compile_all(lowerings, store, arguments, compiler_options(self.config))
+        compiled |= fresh
+        self.lower_seconds = loading + lowering  # loading, tracing and lowering in this process: serial, in Python
         for (b, name), program in compiled.items():
             if name in ("prefill", "decode"):
                 setattr(self.buckets[b], name, program)

@@ -1,0 +1,190 @@
+"""How the engine's programs become executables: XLA's options for them, loading stored ones and
+compiling the rest in parallel threads, and a cold start-up spread over worker processes.
+
+Tracing and lowering are Python and hold the GIL, so one process lowers its programs one after
+another: on the H200 that was 96.6 s of the 144.9 s cold start-up of `jdspark serve`'s default
+8-slot engine (23 executables; docs/BENCHMARKS.md, start-up). Compile workers each unpickle a
+recipe of the executables (the model graph, the parameters' layout and shapes, the engine's
+settings, the state's shapes; no weights), lower and compile their share and store every program
+in the executable store (`exe_cache`); the engine then loads them as a warm start-up does.
+
+A worker can only make start-up faster, never change what runs: the store's keys hold everything
+a program depends on, so a program whose key came out different in a worker, or that a worker did
+not deliver (it failed, or ran past its time), is simply not found and the engine compiles it
+itself. Used for models on one device with no host experts (their banks live in this process),
+while the store is on; JDSPARK_COMPILE_WORKERS sets how many (default: up to 8 on a GPU, none on the
+CPU, whose compiles already spread over its cores).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import jax
+from flax import nnx
+
+from jdspark.engine.exe_cache import ExecutableCache
+
+log = logging.getLogger(__name__)
+MIN_PROGRAMS = 4  # fewer missing programs are compiled in-process: a worker's own start-up costs seconds
+TIMEOUT_S = 1800
+TRITON_GEMM_MIN_HIDDEN = 1024
+
+
+def _pool(jobs: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=max(1, min(jobs, os.cpu_count() or 1)))
+
+
+def load_all(store: ExecutableCache | None, arguments: dict, outputs) -> dict:
+    """{key: the stored executable, or None} for programs called with `arguments[key]`, loaded in
+    parallel threads (measured: 8 executables of the embedded engine load in 3.4 s against 5.6-6.4 s
+    one by one on the 2-core CPU, so deserializing leaves the GIL; on the H200 16 loaded in 1.3 s,
+    where one by one had taken 0.9 s each)."""
+    if store is None:
+        return dict.fromkeys(arguments)
+    with _pool(len(arguments)) as pool:
+        futures = {key: pool.submit(store.load, str(key), args, outputs) for key, args in arguments.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+def compiler_options(config) -> dict:
+    """XLA options of the engine's executables for a model of `config`. On the GPU XLA's Triton GEMM
+    fusions stay on for models of real width and are off below TRITON_GEMM_MIN_HIDDEN (cuBLAS runs
+    the dots). Measured on the H200 (docs/BENCHMARKS.md, start-up): at Flash dims (8 layers) they
+    made the target-only step 1.47x faster (2.43 against 3.58 ms); on the embedded model (hidden 256)
+    autotuning their tilings doubled the compiles (8 executables on 8 threads: 78.5 against 39.9 s)
+    and its steps were no faster (fixed width 5: 1435 against 1572 tok/s). XLA_FLAGS naming
+    xla_gpu_enable_triton_gemm overrides this."""
+    if (jax.default_backend() != "gpu" or config.hidden_size >= TRITON_GEMM_MIN_HIDDEN
+            or "xla_gpu_enable_triton_gemm" in os.environ.get("XLA_FLAGS", "")):
+        return {}
+    return {"xla_gpu_enable_triton_gemm": False}
+
+
+def compile_all(lowerings: dict, store: ExecutableCache | None = None, arguments: dict | None = None,
+                options: dict | None = None) -> tuple[dict, float]:
+    """Lower programs one after another in this thread (tracing holds the GIL) and compile each in
+    a pool thread as soon as it is lowered (XLA compiles outside the GIL), so the compiles overlap
+    the lowering of the programs after them. `lowerings`: {key: a function returning the lowered
+    program}. With a `store`, each is stored as it finishes (under its key and `arguments[key]`),
+    so a start-up cut short keeps what it compiled; `options`: XLA's (`compiler_options`).
+    -> ({key: compiled}, seconds spent lowering)."""
+    lowering = 0.0
+    with _pool(len(lowerings)) as pool:
+        futures = {}
+        for key, lower in lowerings.items():
+            start = time.perf_counter()
+            program = lower()
+            lowering += time.perf_counter() - start
+            futures[pool.submit(ExecutableCache.compile, program, options)] = key
+        compiled = {}
+        for future in as_completed(futures):
+            key = futures[future]
+            compiled[key], storable = future.result()
+            if store and storable:
+                store.save(str(key), arguments[key], compiled[key])
+    return compiled, lowering
+
+
+def workers(programs: int) -> int:
+    """Workers for `programs` missing executables: JDSPARK_COMPILE_WORKERS, or by default on a GPU
+    one per two programs, at most 8 and half the CPUs; 0 (compile in-process) below MIN_PROGRAMS."""
+    setting = os.environ.get("JDSPARK_COMPILE_WORKERS")
+    if setting is not None:
+        count = int(setting)
+    elif jax.default_backend() == "gpu":
+        count = min(8, max(1, (os.cpu_count() or 2) // 2), programs // 2)
+    else:
+        count = 0
+    return count if programs >= MIN_PROGRAMS else 0
+
+
+def eligible(exe, decode, draft_cache) -> bool:
+    """Whether workers can rebuild these programs: one process, every array on the default device
+    in device memory (no mesh, no views of host memory), and no host expert banks in the graph."""
+    from jdspark.experts.hybrid import HybridExperts
+    device = jax.devices()[0]
+    leaves = jax.tree.leaves((exe.params.arrays, decode, draft_cache))
+    if jax.process_count() != 1 or any(
+            not isinstance(a.sharding, jax.sharding.SingleDeviceSharding) or a.sharding.memory_kind != "device"
+            or a.sharding.device_set != {device} for a in leaves):
+        return False
+    module = nnx.merge(exe.graphdef, exe.params.unpack(exe.params.arrays))
+    return not any(isinstance(node, HybridExperts) for _, node in nnx.iter_graph(module))
+
+
+def _abstract(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def _on_device(tree):
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), tree)
+
+
+def recipe(exe, decode, draft_cache) -> bytes:
+    """The executables without weights or compiled programs, and the state's shapes, pickled."""
+    shell = copy.copy(exe)
+    shell.params = copy.copy(exe.params)
+    shell.params.arrays = _abstract(exe.params.arrays)
+    shell.buckets = {n: type(bucket)() for n, bucket in exe.buckets.items()}
+    return pickle.dumps({"exe": shell, "decode": _abstract(decode), "draft_cache": _abstract(draft_cache),
+                         "cache_dir": jax.config.jax_compilation_cache_dir})
+
+
+def compile_in_workers(exe, decode, draft_cache, keys: list, count: int) -> None:
+    """Lower, compile and store the programs `keys` in `count` processes (round robin), and wait
+    for them. A failed worker is logged; its programs stay missing."""
+    start = time.perf_counter()
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(sys.path))
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "recipe.pkl")
+        with open(path, "wb") as file:
+            file.write(recipe(exe, decode, draft_cache))
+        shares = [share for share in (keys[i::count] for i in range(count)) if share]
+        logs = [open(os.path.join(folder, f"worker{i}.log"), "w+") for i in range(len(shares))]  # not pipes: a
+        processes = [subprocess.Popen([sys.executable, "-m", __name__, path, repr(share)], env=env,  # full one blocks
+                                      stdout=subprocess.DEVNULL, stderr=log_file)
+                     for share, log_file in zip(shares, logs)]
+        for process, log_file in zip(processes, logs):
+            try:
+                process.wait(timeout=max(1.0, TIMEOUT_S - (time.perf_counter() - start)))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            log_file.seek(0)
+            if process.returncode != 0:
+                log.warning("compile worker exited with %s; the engine compiles its programs itself: %s",
+                            process.returncode, log_file.read().strip()[-2000:])
+            log_file.close()
+    log.info("%d compile workers lowered and compiled %d programs in %.1f s", len(processes), len(keys),
+             time.perf_counter() - start)
+
+
+def _work(path: str, keys: list) -> None:
+    """A worker: rebuild the executables from the recipe at `path`, compile and store `keys`."""
+    with open(path, "rb") as file:
+        spec = pickle.load(file)
+    jax.config.update("jax_compilation_cache_dir", spec["cache_dir"])
+    exe = spec["exe"]
+    exe.params.arrays = _on_device(exe.params.arrays)
+    decode, draft_cache = _on_device(spec["decode"]), _on_device(spec["draft_cache"])
+    with exe.precision():
+        programs = exe.programs(decode, draft_cache)
+        store = ExecutableCache.default(exe.static_key())
+        arguments = {key: programs[key][1] for key in keys}
+        lowerings = {key: exe.lowering(programs[key], decode, draft_cache) for key in keys}
+        compile_all(lowerings, store, arguments, compiler_options(exe.config))
+
+
+if __name__ == "__main__":
+    import ast
+    _work(sys.argv[1], ast.literal_eval(sys.argv[2]))

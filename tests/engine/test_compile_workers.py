@@ -1,0 +1,54 @@
+"""Compile workers: processes that lower, compile and store an engine's executables from a recipe
+without weights. What they deliver is what the engine would have compiled (the same tokens), and a
+worker that fails leaves the engine compiling its programs itself."""
+
+import logging
+
+import jax
+import numpy as np
+
+from jdspark.config import EngineConfig
+from jdspark.engine import compiling
+from jdspark.engine.engine import Engine
+from jdspark.engine.request import SamplingParams
+from tests.conftest import generate_to_end
+
+
+def _engine(model, max_seq_len: int, monkeypatch, workers: str, store: str = "1") -> Engine:
+    """A target-only engine of two buckets (4 executables), of a size no other test compiles."""
+    monkeypatch.setenv("JDSPARK_COMPILE_WORKERS", workers)
+    monkeypatch.setenv("JDSPARK_STORE_EXECUTABLES", store)
+    config = EngineConfig(max_seq_len=max_seq_len, gamma=5, max_batch=2, batch_buckets=(1, 2))
+    return Engine(model, config, prefill_chunk=16, speculative=False)
+
+
+def test_workers_build_the_executables_the_engine_would(dspark_model, monkeypatch):
+    """Mutation caught: a recipe that drops a setting the programs depend on (the workers' keys
+    differ, nothing is delivered), or workers that store nothing."""
+    engine = _engine(dspark_model, 88, monkeypatch, workers="2")
+    assert engine.exe.count == 4 and engine.exe.from_workers == 4 and engine.exe.loaded == 0
+    alone = _engine(dspark_model, 88, monkeypatch, workers="0", store="0")  # compiled here, stored nowhere
+    prompt = np.array([5, 9, 2, 14, 7, 7, 1, 12], np.int32)
+    for params in (SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=12, temperature=1.0, seed=4, ignore_eos=True)):
+        assert generate_to_end(engine, prompt, params).token_ids == generate_to_end(alone, prompt, params).token_ids
+
+
+def test_a_failed_worker_leaves_the_engine_compiling(dspark_model, monkeypatch, caplog):
+    monkeypatch.setattr(compiling, "recipe", lambda *args: b"not a pickle")
+    with caplog.at_level(logging.WARNING, logger=compiling.__name__):
+        engine = _engine(dspark_model, 96, monkeypatch, workers="2")
+    assert engine.exe.from_workers == 0 and engine.exe.loaded == 0
+    assert "compile worker exited" in caplog.text
+    prompt = np.array([5, 9, 2, 14], np.int32)
+    assert len(generate_to_end(engine, prompt, SamplingParams(max_tokens=6, temperature=0.0,
+                                                              ignore_eos=True)).token_ids) == 6
+
+
+def test_worker_count(monkeypatch):
+    monkeypatch.delenv("JDSPARK_COMPILE_WORKERS", raising=False)
+    default = compiling.workers(30)
+    assert default == 0 if jax.default_backend() == "cpu" else 1 <= default <= 8
+    monkeypatch.setenv("JDSPARK_COMPILE_WORKERS", "3")
+    assert compiling.workers(30) == 3
+    assert compiling.workers(compiling.MIN_PROGRAMS - 1) == 0
