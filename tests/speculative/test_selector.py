@@ -123,3 +123,18 @@ def test_breaker_validation(kwargs, message):
         FallbackBreaker(**kwargs)
     with pytest.raises(ValueError, match="accepted=3, drafted=2"):
         FallbackBreaker(0.5).record(3, 2)
+
+
+def test_expected_tokens_reuses_only_the_same_rows():
+    """The last E(k) is kept for the same confidences (an engine step asks three times), never
+    handed back for other rows. Mutation caught: a cache keyed on anything less than the rows'
+    shape and values."""
+    policy = AdaptiveWidth([1.0] * 6, 0.5, 5)
+    sure, unsure = np.full((1, 5), 0.9), np.full((1, 5), 0.5)
+    first = policy.expected_tokens(sure)
+    assert policy.expected_tokens(sure.copy()) is first
+    again = policy.expected_tokens(unsure)
+    np.testing.assert_allclose(again[0, :3], [1.0, 1.5, 1.75])
+    np.testing.assert_allclose(policy.expected_tokens(np.full((2, 5), 0.9)), np.repeat(first, 2, axis=0))
+    with pytest.raises(ValueError):
+        policy.expected_tokens(np.full((1, 5), 1.5))
