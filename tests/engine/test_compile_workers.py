@@ -10,8 +10,11 @@ import numpy as np
 from jdspark.config import EngineConfig
 from jdspark.engine import compiling
 from jdspark.engine.engine import Engine
+from jdspark.engine.executables import Executables
+from jdspark.experts.hybrid import with_host_experts
 from jdspark.engine.request import SamplingParams
-from tests.conftest import generate_to_end
+from jdspark.model.model import Model
+from tests.conftest import DSPARK_CONFIG, generate_to_end
 
 
 def _engine(model, max_seq_len: int, monkeypatch, workers: str, store: str = "1") -> Engine:
@@ -52,3 +55,15 @@ def test_worker_count(monkeypatch):
     monkeypatch.setenv("JDSPARK_COMPILE_WORKERS", "3")
     assert compiling.workers(30) == 3
     assert compiling.workers(compiling.MIN_PROGRAMS - 1) == 0
+
+
+def test_only_plain_one_device_models_go_to_workers():
+    """A model with host experts keeps its banks in this process: its programs are compiled here."""
+    config = EngineConfig(max_seq_len=64, gamma=5, max_batch=1)
+    model = Model.random(DSPARK_CONFIG, "bfloat16", seed=3)
+
+    def eligible(model):
+        exe = Executables(model, config, 16, "xla", (), pack_params=False)
+        return compiling.eligible(exe, model.init_state(config), None)
+    assert eligible(model)
+    assert not eligible(with_host_experts(model, {0: [0, 3]}))
