@@ -11,8 +11,8 @@ from jdspark.config import EngineConfig
 from jdspark.engine import compiling
 from jdspark.engine.engine import Engine
 from jdspark.engine.executables import Executables
-from jdspark.experts.hybrid import with_host_experts
 from jdspark.engine.request import SamplingParams
+from jdspark.experts.hybrid import with_host_experts
 from jdspark.model.model import Model
 from tests.conftest import DSPARK_CONFIG, generate_to_end
 
