@@ -99,6 +99,8 @@ def workers(programs: int) -> int:
     one per two programs, at most 8 and half the CPUs; 0 (compile in-process) below MIN_PROGRAMS."""
     setting = os.environ.get("JDSPARK_COMPILE_WORKERS")
     if setting is not None:
+        if not setting.isdigit():
+            raise ValueError(f"JDSPARK_COMPILE_WORKERS={setting!r}: must be a whole number of processes (0: none)")
         count = int(setting)
     elif jax.default_backend() == "gpu":
         count = min(8, max(1, (os.cpu_count() or 2) // 2), programs // 2)

@@ -62,7 +62,6 @@ from flax import nnx, struct
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import compiling, packed
-from jdspark.engine.compiling import compile_all, compiler_options, load_all
 from jdspark.engine.exe_cache import ExecutableCache
 from jdspark.model import hyper, state
 from jdspark.model.model import Model
@@ -300,20 +299,20 @@ class Executables:
         outputs = (jnp.zeros(()), decode, draft_cache)
         start = time.perf_counter()
         arguments = {key: args for key, (_, args) in programs.items()}
-        compiled = load_all(store, arguments, outputs)
+        compiled = compiling.load_all(store, arguments, outputs)
         missing = [key for key in programs if compiled[key] is None]
         workers = compiling.workers(len(missing)) if store else 0
         if workers and compiling.eligible(self, decode, draft_cache):
             begun = time.perf_counter()
             compiling.compile_in_workers(self, decode, draft_cache, missing, workers)
             self.worker_seconds = time.perf_counter() - begun
-            compiled |= load_all(store, {key: arguments[key] for key in missing}, outputs)
+            compiled |= compiling.load_all(store, {key: arguments[key] for key in missing}, outputs)
             self.from_workers = sum(compiled[key] is not None for key in missing)
         lowerings = {key: self.lowering(programs[key], decode, draft_cache)
                      for key in programs if compiled[key] is None}
         loading = time.perf_counter() - start - self.worker_seconds
         self.loaded = len(programs) - len(lowerings) - self.from_workers
-        fresh, lowering = compile_all(lowerings, store, arguments, compiler_options(self.config))
+        fresh, lowering = compiling.compile_all(lowerings, store, arguments, compiling.compiler_options(self.config))
         compiled |= fresh
         self.lower_seconds = loading + lowering  # loading, tracing and lowering in this process: serial, in Python
         for (b, name), program in compiled.items():

@@ -6,6 +6,7 @@ import logging
 
 import jax
 import numpy as np
+import pytest
 
 from jdspark.config import EngineConfig
 from jdspark.engine import compiling
@@ -55,6 +56,9 @@ def test_worker_count(monkeypatch):
     monkeypatch.setenv("JDSPARK_COMPILE_WORKERS", "3")
     assert compiling.workers(30) == 3
     assert compiling.workers(compiling.MIN_PROGRAMS - 1) == 0
+    monkeypatch.setenv("JDSPARK_COMPILE_WORKERS", "many")
+    with pytest.raises(ValueError, match="JDSPARK_COMPILE_WORKERS='many'"):
+        compiling.workers(30)
 
 
 def test_only_plain_one_device_models_go_to_workers():
