@@ -144,7 +144,8 @@ def recipe(exe, decode, draft_cache) -> bytes:
 
 def compile_in_workers(exe, decode, draft_cache, keys: list, count: int) -> None:
     """Lower, compile and store the programs `keys` in `count` processes (round robin), and wait
-    for them. A failed worker is logged; its programs stay missing."""
+    for them. Each worker's phases are logged (start-up, lowering, compiling); a failed worker is
+    logged with its error, and its programs stay missing."""
     start = time.perf_counter()
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(sys.path))
     with tempfile.TemporaryDirectory() as folder:
@@ -152,41 +153,56 @@ def compile_in_workers(exe, decode, draft_cache, keys: list, count: int) -> None
         with open(path, "wb") as file:
             file.write(recipe(exe, decode, draft_cache))
         shares = [share for share in (keys[i::count] for i in range(count)) if share]
-        logs = [open(os.path.join(folder, f"worker{i}.log"), "w+") for i in range(len(shares))]  # not pipes: a
-        processes = [subprocess.Popen([sys.executable, "-m", __name__, path, repr(share)], env=env,  # full one blocks
-                                      stdout=subprocess.DEVNULL, stderr=log_file)
-                     for share, log_file in zip(shares, logs)]
-        for process, log_file in zip(processes, logs):
+        # files, not pipes: a full pipe would block its worker while this waits for another
+        outs = [open(os.path.join(folder, f"worker{i}.{kind}"), "w+") for i in range(len(shares)) for kind in "oe"]
+        processes = [subprocess.Popen([sys.executable, "-m", __name__, path, repr(share), repr(time.time())],
+                                      env=env, stdout=outs[2 * i], stderr=outs[2 * i + 1])
+                     for i, share in enumerate(shares)]
+        for i, process in enumerate(processes):
             try:
                 process.wait(timeout=max(1.0, TIMEOUT_S - (time.perf_counter() - start)))
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-            log_file.seek(0)
+            phases, errors = (_read(outs[2 * i + j]) for j in (0, 1))
             if process.returncode != 0:
                 log.warning("compile worker exited with %s; the engine compiles its programs itself: %s",
-                            process.returncode, log_file.read().strip()[-2000:])
-            log_file.close()
+                            process.returncode, errors.strip()[-2000:])
+            elif phases.strip():
+                log.info("compile worker %d: %s", i, phases.strip())
+        for out in outs:
+            out.close()
     log.info("%d compile workers lowered and compiled %d programs in %.1f s", len(processes), len(keys),
              time.perf_counter() - start)
 
 
-def _work(path: str, keys: list) -> None:
-    """A worker: rebuild the executables from the recipe at `path`, compile and store `keys`."""
+def _read(file) -> str:
+    file.seek(0)
+    return file.read()
+
+
+def _work(path: str, keys: list, spawned: float) -> None:
+    """A worker: rebuild the executables from the recipe at `path`, compile and store `keys`, and
+    print its phases (`spawned`: when the engine started it, time.time())."""
+    up = time.time() - spawned  # the interpreter, jax and this module
     with open(path, "rb") as file:
         spec = pickle.load(file)
     jax.config.update("jax_compilation_cache_dir", spec["cache_dir"])
     exe = spec["exe"]
     exe.params.arrays = _on_device(exe.params.arrays)
     decode, draft_cache = _on_device(spec["decode"]), _on_device(spec["draft_cache"])
+    ready = time.time() - spawned  # the recipe read and the device up
     with exe.precision():
         programs = exe.programs(decode, draft_cache)
         store = ExecutableCache.default(exe.static_key())
         arguments = {key: programs[key][1] for key in keys}
         lowerings = {key: exe.lowering(programs[key], decode, draft_cache) for key in keys}
-        compile_all(lowerings, store, arguments, compiler_options(exe.config))
+        begun = time.perf_counter()
+        _, lowering = compile_all(lowerings, store, arguments, compiler_options(exe.config))
+    print(f"{len(keys)} programs; started in {up:.1f} s, ready at {ready:.1f} s; lowering {lowering:.1f} s, "
+          f"then compiling until {time.perf_counter() - begun:.1f} s after it began", flush=True)
 
 
 if __name__ == "__main__":
     import ast
-    _work(sys.argv[1], ast.literal_eval(sys.argv[2]))
+    _work(sys.argv[1], ast.literal_eval(sys.argv[2]), float(sys.argv[3]))

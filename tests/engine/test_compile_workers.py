@@ -26,11 +26,13 @@ def _engine(model, max_seq_len: int, monkeypatch, workers: str, store: str = "1"
     return Engine(model, config, prefill_chunk=16, speculative=False)
 
 
-def test_workers_build_the_executables_the_engine_would(dspark_model, monkeypatch):
-    """Mutation caught: a recipe that drops a setting the programs depend on (the workers' keys
-    differ, nothing is delivered), or workers that store nothing."""
-    engine = _engine(dspark_model, 88, monkeypatch, workers="2")
+def test_workers_build_the_executables_the_engine_would(dspark_model, monkeypatch, caplog):
+    """Each worker logs its phases. Mutation caught: a recipe that drops a setting the programs
+    depend on (the workers' keys differ, nothing is delivered), or workers that store nothing."""
+    with caplog.at_level(logging.INFO, logger=compiling.__name__):
+        engine = _engine(dspark_model, 88, monkeypatch, workers="2")
     assert engine.exe.count == 4 and engine.exe.from_workers == 4 and engine.exe.loaded == 0
+    assert "compile worker 1: 2 programs; started in" in caplog.text
     alone = _engine(dspark_model, 88, monkeypatch, workers="0", store="0")  # compiled here, stored nowhere
     prompt = np.array([5, 9, 2, 14, 7, 7, 1, 12], np.int32)
     for params in (SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
