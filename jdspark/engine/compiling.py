@@ -158,20 +158,26 @@ def compile_in_workers(exe, decode, draft_cache, keys: list, count: int) -> None
         processes = [subprocess.Popen([sys.executable, "-m", __name__, path, repr(share), repr(time.time())],
                                       env=env, stdout=outs[2 * i], stderr=outs[2 * i + 1])
                      for i, share in enumerate(shares)]
-        for i, process in enumerate(processes):
-            try:
-                process.wait(timeout=max(1.0, TIMEOUT_S - (time.perf_counter() - start)))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            phases, errors = (_read(outs[2 * i + j]) for j in (0, 1))
-            if process.returncode != 0:
-                log.warning("compile worker exited with %s; the engine compiles its programs itself: %s",
-                            process.returncode, errors.strip()[-2000:])
-            elif phases.strip():
-                log.info("compile worker %d: %s", i, phases.strip())
-        for out in outs:
-            out.close()
+        try:
+            for i, process in enumerate(processes):
+                try:
+                    process.wait(timeout=max(1.0, TIMEOUT_S - (time.perf_counter() - start)))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+                phases, errors = (_read(outs[2 * i + j]) for j in (0, 1))
+                if process.returncode != 0:
+                    log.warning("compile worker exited with %s; the engine compiles its programs itself: %s",
+                                process.returncode, errors.strip()[-2000:])
+                elif phases.strip():
+                    log.info("compile worker %d: %s", i, phases.strip())
+        finally:  # a start-up interrupted here (Ctrl-C) leaves no worker behind
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            for out in outs:
+                out.close()
     log.info("%d compile workers lowered and compiled %d programs in %.1f s", len(processes), len(keys),
              time.perf_counter() - start)
 

@@ -3,6 +3,7 @@ without weights. What they deliver is what the engine would have compiled (the s
 worker that fails leaves the engine compiling its programs itself."""
 
 import logging
+import subprocess
 
 import jax
 import numpy as np
@@ -73,3 +74,26 @@ def test_only_plain_one_device_models_go_to_workers():
         return compiling.eligible(exe, model.init_state(config), None)
     assert eligible(model)
     assert not eligible(with_host_experts(model, {0: [0, 3]}))
+
+
+def test_an_interrupted_start_up_leaves_no_worker(monkeypatch):
+    """Ctrl-C while the engine waits for its workers: they are killed, not left compiling."""
+    config = EngineConfig(max_seq_len=64, gamma=5, max_batch=1)
+    model = Model.random(DSPARK_CONFIG, "bfloat16", seed=3)
+    exe = Executables(model, config, 16, "xla", (), pack_params=False)
+    started = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            started.append(self)
+
+        def wait(self, timeout=None):
+            if timeout is not None and timeout > 1.0:  # the engine's wait for a worker: interrupted
+                raise KeyboardInterrupt
+            return super().wait(timeout)
+    monkeypatch.setattr(compiling.subprocess, "Popen", Recorded)
+    decode = model.init_state(config)
+    with pytest.raises(KeyboardInterrupt):
+        compiling.compile_in_workers(exe, decode, None, list(exe.programs(decode, None)), 2)
+    assert len(started) == 2 and all(process.poll() is not None for process in started)
