@@ -127,8 +127,7 @@ def test_breaker_validation(kwargs, message):
 
 def test_expected_tokens_reuses_only_the_same_rows():
     """The last E(k) is kept for the same confidences (an engine step asks three times), never
-    handed back for other rows. Mutation caught: a cache keyed on anything less than the rows'
-    shape and values."""
+    handed back for other rows. Mutation caught: a cache keyed on the rows' shape alone."""
     policy = AdaptiveWidth([1.0] * 6, 0.5, 5)
     sure, unsure = np.full((1, 5), 0.9), np.full((1, 5), 0.5)
     first = policy.expected_tokens(sure)
