@@ -22,6 +22,7 @@ import copy
 import logging
 import os
 import pickle
+import resource
 import subprocess
 import sys
 import tempfile
@@ -205,8 +206,11 @@ def _work(path: str, keys: list, spawned: float) -> None:
         lowerings = {key: exe.lowering(programs[key], decode, draft_cache) for key in keys}
         begun = time.perf_counter()
         _, lowering = compile_all(lowerings, store, arguments, compiler_options(exe.config))
+    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))  # every thread, and tools it ran (ptxas): are the cores the bound?
     print(f"{len(keys)} programs; started in {up:.1f} s, ready at {ready:.1f} s; lowering {lowering:.1f} s, "
-          f"then compiling until {time.perf_counter() - begun:.1f} s after it began", flush=True)
+          f"then compiling until {time.perf_counter() - begun:.1f} s after it began; {cpu:.1f} CPU-seconds",
+          flush=True)
 
 
 if __name__ == "__main__":
