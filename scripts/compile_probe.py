@@ -1,9 +1,10 @@
 """Where a cold start-up's compile time goes: the embedded engine's executables (one batch bucket,
 prefill, decode, step[0..5]) lowered one after another, each compiled by a pool of N threads as
-soon as it is lowered (as the engine does), or by P worker processes (each lowering and compiling
-its share), with the engine's XLA options (`compiler_options`; XLA_FLAGS overrides them) and no
-compile cache. Prints each program's lowering and compile time (threads: its start and end, to
-see whether the compiles overlap) and the wall; `--json` writes them.
+soon as it is lowered (as the engine does), or by the engine's P compile workers
+(`jdspark.engine.compiling`, into an empty temporary store; they log their phases), with the
+engine's XLA options (`compiler_options`; XLA_FLAGS overrides them) and no compile cache before.
+Prints each program's lowering and compile time (threads: its start and end, to see whether the
+compiles overlap) and the wall; `--json` writes them.
 
     python scripts/compile_probe.py --threads 1      # serial
     python scripts/compile_probe.py --threads 8
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import subprocess
-import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -38,12 +39,11 @@ def build(args):
     return exe, model.init_state(config), draft
 
 
-def lower(exe, decode, draft, keys=None):
-    """(key, (lowered, seconds)) for the programs named in `keys` (default all), one at a time."""
-    for key, (function, arguments) in exe.programs(decode, draft).items():
-        if keys is None or str(key) in keys:
-            start = time.perf_counter()
-            yield key, (exe.jit(function, decode, draft).lower(*arguments), time.perf_counter() - start)
+def lower(exe, decode, draft):
+    """(key, (lowered, seconds)) for every program, one at a time."""
+    for key, program in exe.programs(decode, draft).items():
+        start = time.perf_counter()
+        yield key, (exe.lowering(program, decode, draft)(), time.perf_counter() - start)
 
 
 def run_threads(args) -> dict:
@@ -57,7 +57,7 @@ def run_threads(args) -> dict:
         rows[key].update(compile_start_s=start - origin, compile_end_s=time.perf_counter() - origin)
 
     with ThreadPoolExecutor(args.threads) as pool:
-        for key, (program, seconds) in lower(exe, decode, draft).items():  # lowered one by one, lazily
+        for key, (program, seconds) in lower(exe, decode, draft):  # lowered one by one, lazily
             text = program.as_text()
             rows[key] = {"program": str(key), "lower_s": seconds, "hlo_chars": len(text),
                          "triton_calls": text.count("__gpu$xla.gpu.triton")}
@@ -68,42 +68,29 @@ def run_threads(args) -> dict:
             "wall_s": time.perf_counter() - origin, "programs": list(rows.values())}
 
 
-def run_worker(args) -> None:
-    """Lower and compile the programs named in --worker (comma-separated keys)."""
-    from jdspark.engine.compiling import compiler_options
-    exe, decode, draft = build(args)
-    for key, (program, seconds) in lower(exe, decode, draft, set(args.worker.split(";"))):
-        start = time.perf_counter()
-        program.compile(compiler_options(exe.config) or None)
-        print(json.dumps({"program": str(key), "lower_s": seconds, "compile_s": time.perf_counter() - start}),
-              flush=True)
-
-
 def run_processes(args) -> dict:
-    exe, decode, draft = build(args)
-    keys = [str(k) for k in exe.programs(decode, draft)]
-    shares = [keys[i::args.processes] for i in range(args.processes)]
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    origin = time.perf_counter()
-    workers = [subprocess.Popen([sys.executable, __file__, "--worker", ";".join(share), "--dtype", args.dtype,
-                                 "--max-seq-len", str(args.max_seq_len), "--prefill-chunk", str(args.prefill_chunk)],
-                                stdout=subprocess.PIPE, env=env, text=True) for share in shares if share]
-    rows = [json.loads(line) for w in workers for line in w.communicate()[0].splitlines() if line.startswith("{")]
-    return {"mode": f"processes={args.processes}", "wall_s": time.perf_counter() - origin, "programs": rows}
+    """The engine's own compile path with `args.processes` workers, into a fresh temporary store."""
+    import jax
+    with tempfile.TemporaryDirectory() as folder:
+        os.environ["JDSPARK_COMPILE_WORKERS"] = str(args.processes)
+        jax.config.update("jax_compilation_cache_dir", folder)
+        exe, decode, draft = build(args)
+        origin = time.perf_counter()
+        exe.compile(decode, draft)
+        return {"mode": f"processes={args.processes}", "wall_s": time.perf_counter() - origin,
+                "workers_s": exe.worker_seconds, "from_workers": exe.from_workers, "programs": []}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int)
     p.add_argument("--processes", type=int)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--json")
     args = p.parse_args()
-    if args.worker:
-        return run_worker(args)
+    logging.basicConfig(level=logging.INFO)  # the workers' phases
     start = time.perf_counter()
     result = run_processes(args) if args.processes else run_threads(args)
     result["total_s"] = time.perf_counter() - start
