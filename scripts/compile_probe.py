@@ -9,6 +9,7 @@ compiles overlap) and the wall; `--json` writes them.
     python scripts/compile_probe.py --threads 1      # serial
     python scripts/compile_probe.py --threads 8
     python scripts/compile_probe.py --processes 8
+    python scripts/compile_probe.py --threads 8 --implementation xla   # no Pallas kernels
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def build(args):
     config = EngineConfig(max_seq_len=args.max_seq_len, gamma=model.config.dspark.block_size, max_batch=1,
                           batch_buckets=(1,))
     widths = compiled_widths(model.config, config, True, None, None)
-    exe = Executables(model, config, args.prefill_chunk, "auto", widths, pack_params=True)
+    exe = Executables(model, config, args.prefill_chunk, args.implementation, widths, pack_params=True)
     draft = model.on_devices(dspark.init_draft_cache(model.config, 1, model.dtype))
     return exe, model.init_state(config), draft
 
@@ -64,7 +65,7 @@ def run_threads(args) -> dict:
             futures.append(pool.submit(compile_one, key, program))
         for future in futures:
             future.result()  # a failed compile raises here
-    return {"mode": f"threads={args.threads}", "options": options, "lower_s": sum(r["lower_s"] for r in rows.values()),
+    return {"mode": f"threads={args.threads}", "implementation": args.implementation, "options": options, "lower_s": sum(r["lower_s"] for r in rows.values()),
             "wall_s": time.perf_counter() - origin, "programs": list(rows.values())}
 
 
@@ -86,6 +87,8 @@ def main() -> None:
     p.add_argument("--threads", type=int)
     p.add_argument("--processes", type=int)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--implementation", default="auto", choices=("auto", "pallas", "xla"),
+                   help="the kernels (xla: every Pallas kernel's jnp reference; what Triton's compiles cost)")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--json")

@@ -186,6 +186,12 @@ for part in "$@"; do
           --startup-only ${SERVE_ARGS:---max-running 64} --out "$OUT/startup_$run.json" 2>&1 | grep -v Warning \
           | tee "$OUT/startup_$run.log"
       done ;;
+    compile)  # issue 26: the embedded 1-slot engine's 8 programs compiled in 8 threads, with its Pallas kernels
+      # and with their jnp references (PROBE_IMPLEMENTATIONS), on an empty cache each
+      for impl in ${PROBE_IMPLEMENTATIONS:-auto xla}; do
+        timeout ${PROBE_SECONDS:-150} python3 scripts/compile_probe.py --threads 8 --implementation $impl \
+          --json "$OUT/compile_probe_$impl.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/compile_probe_$impl.log"
+      done ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
       JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-400} python3 scripts/bench_serve_engine.py \
         ${SERVE_ARGS:---max-running 64} --concurrency ${CONCURRENCY:-1 4 16 64} --requests ${REQUESTS:-32} ${MODES:+--modes $MODES} \
