@@ -20,7 +20,15 @@ Reports output tokens/s, p50 / p90 / p99 of time to first token and inter-token 
 between a request's token-bearing steps), and the verify steps that drafted, per (mode,
 concurrency), and the engine's start-up.
 
+The model is the embedded one, a checkpoint (`--model`), or with `--synthetic PRESET` a random
+model of the 0731 layout (`bench_flash.flash_0731_config`: `--layers` main layers, FP8 linears +
+ds_fp4 experts, a 3-stage DSpark drafter) made on the device, every weight on the GPU, prompts of
+random ids. Random drafts are never accepted, so such a model needs `--acceptance a`: drafts
+accepted by script at a per position and confidences of a (`EngineConfig.scripted_acceptance`),
+so each mode's calls cost what they would on text that accepts a.
+
     python scripts/bench_serve_engine.py --concurrency 1 4 16 64 --requests 64 --max-tokens 64
+    python scripts/bench_serve_engine.py --synthetic flash --layers 8 --acceptance 0.8 --concurrency 1 16 64
 """
 
 from __future__ import annotations
@@ -43,27 +51,49 @@ PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n  
 def build(args, max_running: int | None = None, buckets: tuple[int, ...] | None = None):
     """(engine, prompts as ids, seconds to load + compile + profile); `max_running` / `buckets`
     override the arguments' (the 1-slot engine of `--versus-slots`)."""
-    from jdspark.assets import default_model_dir
-    from jdspark.checkpoint.loader import load_model
     from jdspark.config import EngineConfig
     from jdspark.engine.engine import Engine
     from jdspark.engine.executables import enable_compile_cache
     from jdspark.engine.options import SpecOptions
-    from jdspark.tokenizer.tokenizer import Tokenizer
     enable_compile_cache()
     start = time.perf_counter()
-    path = Path(args.model or default_model_dir())
-    model = load_model(path, dtype=args.dtype)
-    tokenizer = Tokenizer(path / "tokenizer.json", model.config.bos_token_id, model.config.eos_token_id)
+    model, tokenizer, prompts = synthetic_model(args) if args.synthetic else checkpoint_model(args)
     config = EngineConfig(max_seq_len=args.max_seq_len, gamma=model.config.dspark.block_size,
                           max_batch=max_running or args.max_running,
-                          batch_buckets=tuple(args.buckets) if buckets is None else buckets)
+                          batch_buckets=tuple(args.buckets) if buckets is None else buckets,
+                          scripted_acceptance=args.acceptance)
     widths = tuple(args.widths) or None
     options = SpecOptions(width=max(widths)) if widths else SpecOptions()  # a subset: no cost profile
     engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, options=options,
                     widths=widths)
-    prompts = [np.asarray(tokenizer.encode(t), np.int32) for t in PROMPT_TEXTS]
     return engine, prompts, time.perf_counter() - start
+
+
+def checkpoint_model(args):
+    """(model, tokenizer, prompts as ids) of `--model` or the embedded checkpoint."""
+    from jdspark.assets import default_model_dir
+    from jdspark.checkpoint.loader import load_model
+    from jdspark.tokenizer.tokenizer import Tokenizer
+    path = Path(args.model or default_model_dir())
+    model = load_model(path, dtype=args.dtype)
+    tokenizer = Tokenizer(path / "tokenizer.json", model.config.bos_token_id, model.config.eos_token_id)
+    return model, tokenizer, [np.asarray(tokenizer.encode(t), np.int32) for t in PROMPT_TEXTS]
+
+
+def synthetic_model(args):
+    """(model, no tokenizer, 8 prompts of `--prompt-len` random ids) of `--synthetic`'s 0731 layout,
+    its random weights drawn on the device in the checkpoint's storage."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_decode import STORAGES, random_params
+    from bench_flash import flash_0731_config
+
+    from jdspark.model.model import Model
+    config = flash_0731_config(args.synthetic, args.layers, args.experts)
+    model = Model(*random_params(config, args.dtype, STORAGES["fp8+fp4"], seed=0))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, config.vocab_size, args.prompt_len, dtype=np.int32) for _ in PROMPT_TEXTS]
+    return model, None, prompts
 
 
 def set_mode(engine, mode: str) -> None:
@@ -192,6 +222,13 @@ def print_medians(results: list[dict]) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
+    p.add_argument("--synthetic", choices=("tiny", "flash", "pro"),
+                   help="a random model of this preset's dimensions in the 0731 layout instead (needs --acceptance)")
+    p.add_argument("--layers", type=int, default=8, help="--synthetic: main layers")
+    p.add_argument("--experts", type=int, help="--synthetic: routed experts (default the preset's)")
+    p.add_argument("--prompt-len", type=int, default=64, help="--synthetic: prompt tokens")
+    p.add_argument("--acceptance", type=float,
+                   help="scripted acceptance per draft position (benchmarks: EngineConfig.scripted_acceptance)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--max-running", type=int, help="engine slots (default: the largest concurrency)")
@@ -211,6 +248,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
     args.max_running = args.max_running or max(args.concurrency)
+    if args.synthetic and (args.model or args.acceptance is None):
+        p.error("--synthetic makes its own model and accepts random drafts only by script: pass --acceptance, "
+                "not --model")
     if args.widths and not set(args.modes) <= {"none", "fixed5"}:
         p.error("--widths compiles a subset without the adaptive selector: use --modes none fixed5")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

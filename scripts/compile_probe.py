@@ -10,6 +10,7 @@ compiles overlap) and the wall; `--json` writes them.
     python scripts/compile_probe.py --threads 8
     python scripts/compile_probe.py --processes 8
     python scripts/compile_probe.py --threads 8 --implementation xla   # no Pallas kernels
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1 python scripts/compile_probe.py --threads 1 --only decode 5
 """
 
 from __future__ import annotations
@@ -40,9 +41,12 @@ def build(args):
     return exe, model.init_state(config), draft
 
 
-def lower(exe, decode, draft):
-    """(key, (lowered, seconds)) for every program, one at a time."""
+def lower(exe, decode, draft, only=()):
+    """(key, (lowered, seconds)) for every program (or those named in `only`: "prefill", "decode" or a
+    width), one at a time."""
     for key, program in exe.programs(decode, draft).items():
+        if only and str(key[1]) not in only:
+            continue
         start = time.perf_counter()
         yield key, (exe.lowering(program, decode, draft)(), time.perf_counter() - start)
 
@@ -58,7 +62,7 @@ def run_threads(args) -> dict:
         rows[key].update(compile_start_s=start - origin, compile_end_s=time.perf_counter() - origin)
 
     with ThreadPoolExecutor(args.threads) as pool:
-        for key, (program, seconds) in lower(exe, decode, draft):  # lowered one by one, lazily
+        for key, (program, seconds) in lower(exe, decode, draft, args.only):  # lowered one by one, lazily
             text = program.as_text()
             rows[key] = {"program": str(key), "lower_s": seconds, "hlo_chars": len(text),
                          "triton_calls": text.count("__gpu$xla.gpu.triton")}
@@ -91,6 +95,7 @@ def main() -> None:
                    help="the kernels (xla: every Pallas kernel's jnp reference; what Triton's compiles cost)")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--only", nargs="*", default=[], help="threads: only these programs (prefill, decode, widths)")
     p.add_argument("--json")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)  # the workers' phases

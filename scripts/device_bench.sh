@@ -192,6 +192,14 @@ for part in "$@"; do
         timeout ${PROBE_SECONDS:-150} python3 scripts/compile_probe.py --threads 8 --implementation $impl \
           --json "$OUT/compile_probe_$impl.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/compile_probe_$impl.log"
       done ;;
+    compile-phases)  # issue 26: where one program's compile time goes: XLA's phase timers (VLOG 1 of the
+      # GPU compiler's files) for decode and step[5], compiled one at a time, then each under PHASE_FLAGS
+      for flags in "" ${PHASE_FLAGS:-}; do
+        echo "--- XLA_FLAGS=$flags"
+        XLA_FLAGS="$flags" TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=${PHASE_VMODULE:-gpu_compiler=1,nvptx_compiler=1,compile_module_to_llvm_ir=1} \
+          timeout ${PROBE_SECONDS:-150} python3 scripts/compile_probe.py --threads 1 --only decode 5 2>&1 \
+          | grep -E "time|took|program|threads=" | grep -v -E "Warning|loading" | cut -c1-220 | tail -${PHASE_LINES:-80}
+      done 2>&1 | tee "$OUT/compile_phases.log" ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
       JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-400} python3 scripts/bench_serve_engine.py \
         ${SERVE_ARGS:---max-running 64} --concurrency ${CONCURRENCY:-1 4 16 64} --requests ${REQUESTS:-32} ${MODES:+--modes $MODES} \

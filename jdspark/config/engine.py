@@ -16,12 +16,19 @@ class EngineConfig:
     number of sequence slots. `batch_buckets` are the batch sizes the engine compiles executables
     for (each step runs the smallest that holds its requests); empty: 1, 4, 16, ... and max_batch
     (powers of 4, not 2: every bucket is a full set of executables, and start-up grows with them).
+
+    `scripted_acceptance` is for benchmarks of models whose drafts mean nothing (random weights):
+    each verified draft is accepted with this probability, from the verification's own uniforms
+    (the accepted prefix of u_j < a), and the drafter's confidences read a. Calls then cost what
+    they cost serving text that accepts a per position; the tokens are not the model's. None: exact
+    verification, the only setting for serving.
     """
 
     max_seq_len: int = 4096
     gamma: int = 5
     max_batch: int = 1
     batch_buckets: tuple[int, ...] = ()
+    scripted_acceptance: float | None = None
 
     def __post_init__(self):
         for key, low in (("max_seq_len", 1), ("gamma", 0), ("max_batch", 1)):
@@ -34,6 +41,10 @@ class EngineConfig:
             raise ConfigError(f"EngineConfig.batch_buckets={buckets!r}: each must be an integer in "
                               f"1..max_batch={self.max_batch}, and max_batch itself must be one")
         object.__setattr__(self, "batch_buckets", buckets)
+        a = self.scripted_acceptance
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
+            raise ConfigError(f"EngineConfig.scripted_acceptance={a!r}: a probability in [0, 1] (benchmarks "
+                              f"only), or None for exact verification")
 
     @property
     def buckets(self) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jdspark.engine.executables import slot_inputs
+from jdspark.engine.calls import slot_inputs
 from jdspark.engine.sequence import Sequence
 
 

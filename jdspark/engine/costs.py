@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from jdspark.drafter import dspark
-from jdspark.engine.executables import slot_inputs
+from jdspark.engine.calls import slot_inputs
 from jdspark.engine.widths import executable_width
 from jdspark.model import state
 from jdspark.parallel import distributed

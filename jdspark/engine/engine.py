@@ -23,11 +23,11 @@ import numpy as np
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
-from jdspark.engine import costs
+from jdspark.engine import calls, costs
 from jdspark.engine.batch import (IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs, call_slots,
                                   prefill_inputs)
 from jdspark.engine.errors import CapacityError, EngineError
-from jdspark.engine.executables import Executables, read_output
+from jdspark.engine.executables import Executables
 from jdspark.engine.options import SpecOptions, WidthPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
 from jdspark.engine.sequence import NON_FINITE, ConfidencePrior, Sequence
@@ -205,7 +205,7 @@ class Engine:
     def _read_prefill(self, call: IssuedPrefill) -> dict[int, Delta]:
         """The first Delta of each request whose prompt ended in the call (an error if any of its
         chunks came back with non-finite logits)."""
-        out = read_output(call.out, self.config.gamma)
+        out = calls.read_output(call.out, self.config.gamma)
         deltas = {}
         for i, b in enumerate(call.rows.tolist()):
             seq, pending, last = call.prompts.get(b, (None, None, False))
@@ -275,7 +275,7 @@ class Engine:
             if self.running:
                 raise EngineError(f"overlap={overlap}: requests are running; change it when none runs")
             for call in self._unread:  # calls of requests that ended before their reads: nothing to emit
-                read_output(call.out, self.config.gamma)
+                calls.read_output(call.out, self.config.gamma)
             self._unread, self.overlap = [], overlap
         if options is not None:
             options.breaker()  # validates before anything changes
@@ -335,7 +335,7 @@ class Engine:
     def _read_verify(self, call: IssuedVerify) -> dict[int, Delta]:
         """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
         finished, cancelled or failed after the call was issued has them dropped)."""
-        n_acc, token, drafts, confidence, invalid = read_output(call.out, self.config.gamma)
+        n_acc, token, drafts, confidence, invalid = calls.read_output(call.out, self.config.gamma)
         row_of = {b: i for i, b in enumerate(call.rows.tolist())}
         live = {b: seq for b, seq in call.sequences.items() if self._slots[b] is seq}
         if not live:  # every request it ran for ended before it was read: a call wasted, no step to record

@@ -26,11 +26,7 @@ One executable per engine step, one small array in and one out: each call costs 
 own (argument handling, launch), and each device-to-host read waits for the device. No input
 depends on the call before: each call leaves the token it sampled in the state as the slot's next
 anchor, so the engine can issue a step before it reads the one before (`Engine(overlap=True)`).
-Per-slot inputs go in as `slot_inputs` (int32 [n, 8], floats bit-cast), results come back as one int32
-array: per slot n_accepted, the emitted token, the invalid flag (1: the slot's logits, temperature
-or draft probabilities were not finite; its token is -1 and it must end with an error), then for
-step[k] the gamma drafted tokens and the gamma confidences (float32 bits); `read_output` splits it
-on the host. The prefill returns the same three columns (n_accepted 0).
+Per-slot inputs go in and results come out as one int32 array each (`calls`).
 
 Kernels: `implementation` ("auto", "pallas", "xla"; `pallas_kernels.resolve_implementation`)
 chooses the Pallas kernels or their jnp references for the whole program: the rejection sampler's
@@ -50,120 +46,28 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import compiling, packed
+from jdspark.engine.calls import (SLOT_FIELDS, Rows, SlotSampling, pack_output, put_rows, take_rows, unpack_slots,
+                                  with_anchor)
 from jdspark.engine.exe_cache import ExecutableCache
 from jdspark.model import hyper, state
 from jdspark.model.model import Model
 from jdspark.speculative.sampling import exponential_noise, uniform_noise
-from jdspark.speculative.verify import Verdict, rejection_sample
+from jdspark.speculative.verify import rejection_sample
 from pallas_kernels import resolve_implementation
 
+log = logging.getLogger(__name__)
 _PREFILL, _DRAFT, _VERIFY = 1, 2, 3  # key purposes: independent streams per kind of draw
-# Per-slot inputs of every call, in column order, with the dtype each is bit-cast from (active: 0/1).
-SLOT_FIELDS = {"active": jnp.int32, "temperature": jnp.float32, "top_k": jnp.int32,
-               "top_p": jnp.float32, "seed": jnp.uint32, "counter": jnp.int32, "slot": jnp.int32,
-               "width": jnp.int32}
-
-
-@struct.dataclass
-class SlotSampling:
-    """Per-slot sampling parameters and randomness source, as device arrays [B]."""
-
-    temperature: jax.Array  # f32, 0 = greedy
-    top_k: jax.Array  # i32, 0 = off
-    top_p: jax.Array  # f32, 1 = off
-    seed: jax.Array  # u32
-    counter: jax.Array  # i32: the slot's step number, so every call draws fresh noise
-
-
-class Rows(NamedTuple):
-    """A call's rows on the device: which state slot each is, and its per-row inputs ([n] each)."""
-
-    slot: jax.Array  # i32: the decode-state slot the row reads and writes
-    active: jax.Array  # bool: the row runs (False: padding, its slot is left as it was)
-    width: jax.Array  # i32: drafts this row verifies (clipped to the executable's width)
-    sampling: SlotSampling
-
-
-class StepOutput(NamedTuple):
-    """One call's results on the host; drafts and confidence are None for `prefill` and `decode`
-    (no drafting)."""
-
-    n_accepted: np.ndarray  # [B] int32
-    token: np.ndarray  # [B] int32: the emitted (bonus or residual) token; -1 where invalid
-    drafts: np.ndarray | None  # [B, gamma] int32: the proposal (its first n_accepted were accepted)
-    confidence: np.ndarray | None  # [B, gamma] float32: the proposal's confidences
-    invalid: np.ndarray  # [B] bool: non-finite logits, temperature or draft probabilities (verify.Verdict)
-
-
-def slot_inputs(**fields) -> np.ndarray:
-    """Every per-row input of a call (the SLOT_FIELDS, each [n]) as one int32 [n, 8] host array."""
-    return np.stack([np.asarray(fields[name], dtype).view(np.int32) for name, dtype in SLOT_FIELDS.items()], axis=1)
-
-
-def unpack_slots(slots: jax.Array) -> Rows:
-    """slot_inputs on the device -> Rows."""
-    column = {name: jax.lax.bitcast_convert_type(slots[:, i], dtype)
-              for i, (name, dtype) in enumerate(SLOT_FIELDS.items())}
-    sampling = SlotSampling(**{name: column[name] for name in ("temperature", "top_k", "top_p", "seed", "counter")})
-    return Rows(column["slot"], column["active"] != 0, column["width"], sampling)
-
-
-def take_rows(tree, rows: Rows, batch: int):
-    """The rows' slots of a full-batch pytree (the whole tree when the rows are every slot). One row
-    is a dynamic slice. XLA on the CPU still copies whole state buffers around the write-back (the
-    compressed entries in small buckets; docs/BENCHMARKS.md, serving): the open part of making a
-    lone request on many slots as cheap as on one."""
-    if tree is None or rows.slot.shape[0] == batch:
-        return tree
-    if rows.slot.shape[0] == 1:
-        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, rows.slot[0], 1), tree)
-    return jax.tree.map(lambda a: a[rows.slot], tree)
-
-
-def put_rows(tree, part, rows: Rows, batch: int):
-    """`part` written back into the rows' slots of the full-batch `tree` (in place when donated)."""
-    if tree is None or rows.slot.shape[0] == batch:
-        return part
-    if rows.slot.shape[0] == 1:
-        return jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, rows.slot[0], 0), tree, part)
-    return jax.tree.map(lambda a, p: a.at[rows.slot].set(p), tree, part)
-
-
-def read_output(out, gamma: int) -> StepOutput:
-    """A prefill, decode or step[k] result (one device-to-host copy) split into its fields."""
-    out = np.asarray(out)
-    invalid = out[:, 2] != 0
-    if out.shape[1] == 3:
-        return StepOutput(out[:, 0], out[:, 1], None, None, invalid)
-    return StepOutput(out[:, 0], out[:, 1], out[:, 3:3 + gamma], out[:, 3 + gamma:].view(np.float32), invalid)
-
-
-def with_anchor(decode, verdict: Verdict, where: jax.Array):
-    """The state with each `where` row's anchor set to the token the call sampled (invalid: 0; such a
-    request ends, and a call issued before the host saw it runs on a valid id)."""
-    return decode.replace(anchor=jnp.where(where, jnp.maximum(verdict.token, 0), decode.anchor))
-
-
-def pack_output(verdict: Verdict, drafts: jax.Array | None = None, confidence: jax.Array | None = None) -> jax.Array:
-    """The device side of `read_output`: int32 [B, 3] (+ 2 gamma with a proposal)."""
-    columns = [verdict.n_accepted[:, None], verdict.token[:, None], verdict.invalid.astype(jnp.int32)[:, None]]
-    if drafts is not None:
-        columns += [drafts.astype(jnp.int32), jax.lax.bitcast_convert_type(confidence.astype(jnp.float32), jnp.int32)]
-    return jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
-
-
 def enable_compile_cache(path: str | None = None) -> None:
     """Keep compiled executables on disk (default $JDSPARK_CACHE/xla, ~/.cache/jdspark/xla), so a
     restart with the same model and engine config skips compilation. Leaves a cache the caller
@@ -173,6 +77,14 @@ def enable_compile_cache(path: str | None = None) -> None:
     root = os.environ.get("JDSPARK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "jdspark"))
     jax.config.update("jax_compilation_cache_dir", path or os.path.join(root, "xla"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def scripted_accepted(uniforms, width, acceptance: float, invalid) -> jax.Array:
+    """`EngineConfig.scripted_acceptance`'s n_accepted [B]: the leading run of u_j < acceptance among
+    each row's first width[b] uniforms [B, K] (0 where invalid)."""
+    k = uniforms.shape[1]
+    accept = (uniforms < acceptance) & (jnp.arange(k)[None, :] < width[:, None]) & ~invalid[:, None]
+    return jnp.sum(jnp.cumprod(accept, axis=-1), axis=-1).astype(jnp.int32)
 
 
 def _keys(sampling: SlotSampling, purpose: int) -> jax.Array:
@@ -214,6 +126,10 @@ class Executables:
         self.feature_layers = self.dspark.target_layer_ids if self.dspark else ()
         self.prefill_chunk = prefill_chunk
         self.widths = widths
+        self.scripted_acceptance = engine.scripted_acceptance  # benchmarks only (EngineConfig)
+        if self.scripted_acceptance is not None:
+            log.warning("scripted acceptance %.2f: drafts are accepted by script, not verified (benchmarks "
+                        "only; the tokens are not the model's)", self.scripted_acceptance)
         self.buckets = {n: Bucket() for n in engine.buckets}
         self.prefill_buckets = tuple(sorted({*(prefill_buckets or engine.buckets), engine.max_batch}))
         self.lower_seconds = 0.0
@@ -324,7 +240,7 @@ class Executables:
     def static_key(self) -> str:
         """Everything the traced programs depend on besides their arguments (`exe_cache`)."""
         return repr((repr(self.graphdef), self.params.layout_key(), self.config, str(self.dtype), self.gamma,
-                     self.implementation, self.feature_layers))
+                     self.implementation, self.feature_layers, self.scripted_acceptance))
 
     def module(self, arrays):
         """The model module over one call's parameter arrays (`params.arrays`), inside a trace."""
@@ -367,7 +283,9 @@ class Executables:
             proposal = self.propose(model, draft_cache, decode.anchor, rows.sampling)
             verdict, decode, draft_cache = self.verify(model, decode, draft_cache, rows, proposal.tokens[:, :k],
                                                        proposal.q[:, :k])
-            return (pack_output(verdict, proposal.tokens, proposal.confidence),
+            confidence = proposal.confidence if self.scripted_acceptance is None else \
+                jnp.full_like(proposal.confidence, self.scripted_acceptance)
+            return (pack_output(verdict, proposal.tokens, confidence),
                     put_rows(full_state, decode, rows, batch), put_rows(full_cache, draft_cache, rows, batch))
         return step
 
@@ -389,6 +307,9 @@ class Executables:
         noise = jax.vmap(lambda key: exponential_noise(jax.random.fold_in(key, 1), (self.config.vocab_size,)))(keys)
         verdict = rejection_sample(logits, q, drafts, uniforms, noise, sampling.temperature, sampling.top_k,
                                    sampling.top_p, width, implementation=self.implementation)
+        if self.scripted_acceptance is not None:
+            verdict = verdict._replace(n_accepted=scripted_accepted(uniforms, width, self.scripted_acceptance,
+                                                                    verdict.invalid))
         n_keep = jnp.where(rows.active, verdict.n_accepted + 1, 0)
         decode = with_anchor(state.commit(decode, n_keep), verdict, rows.active)
         if draft_cache is not None:

@@ -10,7 +10,7 @@ import pytest
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
-from jdspark.engine import executables
+from jdspark.engine import calls
 from jdspark.engine.engine import Engine, EngineError, SpecOptions
 from jdspark.engine.errors import SamplingError
 from jdspark.engine.request import SamplingParams
@@ -75,12 +75,12 @@ def scripted_step(exe, k: int):
     the engine's own (`Executables.verify`), and the output is packed as step[k]'s."""
     def step(params, full_state, full_cache, slots, tokens):
         model = exe.module(params)
-        rows, batch = executables.unpack_slots(slots), full_state.batch
-        decode, cache = executables.take_rows(full_state, rows, batch), executables.take_rows(full_cache, rows, batch)
+        rows, batch = calls.unpack_slots(slots), full_state.batch
+        decode, cache = calls.take_rows(full_state, rows, batch), calls.take_rows(full_cache, rows, batch)
         proposal = exe.propose(model, cache, decode.anchor, rows.sampling)
         verdict, decode, cache = exe.verify(model, decode, cache, rows, tokens[:, :k], proposal.q[:, :k])
-        return (executables.pack_output(verdict, tokens, proposal.confidence),
-                executables.put_rows(full_state, decode, rows, batch), executables.put_rows(full_cache, cache, rows, batch))
+        return (calls.pack_output(verdict, tokens, proposal.confidence),
+                calls.put_rows(full_state, decode, rows, batch), calls.put_rows(full_cache, cache, rows, batch))
     return jax.jit(step, donate_argnums=(1, 2))
 
 
@@ -92,7 +92,7 @@ def test_greedy_with_scripted_drafts_exercises_every_accept_length(engine, greed
     scripted = scripted_step(engine.exe, 5)
 
     def scripted_call(params, decode, cache, slots):
-        slot = slots[slots[:, 0] == 1, list(executables.SLOT_FIELDS).index("slot")][0]  # the active row's
+        slot = slots[slots[:, 0] == 1, list(calls.SLOT_FIELDS).index("slot")][0]  # the active row's
         done = int(decode.length[slot]) - len(PROMPT) + 1  # tokens so far (the last: the anchor, not in the state)
         tokens = np.array([greedy_reference[min(done + i, len(greedy_reference) - 1)] for i in range(5)], np.int32)
         bad = rng.integers(0, 7)  # 5 or 6: all correct

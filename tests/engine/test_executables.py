@@ -14,7 +14,7 @@ from flax import nnx
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
-from jdspark.engine import executables
+from jdspark.engine import calls, executables
 from jdspark.engine.engine import Engine
 from jdspark.engine.request import SamplingParams
 from jdspark.model import hyper
@@ -29,10 +29,10 @@ def test_slot_inputs_unpack_exactly_on_the_device():
     seed = np.array([2 ** 32 - 1, 0, 2 ** 31], np.uint32)
     counter = np.array([0, 5, 123456], np.int32)
     slot, width = np.array([3, 0, 15], np.int32), np.array([5, 0, 2], np.int32)
-    packed = executables.slot_inputs(active=active, temperature=temperature, top_k=top_k,
+    packed = calls.slot_inputs(active=active, temperature=temperature, top_k=top_k,
                                      top_p=top_p, seed=seed, counter=counter, slot=slot, width=width)
-    assert packed.dtype == np.int32 and packed.shape == (3, len(executables.SLOT_FIELDS))
-    rows = jax.jit(executables.unpack_slots)(packed)
+    assert packed.dtype == np.int32 and packed.shape == (3, len(calls.SLOT_FIELDS))
+    rows = jax.jit(calls.unpack_slots)(packed)
     sampling = rows.sampling
     for got, want in ((rows.active, active), (rows.slot, slot), (rows.width, width)):
         np.testing.assert_array_equal(got, want)
@@ -47,13 +47,13 @@ def test_read_output_splits_a_step_and_a_decode_result():
     confidence = np.array([[0.9, 0.5, 0.25], [1.0, 0.0, 1e-30]], np.float32)
     step = np.concatenate([np.array([[2, 11, 0], [0, -1, 1]], np.int32), np.array([[5, 6, 7], [8, 9, 10]], np.int32),
                            confidence.view(np.int32)], axis=1)
-    out = executables.read_output(step, gamma=3)
+    out = calls.read_output(step, gamma=3)
     np.testing.assert_array_equal(out.n_accepted, [2, 0])
     np.testing.assert_array_equal(out.token, [11, -1])
     np.testing.assert_array_equal(out.invalid, [False, True])
     np.testing.assert_array_equal(out.drafts, [[5, 6, 7], [8, 9, 10]])
     np.testing.assert_array_equal(out.confidence, confidence)
-    decode = executables.read_output(np.array([[0, 3, 0], [0, 9, 0]], np.int32), gamma=3)
+    decode = calls.read_output(np.array([[0, 3, 0], [0, 9, 0]], np.int32), gamma=3)
     assert decode.drafts is None and decode.confidence is None and not decode.invalid.any()
     np.testing.assert_array_equal(decode.token, [3, 9])
 
@@ -69,7 +69,7 @@ def test_non_finite_logits_come_back_as_the_invalid_flag(dspark_engine):
     assert not engine.running
     b = engine.config.max_batch
     poisoned = jax.tree.map(lambda a: a * jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else a, exe.params.arrays)
-    slots = executables.slot_inputs(active=np.ones(b, bool), temperature=np.ones(b),
+    slots = calls.slot_inputs(active=np.ones(b, bool), temperature=np.ones(b),
                                     top_k=np.zeros(b), top_p=np.ones(b), seed=np.arange(b), counter=np.zeros(b),
                                     slot=np.arange(b), width=np.full(b, 3))
     ids = np.full((b, exe.prefill_chunk), 5, np.int32)
@@ -83,7 +83,7 @@ def test_non_finite_logits_come_back_as_the_invalid_flag(dspark_engine):
             out, state, draft_cache = call(params, state, draft_cache, slots)
             outputs.append(out)
         for out in outputs:
-            got = executables.read_output(out, engine.config.gamma)
+            got = calls.read_output(out, engine.config.gamma)
             np.testing.assert_array_equal(got.invalid, bad)
             if bad:
                 np.testing.assert_array_equal(got.token, -1)
@@ -128,7 +128,7 @@ def test_auto_lowers_to_the_pallas_kernels_on_the_gpu_and_xla_does_not(dspark_mo
     with "xla" neither appears (the lowered program, before XLA's own fusions)."""
     config = EngineConfig(max_seq_len=64, gamma=5, max_batch=1)
     decode, cache = dspark_model.init_state(config), dspark.init_draft_cache(DSPARK_CONFIG, 1, dspark_model.dtype)
-    slots = jnp.zeros((1, len(executables.SLOT_FIELDS)), jnp.int32)
+    slots = jnp.zeros((1, len(calls.SLOT_FIELDS)), jnp.int32)
     texts = {}
     for name in ("auto", "xla"):
         exe = executables.Executables(dspark_model, config, 8, name, (5,), pack_params=False)

@@ -1,0 +1,116 @@
+"""A call's inputs and outputs: what crosses between the host and an engine executable.
+
+Per-slot inputs go in as `slot_inputs` (int32 [n, 8], floats bit-cast), results come back as one int32
+array: per slot n_accepted, the emitted token, the invalid flag (1: the slot's logits, temperature
+or draft probabilities were not finite; its token is -1 and it must end with an error), then for
+step[k] the gamma drafted tokens and the gamma confidences (float32 bits); `read_output` splits it
+on the host. The prefill returns the same three columns (n_accepted 0).
+
+Inside a call: `unpack_slots` turns the inputs into `Rows`, `take_rows` / `put_rows` gather and
+scatter the rows' slots of the full-batch state (`executables`' batch buckets), and `pack_output`
+builds the output array.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jdspark.speculative.verify import Verdict
+
+# Per-slot inputs of every call, in column order, with the dtype each is bit-cast from (active: 0/1).
+SLOT_FIELDS = {"active": jnp.int32, "temperature": jnp.float32, "top_k": jnp.int32,
+               "top_p": jnp.float32, "seed": jnp.uint32, "counter": jnp.int32, "slot": jnp.int32,
+               "width": jnp.int32}
+
+
+@struct.dataclass
+class SlotSampling:
+    """Per-slot sampling parameters and randomness source, as device arrays [B]."""
+
+    temperature: jax.Array  # f32, 0 = greedy
+    top_k: jax.Array  # i32, 0 = off
+    top_p: jax.Array  # f32, 1 = off
+    seed: jax.Array  # u32
+    counter: jax.Array  # i32: the slot's step number, so every call draws fresh noise
+
+
+class Rows(NamedTuple):
+    """A call's rows on the device: which state slot each is, and its per-row inputs ([n] each)."""
+
+    slot: jax.Array  # i32: the decode-state slot the row reads and writes
+    active: jax.Array  # bool: the row runs (False: padding, its slot is left as it was)
+    width: jax.Array  # i32: drafts this row verifies (clipped to the executable's width)
+    sampling: SlotSampling
+
+
+class StepOutput(NamedTuple):
+    """One call's results on the host; drafts and confidence are None for `prefill` and `decode`
+    (no drafting)."""
+
+    n_accepted: np.ndarray  # [B] int32
+    token: np.ndarray  # [B] int32: the emitted (bonus or residual) token; -1 where invalid
+    drafts: np.ndarray | None  # [B, gamma] int32: the proposal (its first n_accepted were accepted)
+    confidence: np.ndarray | None  # [B, gamma] float32: the proposal's confidences
+    invalid: np.ndarray  # [B] bool: non-finite logits, temperature or draft probabilities (verify.Verdict)
+
+
+def slot_inputs(**fields) -> np.ndarray:
+    """Every per-row input of a call (the SLOT_FIELDS, each [n]) as one int32 [n, 8] host array."""
+    return np.stack([np.asarray(fields[name], dtype).view(np.int32) for name, dtype in SLOT_FIELDS.items()], axis=1)
+
+
+def unpack_slots(slots: jax.Array) -> Rows:
+    """slot_inputs on the device -> Rows."""
+    column = {name: jax.lax.bitcast_convert_type(slots[:, i], dtype)
+              for i, (name, dtype) in enumerate(SLOT_FIELDS.items())}
+    sampling = SlotSampling(**{name: column[name] for name in ("temperature", "top_k", "top_p", "seed", "counter")})
+    return Rows(column["slot"], column["active"] != 0, column["width"], sampling)
+
+
+def take_rows(tree, rows: Rows, batch: int):
+    """The rows' slots of a full-batch pytree (the whole tree when the rows are every slot). One row
+    is a dynamic slice. XLA on the CPU still copies whole state buffers around the write-back (the
+    compressed entries in small buckets; docs/BENCHMARKS.md, serving): the open part of making a
+    lone request on many slots as cheap as on one."""
+    if tree is None or rows.slot.shape[0] == batch:
+        return tree
+    if rows.slot.shape[0] == 1:
+        return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, rows.slot[0], 1), tree)
+    return jax.tree.map(lambda a: a[rows.slot], tree)
+
+
+def put_rows(tree, part, rows: Rows, batch: int):
+    """`part` written back into the rows' slots of the full-batch `tree` (in place when donated)."""
+    if tree is None or rows.slot.shape[0] == batch:
+        return part
+    if rows.slot.shape[0] == 1:
+        return jax.tree.map(lambda a, p: jax.lax.dynamic_update_slice_in_dim(a, p, rows.slot[0], 0), tree, part)
+    return jax.tree.map(lambda a, p: a.at[rows.slot].set(p), tree, part)
+
+
+def read_output(out, gamma: int) -> StepOutput:
+    """A prefill, decode or step[k] result (one device-to-host copy) split into its fields."""
+    out = np.asarray(out)
+    invalid = out[:, 2] != 0
+    if out.shape[1] == 3:
+        return StepOutput(out[:, 0], out[:, 1], None, None, invalid)
+    return StepOutput(out[:, 0], out[:, 1], out[:, 3:3 + gamma], out[:, 3 + gamma:].view(np.float32), invalid)
+
+
+def with_anchor(decode, verdict: Verdict, where: jax.Array):
+    """The state with each `where` row's anchor set to the token the call sampled (invalid: 0; such a
+    request ends, and a call issued before the host saw it runs on a valid id)."""
+    return decode.replace(anchor=jnp.where(where, jnp.maximum(verdict.token, 0), decode.anchor))
+
+
+def pack_output(verdict: Verdict, drafts: jax.Array | None = None, confidence: jax.Array | None = None) -> jax.Array:
+    """The device side of `read_output`: int32 [B, 3] (+ 2 gamma with a proposal)."""
+    columns = [verdict.n_accepted[:, None], verdict.token[:, None], verdict.invalid.astype(jnp.int32)[:, None]]
+    if drafts is not None:
+        columns += [drafts.astype(jnp.int32), jax.lax.bitcast_convert_type(confidence.astype(jnp.float32), jnp.int32)]
+    return jnp.concatenate([c.astype(jnp.int32) for c in columns], axis=1)
