@@ -201,10 +201,11 @@ for part in "$@"; do
           | grep -E "time|took|program|threads=" | grep -v -E "Warning|loading" | cut -c1-220 | tail -${PHASE_LINES:-80}
       done 2>&1 | tee "$OUT/compile_phases.log" ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
+      LABEL=${SERVE_LABEL:-$(echo "${CONCURRENCY:-all}" | tr ' ' _)}
       JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-400} python3 scripts/bench_serve_engine.py \
         ${SERVE_ARGS:---max-running 64} --concurrency ${CONCURRENCY:-1 4 16 64} --requests ${REQUESTS:-32} ${MODES:+--modes $MODES} \
-        --rounds ${ROUNDS:-3} --out "$OUT/bench_serve_engine_${CONCURRENCY:-all}.json" 2>&1 | grep -v Warning \
-        | tee "$OUT/bench_serve_engine_${CONCURRENCY:-all}.log" ;;
+        --rounds ${ROUNDS:-3} --out "$OUT/bench_serve_engine_${LABEL}.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/bench_serve_engine_${LABEL}.log" ;;
     *)
       echo "unknown part: $part" ;;
   esac
