@@ -14,7 +14,9 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
 - per_request_ones: the same with new requests at confidences of 1 (`first_confidence="ones"`);
 - per_request_queued: per_request priced with costs of queued calls (`SpecOptions.profile="queued"`:
                the executables' rate when issued back to back, as overlapped steps run them);
-- budget:      Algorithm 1 over stale confidences with the bucket's measured costs.
+- budget:      Algorithm 1 over stale confidences with the bucket's measured costs;
+- fixed3, alternate35 (diagnostics): every request at width 3, or at 3 and 5 on alternate steps (what
+               switching executables between steps costs, against fixed3 and fixed5).
 
 Reports output tokens/s, p50 / p90 / p99 of time to first token and inter-token latency (gaps
 between a request's token-bearing steps), and the verify steps that drafted, per (mode,
@@ -42,7 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "per_request_queued", "budget")
+MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "per_request_queued", "budget", "fixed3",
+         "alternate35")
 PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
                 "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"", "for i in range(10):", "with open(path) as f:",
                 "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
@@ -104,11 +107,21 @@ def set_mode(engine, mode: str) -> None:
     if mode == "none":
         engine.set_policy(speculative=False)
         return
-    batch_widths = {"fixed5": "per_request", "padded": "padded", "per_request": "per_request",
-                    "per_request_ones": "per_request", "per_request_queued": "per_request", "budget": "budget"}
+    batch_widths = {"padded": "padded", "budget": "budget"}.get(mode, "per_request")
     first = "ones" if mode == "per_request_ones" else "recent"
-    engine.set_policy(speculative=True, width_policy=(lambda confidence: 5) if mode == "fixed5" else engine.selector,
-                      options=dataclasses.replace(options, batch_widths=batch_widths[mode], first_confidence=first))
+    engine.set_policy(speculative=True, width_policy=fixed_policy(mode) or engine.selector,
+                      options=dataclasses.replace(options, batch_widths=batch_widths, first_confidence=first))
+
+
+def fixed_policy(mode: str):
+    """The width policy of a fixed-width mode (None: an adaptive one). alternate35 alternates per call
+    of the policy, so with one request, per step."""
+    if mode in ("fixed5", "fixed3"):
+        return lambda confidence, k=int(mode[-1]): k
+    if mode == "alternate35":
+        steps = iter(range(1 << 62))
+        return lambda confidence: 3 if next(steps) % 2 else 5
+    return None
 
 
 def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) -> dict:
