@@ -169,6 +169,13 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
     by_width: dict[int, list] = {}  # the verify calls by executable width
     for r in calls["verify"]:
         by_width.setdefault(int(r.width), []).append(r)
+    # the verify steps whose executable is the previous step's, and those after another one ran (what
+    # switching executables costs; overlapped, a step's wall also holds some of its neighbours' work)
+    switch = {"same": [], "switched": []}
+    for before, r in zip(records, records[1:]):
+        if r.drafted_call:
+            same = before.drafted_call and before.width == r.width and before.bucket == r.bucket
+            switch["same" if same else "switched"].append(r.seconds)
     return {"concurrency": concurrency, "requests": len(done), "tokens_per_s": tokens / wall,
             "ttft_ms": pct(ttft), "itl_ms": pct(itl), "steps": len(records), "wall_s": wall,
             "drafting_steps": len(calls["verify"]),
@@ -179,6 +186,7 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             "verify_by_width": {k: {"steps": len(rs), "ms": mean_ms([r.seconds for r in rs]),
                                     "profiled_ms": mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])}
                                 for k, rs in sorted(by_width.items())},
+            "verify_after": {kind: {"steps": len(v), "ms": mean_ms(v)} for kind, v in switch.items()},
             "tokens_per_step": tokens / max(len(records), 1)}
 
 
@@ -298,7 +306,10 @@ def main(argv=None) -> int:
                       + " ".join(f"{k} {v:.2f} ({level['profiled_ms'][k]:.2f})"
                                  for k, v in level["call_ms"].items() if v)
                       + "  by width: " + " ".join(f"k{k} x{w['steps']} {w['ms']:.2f} ({w['profiled_ms']:.2f})"
-                                                  for k, w in level["verify_by_width"].items()),
+                                                  for k, w in level["verify_by_width"].items())
+                      + "  after the same / another executable: " + " / ".join(
+                          f"x{v['steps']} {v['ms']:.2f}" if v["steps"] else "x0"
+                          for v in level["verify_after"].values()),
                       flush=True)
             if args.out:  # after every level, so a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))
