@@ -22,10 +22,15 @@ GPU. The engine (batch 1, widths `--widths`) is then built on it, and the run re
 - projected DSpark tok/s = max over k of E(k) / S(k) with E(k) = sum_{i<=k} a^i, for per-position
   acceptance a = 0.85, 0.80 (the reference's code profile) and 0.59 (prose); S(k) the overlapped
   step wall of width k (and, beside it, the synchronised call cost); k = 0 is a target-only step;
-- `--trace`: the GPU's busy time per target-only step, its idle gaps and the host's events.
+- `--trace`: the GPU's busy time per target-only step, its idle gaps and the host's events;
+- `--acceptance a`: drafts accepted by script at a per position, confidences a
+  (`EngineConfig.scripted_acceptance`, benchmarks only), the engine's adaptive widths over its measured
+  costs (every width of `--widths` profiled at start-up), and the DSpark tok/s of a served T = 1
+  request (tokens over the wall of `--steps` overlapped steps) beside the projection at that a.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.97 PYTHONPATH=$PWD python scripts/bench_flash.py --json /tmp/flash.json
     PYTHONPATH=$PWD python scripts/bench_flash.py --preset tiny --layers 4 --gpu-memory 0.008 --steps 3  # CPU smoke
+    PYTHONPATH=$PWD python scripts/bench_flash.py --acceptance 0.8 --json /tmp/flash_dspark.json  # DSpark served at 0.8
 """
 
 from __future__ import annotations
@@ -158,6 +163,24 @@ def step_walls(engine: Engine, widths, steps: int) -> dict:
     return walls
 
 
+def served(engine: Engine, steps: int) -> dict:
+    """A T = 1 request served by the adaptive engine (its selector over the measured costs) for
+    `steps` overlapped steps: tokens per second of wall, tokens per step and the widths it verified."""
+    engine.set_policy(width_policy=engine.selector)
+    rid = start_request(engine, True)
+    tokens, widths = 0, {}
+    start = time.perf_counter()
+    for _ in range(steps):
+        tokens += sum(len(delta.tokens) for delta in engine.step().values())
+        record = engine.last_step
+        if record is not None:
+            key = record.width if record.drafted_call else "decode"
+            widths[key] = widths.get(key, 0) + 1
+    wall = time.perf_counter() - start
+    engine.cancel(rid)
+    return {"tok_s": tokens / wall, "tokens_per_step": tokens / steps, "widths": widths, "steps": steps}
+
+
 def trace(engine: Engine, steps: int) -> dict:
     """A jax.profiler trace of `steps` target-only Engine.step() calls: the GPU's busy ms per step,
     where it idles, and the host's C++ events by total time (XLA's thunks, command buffers, the
@@ -211,10 +234,12 @@ def measure(args) -> dict:
     layers = hybrid_layers(model)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as cache_dir:
-        engine = Engine(model, EngineConfig(max_seq_len=args.max_seq_len, gamma=5, max_batch=1),
+        adaptive = args.acceptance is not None  # else every width fixed in turn: no start-up profile
+        engine = Engine(model, EngineConfig(max_seq_len=args.max_seq_len, gamma=5, max_batch=1,
+                                            scripted_acceptance=args.acceptance),
                         prefill_chunk=64, widths=tuple(args.widths),
-                        options=SpecOptions(width=max(args.widths), profile_runs=args.runs, reprofile=True,
-                                            cost_cache_dir=cache_dir))
+                        options=SpecOptions(width=None if adaptive else max(args.widths), profile_runs=args.runs,
+                                            reprofile=True, cost_cache_dir=cache_dir))
         startup_s = time.perf_counter() - start
         print(f"engine start-up {startup_s:.1f} s ({engine.exe.lower_seconds:.1f} s loading, tracing and lowering, "
               f"{engine.exe.count} executables)", flush=True)
@@ -222,7 +247,7 @@ def measure(args) -> dict:
     draft = costs["step0"] - costs["decode"]
     out = {"config": dict(preset=args.preset, layers=config.num_hidden_layers, experts=config.n_routed_experts,
                           draft_stages=DRAFT_STAGES, gpu_memory_GB=budget / 1e9, host_layers=args.host_layers,
-                          widths=list(args.widths), via=args.via, pcie_share=layers[0].pcie_share if layers else 0.0,
+                          widths=list(args.widths), acceptance=args.acceptance, via=args.via, pcie_share=layers[0].pcie_share if layers else 0.0,
                           device=str(jax.devices()[0].device_kind), jax=jax.__version__, threads=threads),
            "placement": report, "host_read_GBps": read["GBps"], "build_s": build_s, "startup_s": startup_s,
            "lower_s": engine.exe.lower_seconds, "costs_ms": {k: v * 1e3 for k, v in costs.items()},
@@ -232,6 +257,10 @@ def measure(args) -> dict:
     out["target_only"] = host_part(engine, layers, args.steps, read["GBps"])
     out["target_only"]["sync_ms"] = step_times(engine, False, args.steps, overlap=False)
     out["target_only"]["tok_s"] = 1e3 / out["target_only"]["wall_ms"]
+    if args.acceptance is not None:
+        out["served"] = served(engine, args.steps)
+        print(f"served DSpark at scripted acceptance {args.acceptance}: {out['served']['tok_s']:.1f} tok/s "
+              f"({out['served']['tokens_per_step']:.2f} tokens a step, widths {out['served']['widths']})", flush=True)
     walls = step_walls(engine, args.widths, args.steps)
     out["step_wall_ms"] = walls
     print(f"overlapped Engine.step walls (ms): {walls}", flush=True)
@@ -259,6 +288,10 @@ def print_table(res: dict) -> None:
     walls = res["step_wall_ms"]
     print("overlapped Engine.step (ms): decode " + f"{walls['decode']:.2f}, "
           + ", ".join(f"k = {k[4:]}: {v:.2f}" for k, v in walls.items() if k != "decode"))
+    if "served" in res:
+        v = res["served"]
+        print(f"served DSpark, scripted acceptance {res['config']['acceptance']}: {v['tok_s']:.1f} tok/s, "
+              f"{v['tokens_per_step']:.2f} tokens a step, widths {v['widths']}")
     for name in res["projected"]:
         p, w = res["projected"][name], res["projected_from_walls"][name]
         print(f"projected DSpark, acceptance {name}: {w['tok_s']:.1f} tok/s at k = {w['k']} (overlapped steps); "
@@ -287,10 +320,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--compile-cache", action="store_true",
                     help="keep the executables on disk ($JDSPARK_CACHE): a second run skips compiling")
     ap.add_argument("--trace", action="store_true", help="also trace target-only steps (GPU busy, gaps, host events)")
+    ap.add_argument("--acceptance", type=float, default=None,
+                    help="drafts accepted by script at this rate a position; the engine's adaptive widths serve")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if 0 not in args.widths:
         ap.error("--widths must include 0 (D = step[0] - decode)")
+    if args.acceptance is not None and 5 not in args.widths:
+        ap.error("--acceptance serves with adaptive widths, which need width 5 (gamma) compiled")
     if args.compile_cache:
         enable_compile_cache()
     res = measure(args)
