@@ -34,6 +34,7 @@ from jdspark.engine.sequence import NON_FINITE, ConfidencePrior, Sequence
 from jdspark.engine.stats import RowRecord, StepReaders, StepRecord
 from jdspark.engine.widths import choose, compiled_widths
 from jdspark.model.model import Model
+from jdspark.speculative.calibration import Calibration
 from jdspark.speculative.selector import AdaptiveWidth
 from jdspark.tokenizer.tokenizer import Tokenizer
 
@@ -77,7 +78,7 @@ class Engine:
         self._slots: list[Sequence | None] = [None] * config.max_batch
         self._slot_of: dict[int, int] = {}  # request id -> slot
         self._pending: dict[int, PendingPrompt] = {}  # slot -> prompt still being prefilled, oldest first
-        self._next_id, self.prior = 0, ConfidencePrior(config.gamma)
+        self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
         start = time.perf_counter()
         self.exe.compile(self.state, self.draft_cache)
         log.info("%d executables (batch buckets %s) ready in %.1f s: %d loaded from disk, %d from compile workers "
@@ -150,7 +151,7 @@ class Engine:
         deltas: dict[int, Delta] = {}
         while any(self._slot_of.get(rid) in self._pending for rid in ids):
             mine = [b for b in self._pending if self._slots[b].request_id in ids]
-            deltas.update(self._prefill_call(mine[:max(self.config.buckets)]))
+            deltas.update(self._read_prefill(self._issue_prefill(mine[:max(self.config.buckets)])))
         return [deltas[rid] for rid in ids]
 
     def admit(self, requests: list[tuple[object, SamplingParams]]) -> list[int]:
@@ -181,10 +182,6 @@ class Engine:
     def _first_confidence(self) -> np.ndarray | None:
         """Where a new request's (and a probe's) stale confidences start; None: ones."""
         return None if self.options.first_confidence == "ones" else self.prior.value
-
-    def _prefill_call(self, live: list[int]) -> dict[int, Delta]:
-        """One prefill call, issued and read (`add_many`)."""
-        return self._read_prefill(self._issue_prefill(live))
 
     def _issue_prefill(self, live: list[int]) -> IssuedPrefill:
         """One prefill call: the next chunk of each of these slots' prompts, in the smallest bucket
@@ -358,6 +355,7 @@ class Engine:
             seq.record(record, row, None if confidence is None else confidence[row_of[b]])
         if confidence is not None:
             self.prior.update(confidence[[row_of[b] for b in live]])
+            self.calibration.observe(records, [seq.greedy for seq in live.values()])
         if self.live is not None:
             self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds)
         self._publish(record)
@@ -367,6 +365,8 @@ class Engine:
         """(executable width, {slot: width}, executable) for this step (`widths.choose`)."""
         speculating = {b: self._slots[b].speculates() for b in stale}
         calls, adaptive = self.exe.buckets[bucket], self._adaptive()
+        if adaptive and self.options.calibrate:
+            stale = {b: self.calibration(c, self._slots[b].greedy) for b, c in stale.items()}
         width, widths = choose(stale, speculating, self._policy_at(bucket) if self.speculative else None, adaptive,
                                calls.step, self._slots, self.options, self._first_confidence())
         return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])

@@ -40,6 +40,8 @@ class SpecOptions:
     # judged: "ones", or "recent" (the engine's running average, `sequence.ConfidencePrior`)
     profile: str = "synchronised"  # a cost: one call at a time, or "queued": calls issued back to back
     # (the rate of overlapped steps, which hide the host's dispatch behind the device; `costs.measure_bucket`)
+    calibrate: bool = True  # adaptive widths read stale confidences scaled to the acceptance the engine saw
+    # after such confidences, per position, greedy and sampled apart (`speculative.calibration`)
 
     def __post_init__(self):
         if not isinstance(self.pause_steps, int) or self.pause_steps < 0:

@@ -14,6 +14,7 @@ import numpy as np
 
 from jdspark.engine.request import Completion, Delta, SamplingParams
 from jdspark.engine.stats import CompletionStats, RowRecord, StepRecord
+from jdspark.speculative.sampling import MIN_TEMPERATURE
 from jdspark.speculative.selector import FallbackBreaker
 from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
 
@@ -85,6 +86,11 @@ class Sequence:
     def drafting_pays(self) -> None:
         """Its confidences make drafting pay again: the next pause is `steps` long."""
         self.pauses_in_a_row = 0
+
+    @property
+    def greedy(self) -> bool:
+        """Whether it decodes greedily (its drafts are accepted by argmax match, not by p / q)."""
+        return not self.params.temperature >= MIN_TEMPERATURE
 
     def may_issue(self) -> bool:
         """Whether another call may run for it: even if the calls not yet read emit all they can, it

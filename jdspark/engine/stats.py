@@ -22,7 +22,7 @@ class RowRecord:
     """One request's part of a step."""
 
     request_id: int
-    stale_confidence: np.ndarray  # [gamma]: what the width choice read (the previous proposal's)
+    stale_confidence: np.ndarray  # [gamma]: the previous proposal's as stated (the choice read it calibrated)
     n_accepted: int  # drafts accepted (0 when the step verified none)
     emitted: tuple[int, ...]  # tokens the request received, after its stop conditions
     width: int = 0  # drafts this request verified (its own width; at most the step's)

@@ -11,6 +11,7 @@ import pytest
 from jdspark.engine.engine import SpecOptions
 from jdspark.engine.errors import EngineError
 from jdspark.engine.request import SamplingParams
+from jdspark.speculative.calibration import Calibration
 from jdspark.speculative.selector import AdaptiveWidth
 from tests.conftest import generate_to_end
 
@@ -167,6 +168,46 @@ def test_a_new_request_starts_at_ones_or_at_the_recent_confidences(engine):
     np.testing.assert_array_equal(seen[before], prior)
     assert not np.allclose(prior, 1.0) and np.all((prior > 0) & (prior <= 1))
     assert not np.array_equal(engine.prior.value, prior)  # the third request's steps moved it
+
+
+class SpyCalibration(Calibration):
+    """The engine's calibration, recording what the width choice asked it and what it was taught."""
+
+    def __init__(self, gamma):
+        super().__init__(gamma)
+        self.asked, self.taught = [], []
+
+    def __call__(self, stale, greedy):
+        self.asked.append(greedy)
+        return super().__call__(stale, greedy)
+
+    def observe(self, rows, greedy):
+        rows = list(rows)
+        self.taught += [(row.width, g) for row, g in zip(rows, greedy)]
+        super().observe(rows, greedy)
+
+
+def test_the_selector_reads_calibrated_confidences_and_verified_rows_teach_them(engine):
+    """Under the measured selector every step's choice reads each row's stale confidences through
+    the engine's calibration (a greedy request as greedy) and every verified row is handed to it;
+    with `calibrate=False`, or a policy of the caller's, the choice reads them as stated."""
+    saved, spy = engine.calibration, SpyCalibration(engine.config.gamma)
+    engine.calibration = spy
+    try:
+        engine.set_policy(speculative=True, width_policy=engine.selector, options=SpecOptions(pause_steps=0))
+        with engine.record_steps() as records:
+            generate(engine)
+        verified = [row.width for r in records if r.drafted_call for row in r.rows]
+        assert len(spy.asked) == len(records) > 0 and all(spy.asked)
+        assert [w for w, _ in spy.taught] == verified and all(g for _, g in spy.taught)
+        for options, policy in ((SpecOptions(pause_steps=0, calibrate=False), engine.selector),
+                                (SpecOptions(pause_steps=0), AdaptiveWidth([0.01] * 6, 0.001, gamma=5))):
+            engine.set_policy(width_policy=policy, options=options)
+            asked = len(spy.asked)
+            generate(engine)
+            assert len(spy.asked) == asked
+    finally:
+        engine.calibration = saved
 
 
 def test_the_confidence_prior_is_a_running_average_of_the_proposals():

@@ -1,0 +1,113 @@
+"""How well the width choice's stale confidences predict acceptance, and what calibrating them
+(`jdspark.speculative.calibration`) changes.
+
+The embedded model at fixed width 5 (every position verified) on the serving bench's prompts,
+greedy and at T = 1; the calibration learned on prompts 0-3 and judged on 4-7 (a request's first two
+steps read the engine's prior, not its own proposals, and are left out):
+
+- E(5) priced from the stated and from the calibrated confidences, against the tokens the steps took;
+- a replay of the selector's choice, argmax_k E(k) / S(k) at the step costs given (default: the
+  H200's queued profile of the 8-slot engine's bucket 1, tree 1f2d108), against fixed width 5, in
+  tokens per ms (a step verified at width k takes min(n_accepted, k) + 1 tokens: the positions past k
+  do not matter).
+
+    python scripts/eval_calibration.py [--costs-ms 1.67 1.82 1.99 1.88 1.97 1.95] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_serve_engine  # noqa: E402
+
+from jdspark.engine.request import SamplingParams  # noqa: E402
+from jdspark.speculative.calibration import Calibration  # noqa: E402
+
+GAMMA = 5
+
+
+def verified_rows(engine, prompts, temperature: float, max_tokens: int) -> list:
+    """The RowRecords of width-5 steps of one request per prompt, each request's first two left out."""
+    with engine.record_steps() as records:
+        for i, prompt in enumerate(prompts):
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i, ignore_eos=True)
+            engine.complete([engine.add(prompt, params)])
+    rows, seen = [], {}
+    for row in (row for record in records for row in record.rows if row.width == GAMMA):
+        seen[row.request_id] = seen.get(row.request_id, 0) + 1
+        if seen[row.request_id] > 2:
+            rows.append(row)
+    return rows
+
+
+def expected_tokens(confidence: np.ndarray) -> np.ndarray:
+    """E(k) for k = 0..gamma: 1 + sum_{i <= k} prod_{j <= i} c_j."""
+    return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(confidence))])
+
+
+def replay(rows, choose, costs: np.ndarray) -> float:
+    """Tokens per ms of the rows' steps at the widths `choose(stale confidence)` picks."""
+    widths = [choose(row.stale_confidence) for row in rows]
+    tokens = sum(min(row.n_accepted, k) + 1 for row, k in zip(rows, widths))
+    return tokens / float(sum(costs[k] for k in widths))
+
+
+def evaluate(engine, prompts, temperature: float, costs: np.ndarray, max_tokens: int) -> dict:
+    greedy = temperature == 0.0
+    train = verified_rows(engine, prompts[:4], temperature, max_tokens)
+    test = verified_rows(engine, prompts[4:8], temperature, max_tokens)
+    calibration = Calibration(GAMMA, decay=1.0)
+    calibration.observe(train, [greedy] * len(train))
+
+    def calibrated(c):
+        return calibration(c, greedy)
+
+    def best(c):
+        return int(np.argmax(expected_tokens(c) / costs))
+
+    realized = np.array([row.n_accepted + 1 for row in test])
+    out = {"temperature": temperature, "train_steps": len(train), "test_steps": len(test),
+           "ratios": calibration.ratio(greedy).round(3).tolist(), "realized_tokens_per_step": float(realized.mean()),
+           "fixed5_tokens_per_ms": replay(test, lambda c: GAMMA, costs)}
+    for name, transform in (("stated", lambda c: c), ("calibrated", calibrated)):
+        priced = np.array([expected_tokens(transform(row.stale_confidence))[GAMMA] for row in test])
+        out[name] = {"E5_mean": float(priced.mean()), "E5_mean_abs_error": float(np.abs(priced - realized).mean()),
+                     "tokens_per_ms": replay(test, lambda c: best(transform(c)), costs),
+                     "widths": np.bincount([best(transform(row.stale_confidence)) for row in test],
+                                           minlength=GAMMA + 1).tolist()}
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--costs-ms", type=float, nargs=GAMMA + 1, default=[1.67, 1.82, 1.99, 1.88, 1.97, 1.95],
+                    help="S(0..5), a step's cost at each width")
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    engine_args = argparse.Namespace(model=None, synthetic=None, dtype="float32", max_seq_len=512, max_running=1,
+                                     prefill_chunk=64, buckets=[1], widths=[GAMMA], acceptance=None)
+    engine, prompts, _ = bench_serve_engine.build(engine_args)
+    costs = np.array(args.costs_ms)
+    results = [evaluate(engine, prompts, t, costs, args.max_tokens) for t in (0.0, 1.0)]
+    print("| T | steps (learned on) | tokens / step | E(5) stated (abs err) | E(5) calibrated (abs err) | "
+          "selector on stated / fixed5 | on calibrated / fixed5 | widths stated / calibrated |")
+    print("|---:|---|---:|---|---|---:|---:|---|")
+    for r in results:
+        s, c, f = r["stated"], r["calibrated"], r["fixed5_tokens_per_ms"]
+        print(f"| {r['temperature']} | {r['test_steps']} ({r['train_steps']}) | {r['realized_tokens_per_step']:.3f} | "
+              f"{s['E5_mean']:.3f} ({s['E5_mean_abs_error']:.3f}) | {c['E5_mean']:.3f} ({c['E5_mean_abs_error']:.3f}) | "
+              f"{s['tokens_per_ms'] / f:.3f} | {c['tokens_per_ms'] / f:.3f} | {s['widths']} / {c['widths']} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main()

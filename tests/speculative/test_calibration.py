@@ -1,0 +1,53 @@
+"""Stale confidences calibrated to the acceptance the engine saw (`speculative.calibration`): the
+ratios learn realized / stated acceptance per position from verified rows only (greedy and sampled
+apart, positions a row did not reach left out), and apply once a position has enough rows."""
+
+import numpy as np
+
+from jdspark.engine.stats import RowRecord
+from jdspark.speculative.calibration import Calibration
+
+GAMMA = 5
+
+
+def rows_accepting(rng, n, confidence, rates, width=GAMMA):
+    """n rows stating `confidence` whose draft j is accepted with probability rates[j] once j - 1 were."""
+    out = []
+    for i in range(n):
+        accepted = 0
+        while accepted < width and rng.random() < rates[accepted]:
+            accepted += 1
+        out.append(RowRecord(i, np.asarray(confidence, np.float32), accepted, (), width))
+    return out
+
+
+def test_the_ratio_learns_realized_over_stated_acceptance_per_position():
+    rng = np.random.default_rng(0)
+    calibration = Calibration(GAMMA, decay=1.0, min_rows=32)
+    rates, stated = np.array([0.9, 0.8, 0.7, 0.6, 0.5]), np.full(GAMMA, 0.6)
+    rows = rows_accepting(rng, 4000, stated, rates)
+    calibration.observe(rows, [True] * len(rows))
+    np.testing.assert_allclose(calibration.ratio(True), rates / stated, atol=0.05)
+    np.testing.assert_allclose(calibration(stated, True), rates, atol=0.03)
+    np.testing.assert_array_equal(calibration.ratio(False), np.ones(GAMMA))  # sampled rows: none seen
+    assert np.all(calibration(np.full(GAMMA, 0.99), True) <= 1.0)
+
+
+def test_positions_past_a_rows_width_or_its_first_rejection_are_not_evidence():
+    calibration = Calibration(GAMMA, decay=1.0, min_rows=1)
+    calibration.observe([RowRecord(0, np.full(GAMMA, 0.5, np.float32), 1, (), 3)], [False])
+    np.testing.assert_array_equal(calibration.reached[0], [1, 1, 0, 0, 0])  # reached draft 2, rejected it
+    np.testing.assert_array_equal(calibration.accepted[0], [1, 0, 0, 0, 0])
+    calibration.observe([RowRecord(1, np.full(GAMMA, 0.5, np.float32), 2, (), 2)], [False])  # all of width 2
+    np.testing.assert_array_equal(calibration.reached[0], [2, 2, 0, 0, 0])
+    np.testing.assert_array_equal(calibration.ratio(False), [2.0, 1.0, 1.0, 1.0, 1.0])
+    calibration.observe([RowRecord(2, np.full(GAMMA, 0.5, np.float32), 0, (), 0)], [False])  # decoded: nothing
+    np.testing.assert_array_equal(calibration.reached[0], [2, 2, 0, 0, 0])
+
+
+def test_too_few_rows_leave_the_confidences_as_stated():
+    calibration = Calibration(GAMMA, decay=1.0, min_rows=32)
+    rows = rows_accepting(np.random.default_rng(1), 20, np.full(GAMMA, 0.3), np.ones(GAMMA))
+    calibration.observe(rows, [True] * len(rows))
+    stated = np.linspace(0.2, 0.6, GAMMA).astype(np.float32)
+    np.testing.assert_array_equal(calibration(stated, True), stated)
