@@ -64,6 +64,7 @@ def evaluate(engine, prompts, temperature: float, costs: np.ndarray, max_tokens:
     test = verified_rows(engine, prompts[4:8], temperature, max_tokens)
     calibration = Calibration(GAMMA, decay=1.0)
     calibration.observe(train, [greedy] * len(train))
+    calibration.fold()
 
     def calibrated(c):
         return calibration(c, greedy)

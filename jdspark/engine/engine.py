@@ -366,7 +366,7 @@ class Engine:
         speculating = {b: self._slots[b].speculates() for b in stale}
         calls, adaptive = self.exe.buckets[bucket], self._adaptive()
         if adaptive and self.options.calibrate:
-            stale = {b: self.calibration(c, self._slots[b].greedy) for b, c in stale.items()}
+            stale = self.calibration.apply(stale, {b: self._slots[b].greedy for b in stale})
         width, widths = choose(stale, speculating, self._policy_at(bucket) if self.speculative else None, adaptive,
                                calls.step, self._slots, self.options, self._first_confidence())
         return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])

@@ -22,32 +22,59 @@ import numpy as np
 
 
 class Calibration:
-    """Per-position ratios (realized acceptance / stale confidence), greedy and sampled apart."""
+    """Per-position ratios (realized acceptance / stale confidence), greedy and sampled apart. Rows
+    are folded into the sums `fold_every` at a time (the choice reads the ratios of the last fold), so
+    a step pays a list append per row, not array work."""
 
-    def __init__(self, gamma: int, *, decay: float = 0.995, min_rows: float = 32.0):
-        self.decay, self.min_rows = decay, min_rows
+    def __init__(self, gamma: int, *, decay: float = 0.995, min_rows: float = 32.0, fold_every: int = 64):
+        self.decay, self.min_rows, self.fold_every = decay, min_rows, fold_every
         self.reached = np.zeros((2, gamma))  # [greedy?, position]: rows whose verification got to j
         self.accepted = np.zeros((2, gamma))  # of those, rows that accepted draft j
         self.confidence = np.zeros((2, gamma))  # of those, their stale confidences at j, summed
+        self._pending: list[tuple] = []  # (greedy, stale confidence, width, n_accepted) not folded yet
+        self._ratios: dict[bool, np.ndarray | None] = {False: None, True: None}  # None: as stated
 
     def observe(self, rows: Iterable, greedy: Iterable[bool]) -> None:
-        """Learn from a verified step's rows (`RowRecord`s: stale confidence, width, n_accepted)."""
-        positions = np.arange(self.reached.shape[1])
-        for row, is_greedy in zip(rows, greedy):
-            if not row.width:
-                continue
-            reached = positions < min(row.width, row.n_accepted + 1)
-            g = int(bool(is_greedy))
-            for total, value in ((self.reached, reached), (self.accepted, reached & (positions < row.n_accepted)),
-                                 (self.confidence, reached * row.stale_confidence)):
-                total[g] = self.decay * total[g] + value
+        """A verified step's rows (`RowRecord`s: stale confidence, width, n_accepted), in order."""
+        self._pending += [(bool(g), row.stale_confidence, row.width, row.n_accepted)
+                          for row, g in zip(rows, greedy) if row.width]
+        if len(self._pending) >= self.fold_every:
+            self.fold()
+
+    def fold(self) -> None:
+        """Add the pending rows to the sums (the same sums as one row at a time, each decayed by
+        `decay` per later row) and update the ratios the choice reads."""
+        if not self._pending:
+            return
+        greedy, stale, width, n = (np.array(column) for column in zip(*self._pending))
+        self._pending = []
+        positions = np.arange(self.reached.shape[1])[None]
+        reached = positions < np.minimum(width, n + 1)[:, None]
+        values = (reached, reached & (positions < n[:, None]), reached * stale)
+        for g in (False, True):
+            mine = greedy == g
+            count = int(mine.sum())
+            if count:
+                weights = self.decay ** np.arange(count - 1, -1, -1.0)  # the last row weighs 1
+                for total, value in zip((self.reached, self.accepted, self.confidence), values):
+                    total[int(g)] = self.decay ** count * total[int(g)] + weights @ value[mine]
+            known = (self.reached[int(g)] >= self.min_rows) & (self.confidence[int(g)] > 0)
+            ratio = np.where(known, self.accepted[int(g)] / np.where(known, self.confidence[int(g)], 1.0), 1.0)
+            self._ratios[g] = ratio.astype(np.float32) if known.any() else None
 
     def ratio(self, greedy: bool) -> np.ndarray:
-        """[gamma]: what to scale a stale confidence by at each position (1 without enough rows)."""
-        g = int(bool(greedy))
-        known = (self.reached[g] >= self.min_rows) & (self.confidence[g] > 0)
-        return np.where(known, self.accepted[g] / np.where(known, self.confidence[g], 1.0), 1.0)
+        """[gamma]: what the choice scales a stale confidence by at each position (1: too few rows)."""
+        ratio = self._ratios[bool(greedy)]
+        return np.ones(self.reached.shape[1], np.float32) if ratio is None else ratio
+
+    def apply(self, stale: dict[int, np.ndarray], greedy: dict[int, bool]) -> dict[int, np.ndarray]:
+        """Calibrated stale confidences [gamma] of a step's rows (by slot), each at most 1."""
+        out = {}
+        for b, c in stale.items():
+            ratio = self._ratios[bool(greedy[b])]
+            out[b] = c if ratio is None else np.minimum(c * ratio, np.float32(1.0))
+        return out
 
     def __call__(self, stale: np.ndarray, greedy: bool) -> np.ndarray:
-        """Calibrated stale confidences [gamma], in [0, 1]."""
-        return np.clip(stale * self.ratio(greedy), 0.0, 1.0).astype(np.float32)
+        """One row's calibrated stale confidences [gamma]."""
+        return self.apply({0: stale}, {0: greedy})[0]

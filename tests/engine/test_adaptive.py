@@ -177,9 +177,9 @@ class SpyCalibration(Calibration):
         super().__init__(gamma)
         self.asked, self.taught = [], []
 
-    def __call__(self, stale, greedy):
-        self.asked.append(greedy)
-        return super().__call__(stale, greedy)
+    def apply(self, stale, greedy):
+        self.asked += [greedy[b] for b in stale]
+        return super().apply(stale, greedy)
 
     def observe(self, rows, greedy):
         rows = list(rows)

@@ -23,7 +23,7 @@ def rows_accepting(rng, n, confidence, rates, width=GAMMA):
 
 def test_the_ratio_learns_realized_over_stated_acceptance_per_position():
     rng = np.random.default_rng(0)
-    calibration = Calibration(GAMMA, decay=1.0, min_rows=32)
+    calibration = Calibration(GAMMA, decay=1.0, min_rows=32, fold_every=1)
     rates, stated = np.array([0.9, 0.8, 0.7, 0.6, 0.5]), np.full(GAMMA, 0.6)
     rows = rows_accepting(rng, 4000, stated, rates)
     calibration.observe(rows, [True] * len(rows))
@@ -34,7 +34,7 @@ def test_the_ratio_learns_realized_over_stated_acceptance_per_position():
 
 
 def test_positions_past_a_rows_width_or_its_first_rejection_are_not_evidence():
-    calibration = Calibration(GAMMA, decay=1.0, min_rows=1)
+    calibration = Calibration(GAMMA, decay=1.0, min_rows=1, fold_every=1)
     calibration.observe([RowRecord(0, np.full(GAMMA, 0.5, np.float32), 1, (), 3)], [False])
     np.testing.assert_array_equal(calibration.reached[0], [1, 1, 0, 0, 0])  # reached draft 2, rejected it
     np.testing.assert_array_equal(calibration.accepted[0], [1, 0, 0, 0, 0])
@@ -46,8 +46,26 @@ def test_positions_past_a_rows_width_or_its_first_rejection_are_not_evidence():
 
 
 def test_too_few_rows_leave_the_confidences_as_stated():
-    calibration = Calibration(GAMMA, decay=1.0, min_rows=32)
+    calibration = Calibration(GAMMA, decay=1.0, min_rows=32, fold_every=1)
     rows = rows_accepting(np.random.default_rng(1), 20, np.full(GAMMA, 0.3), np.ones(GAMMA))
     calibration.observe(rows, [True] * len(rows))
     stated = np.linspace(0.2, 0.6, GAMMA).astype(np.float32)
     np.testing.assert_array_equal(calibration(stated, True), stated)
+
+
+def test_a_step_of_rows_learns_what_its_rows_one_at_a_time_teach():
+    """Folding many rows at once (greedy and sampled mixed) gives the sums of folding them one by one,
+    decay included; rows wait for the fold (`fold_every`) before the ratios move."""
+    rng = np.random.default_rng(2)
+    rows = rows_accepting(rng, 40, rng.random(GAMMA), [0.9, 0.7, 0.6, 0.5, 0.4])
+    greedy = rng.random(len(rows)) < 0.5
+    together, alone = Calibration(GAMMA, decay=0.9, min_rows=1), Calibration(GAMMA, decay=0.9, fold_every=1)
+    together.observe(rows, greedy)
+    np.testing.assert_array_equal(together.reached, 0)  # 40 rows: short of a fold of 64
+    np.testing.assert_array_equal(together.ratio(True), np.ones(GAMMA))
+    together.fold()
+    assert not np.all(together.ratio(True) == 1)
+    for row, g in zip(rows, greedy):
+        alone.observe([row], [g])
+    for name in ("reached", "accepted", "confidence"):
+        np.testing.assert_allclose(getattr(together, name), getattr(alone, name), rtol=1e-12)
