@@ -247,7 +247,8 @@ def measure(args) -> dict:
     draft = costs["step0"] - costs["decode"]
     out = {"config": dict(preset=args.preset, layers=config.num_hidden_layers, experts=config.n_routed_experts,
                           draft_stages=DRAFT_STAGES, gpu_memory_GB=budget / 1e9, host_layers=args.host_layers,
-                          widths=list(args.widths), acceptance=args.acceptance, via=args.via, pcie_share=layers[0].pcie_share if layers else 0.0,
+                          widths=list(args.widths), acceptance=args.acceptance, via=args.via,
+                          pcie_share=layers[0].pcie_share if layers else 0.0,
                           device=str(jax.devices()[0].device_kind), jax=jax.__version__, threads=threads),
            "placement": report, "host_read_GBps": read["GBps"], "build_s": build_s, "startup_s": startup_s,
            "lower_s": engine.exe.lower_seconds, "costs_ms": {k: v * 1e3 for k, v in costs.items()},

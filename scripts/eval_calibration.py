@@ -103,7 +103,8 @@ def main(argv=None) -> list[dict]:
     for r in results:
         s, c, f = r["stated"], r["calibrated"], r["fixed5_tokens_per_ms"]
         print(f"| {r['temperature']} | {r['test_steps']} ({r['train_steps']}) | {r['realized_tokens_per_step']:.3f} | "
-              f"{s['E5_mean']:.3f} ({s['E5_mean_abs_error']:.3f}) | {c['E5_mean']:.3f} ({c['E5_mean_abs_error']:.3f}) | "
+              f"{s['E5_mean']:.3f} ({s['E5_mean_abs_error']:.3f}) | "
+              f"{c['E5_mean']:.3f} ({c['E5_mean_abs_error']:.3f}) | "
               f"{s['tokens_per_ms'] / f:.3f} | {c['tokens_per_ms'] / f:.3f} | {s['widths']} / {c['widths']} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
