@@ -28,6 +28,7 @@ import bench_serve_engine  # noqa: E402
 
 from jdspark.engine.request import SamplingParams  # noqa: E402
 from jdspark.speculative.calibration import Calibration  # noqa: E402
+from jdspark.speculative.selector import AdaptiveWidth  # noqa: E402
 
 GAMMA = 5
 
@@ -44,11 +45,6 @@ def verified_rows(engine, prompts, temperature: float, max_tokens: int) -> list:
         if seen[row.request_id] > 2:
             rows.append(row)
     return rows
-
-
-def expected_tokens(confidence: np.ndarray) -> np.ndarray:
-    """E(k) for k = 0..gamma: 1 + sum_{i <= k} prod_{j <= i} c_j."""
-    return np.concatenate([[1.0], 1.0 + np.cumsum(np.cumprod(confidence))])
 
 
 def replay(rows, choose, costs: np.ndarray) -> float:
@@ -69,18 +65,17 @@ def evaluate(engine, prompts, temperature: float, costs: np.ndarray, max_tokens:
     def calibrated(c):
         return calibration(c, greedy)
 
-    def best(c):
-        return int(np.argmax(expected_tokens(c) / costs))
+    selector = AdaptiveWidth(costs, 0.0, GAMMA)  # S(k) = the costs given: the engine's choice and E(k)
 
     realized = np.array([row.n_accepted + 1 for row in test])
     out = {"temperature": temperature, "train_steps": len(train), "test_steps": len(test),
            "ratios": calibration.ratio(greedy).round(3).tolist(), "realized_tokens_per_step": float(realized.mean()),
            "fixed5_tokens_per_ms": replay(test, lambda c: GAMMA, costs)}
     for name, transform in (("stated", lambda c: c), ("calibrated", calibrated)):
-        priced = np.array([expected_tokens(transform(row.stale_confidence))[GAMMA] for row in test])
+        priced = selector.expected_tokens(np.stack([transform(row.stale_confidence) for row in test]))[:, GAMMA]
         out[name] = {"E5_mean": float(priced.mean()), "E5_mean_abs_error": float(np.abs(priced - realized).mean()),
-                     "tokens_per_ms": replay(test, lambda c: best(transform(c)), costs),
-                     "widths": np.bincount([best(transform(row.stale_confidence)) for row in test],
+                     "tokens_per_ms": replay(test, lambda c: selector(transform(c)), costs),
+                     "widths": np.bincount([selector(transform(row.stale_confidence)) for row in test],
                                            minlength=GAMMA + 1).tolist()}
     return out
 

@@ -63,7 +63,7 @@ from jdspark.engine.exe_cache import ExecutableCache
 from jdspark.model import hyper, state
 from jdspark.model.model import Model
 from jdspark.speculative.sampling import exponential_noise, uniform_noise
-from jdspark.speculative.verify import rejection_sample
+from jdspark.speculative.verify import accepted_prefix, rejection_sample
 from pallas_kernels import resolve_implementation
 
 log = logging.getLogger(__name__)
@@ -82,9 +82,8 @@ def enable_compile_cache(path: str | None = None) -> None:
 def scripted_accepted(uniforms, width, acceptance: float, invalid) -> jax.Array:
     """`EngineConfig.scripted_acceptance`'s n_accepted [B]: the leading run of u_j < acceptance among
     each row's first width[b] uniforms [B, K] (0 where invalid)."""
-    k = uniforms.shape[1]
-    accept = (uniforms < acceptance) & (jnp.arange(k)[None, :] < width[:, None]) & ~invalid[:, None]
-    return jnp.sum(jnp.cumprod(accept, axis=-1), axis=-1).astype(jnp.int32)
+    verified = jnp.arange(uniforms.shape[1])[None, :] < width[:, None]
+    return accepted_prefix((uniforms >= acceptance) | ~verified | invalid[:, None])
 
 
 def _keys(sampling: SlotSampling, purpose: int) -> jax.Array:

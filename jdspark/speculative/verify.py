@@ -125,7 +125,7 @@ def race_inputs(
     invalid = (~jnp.all(finite_rows(stats) | ~row_used, axis=-1)
                | ~jnp.all(jnp.isfinite(q_tok) | ~draft_used, axis=-1))
     accept = jnp.where(drafted.greedy, tokens[..., 0] == drafted.argmax, p_tok > uniforms * q_tok)  # NaN: False
-    n_accepted = _accepted_prefix(~accept | ~draft_used | invalid[:, None])
+    n_accepted = accepted_prefix(~accept | ~draft_used | invalid[:, None])
     row_stats = jax.tree.map(lambda a: _at_row(a, n_accepted)[:, None], stats)
     logits_row = jnp.take_along_axis(target_logits, n_accepted[:, None, None], axis=1)[:, 0]
     return RaceInputs(
@@ -140,7 +140,7 @@ def race_inputs(
     )
 
 
-def _accepted_prefix(reject):
+def accepted_prefix(reject):
     """Length of the leading run of False in each row of reject [B, K] -> [B] int32."""
     return jnp.sum(jnp.cumprod(~reject, axis=-1), axis=-1).astype(jnp.int32)
 
