@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import time
@@ -119,7 +120,7 @@ def fixed_policy(mode: str):
     if mode in ("fixed5", "fixed3"):
         return lambda confidence, k=int(mode[-1]): k
     if mode == "alternate35":
-        steps = iter(range(1 << 62))
+        steps = itertools.count()
         return lambda confidence: 3 if next(steps) % 2 else 5
     return None
 
