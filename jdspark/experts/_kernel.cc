@@ -117,6 +117,7 @@ inline void dec_e4m3(const uint8_t* p, __m256& a, __m256& b) {
 // (a row-at-a-time GEMV reads 4 B of input per 0.5 B of fp4 weight and stalls on it).
 struct BlockFP4 {  // scale per 32-block: G = 1
   static constexpr int G = 1;
+  static constexpr int BYTES = 16;  // of codes per 32-block
   static constexpr float OUT = 0.5f;  // the table holds 2 x E2M1
   static float factor(const void* s, int g) {
     // 2^(b - 127) is the float whose bits are b << 23 (b >= 1; checked when a bank is filled)
@@ -139,6 +140,7 @@ struct BlockFP4 {  // scale per 32-block: G = 1
 template <bool F32S, bool ROUND>
 struct BlockFP8 {  // s: the row's block-scale row [ceil(K/128)]; one scale per 4 blocks of 32
   static constexpr int G = 4;
+  static constexpr int BYTES = 32;
   static constexpr float OUT = 1.0f;
   static float factor(const void* s, int g) {
     const float sv = F32S ? ((const float*)s)[g] : e8m0_times(((const uint8_t*)s)[g], 0);
@@ -155,6 +157,7 @@ struct BlockFP8 {  // s: the row's block-scale row [ceil(K/128)]; one scale per 
 };
 struct BlockBF16 {
   static constexpr int G = 1 << 20;
+  static constexpr int BYTES = 64;
   static constexpr float OUT = 1.0f;
   static float factor(const void*, int) { return 1.0f; }
   static void dec(const uint8_t* w, int b, float, __m256 v[4]) {
@@ -169,7 +172,7 @@ struct BlockBF16 {
 // E2M1 floats (it reads the low 4 bits of each index), so a 32-block costs one widening load, one
 // shift and two permutes, against pshufb + 4 widenings + 4 conversions on AVX2 (shuffle-port bound).
 template <int M, int NR>
-inline void dot_fp4_512(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out) {
+inline void dot_fp4_512(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out, int ahead) {
   const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, 0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
   __m512 acc[M][NR];
   for (int m = 0; m < M; ++m)
@@ -185,6 +188,8 @@ inline void dot_fp4_512(const uint8_t* const* w, const void* const* s, int K, co
         _mm512_store_ps(sf[m] + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 23)));
       }
     for (int b = b0; b < b0 + nb; ++b) {
+      if (ahead && (b & 3) == 0)  // one 64 B line of each row every 4 blocks
+        for (int m = 0; m < M; ++m) _mm_prefetch((const char*)(w[m] + 16 * b + ahead), _MM_HINT_T0);
       for (int m = 0; m < M; ++m) {
         const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w[m] + 16 * b)));
         const __m512 even = _mm512_permutexvar_ps(q, lut), odd = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
@@ -205,7 +210,7 @@ inline void dot_fp4_512(const uint8_t* const* w, const void* const* s, int K, co
 // load to 32 halfs, one shift, one and, two vcvtph2ps), about half the instructions of the AVX2 path,
 // which bounds the FP8 GEMV (a core decodes ~8 GB/s of e4m3 there against ~18 GB/s of bf16 it reads).
 template <int M, int NR, bool F32S>
-inline void dot_fp8_512(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out) {
+inline void dot_fp8_512(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out, int ahead) {
   const __m512i keep = _mm512_set1_epi16((short)0xBFFF);
   __m512 acc[M][NR];
   for (int m = 0; m < M; ++m)
@@ -216,6 +221,8 @@ inline void dot_fp8_512(const uint8_t* const* w, const void* const* s, int K, co
     __m512 sc[M];
     for (int m = 0; m < M; ++m) sc[m] = _mm512_set1_ps(BlockFP8<F32S, false>::factor(s[m], b0 / 4));
     for (int b = b0; b < b1; ++b) {
+      if (ahead && (b & 1) == 0)  // one 64 B line of each row every 2 blocks
+        for (int m = 0; m < M; ++m) _mm_prefetch((const char*)(w[m] + 32 * b + ahead), _MM_HINT_T0);
       for (int m = 0; m < M; ++m) {
         __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w[m] + 32 * b)));
         h = _mm512_and_si512(_mm512_slli_epi16(h, 7), keep);
@@ -235,11 +242,11 @@ inline void dot_fp8_512(const uint8_t* const* w, const void* const* s, int K, co
 #endif
 
 template <class Dec, int M, int NR>
-inline void dot_multi(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out) {
+inline void dot_multi(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out, int ahead) {
 #if JDS_AVX512
-  if constexpr (std::is_same<Dec, BlockFP4>::value) return dot_fp4_512<M, NR>(w, s, K, xs, out);
-  if constexpr (std::is_same<Dec, BlockFP8<false, false>>::value) return dot_fp8_512<M, NR, false>(w, s, K, xs, out);
-  if constexpr (std::is_same<Dec, BlockFP8<true, false>>::value) return dot_fp8_512<M, NR, true>(w, s, K, xs, out);
+  if constexpr (std::is_same<Dec, BlockFP4>::value) return dot_fp4_512<M, NR>(w, s, K, xs, out, ahead);
+  if constexpr (std::is_same<Dec, BlockFP8<false, false>>::value) return dot_fp8_512<M, NR, false>(w, s, K, xs, out, ahead);
+  if constexpr (std::is_same<Dec, BlockFP8<true, false>>::value) return dot_fp8_512<M, NR, true>(w, s, K, xs, out, ahead);
 #endif
   constexpr bool ROUNDED = std::is_same<Dec, BlockFP8<true, true>>::value;
   __m256 acc[M][NR];
@@ -252,6 +259,8 @@ inline void dot_multi(const uint8_t* const* w, const void* const* s, int K, cons
     __m256 sc[M];
     for (int m = 0; m < M; ++m) { f[m] = Dec::factor(s[m], b0 / Dec::G); sc[m] = _mm256_set1_ps(ROUNDED ? 1.0f : f[m]); }
     for (int b = b0; b < b1; ++b) {
+      if (ahead && (b * Dec::BYTES) % 64 == 0)  // one 64 B line of each row at a time
+        for (int m = 0; m < M; ++m) _mm_prefetch((const char*)(w[m] + Dec::BYTES * b + ahead), _MM_HINT_T0);
       for (int m = 0; m < M; ++m) {
         __m256 v[4];
         Dec::dec(w[m], b, f[m], v);
@@ -381,20 +390,20 @@ inline void row_ptrs(const Mat& m, int row, const uint8_t*& w, const void*& s) {
 
 #if JDS_AVX2
 template <class Dec, int M>
-void multi_nr(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, int n, float* out) {
+void multi_nr(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, int n, float* out, int ahead) {
   // out [M][n]
   float tmp[M * MAXR];
   for (int i = 0; i < n; i += MAXR) {
     const int c = n - i < MAXR ? n - i : MAXR;
     switch (c) {
-      case 1: dot_multi<Dec, M, 1>(w, s, K, xs + i, tmp); break;
-      case 2: dot_multi<Dec, M, 2>(w, s, K, xs + i, tmp); break;
-      case 3: dot_multi<Dec, M, 3>(w, s, K, xs + i, tmp); break;
-      case 4: dot_multi<Dec, M, 4>(w, s, K, xs + i, tmp); break;
-      case 5: dot_multi<Dec, M, 5>(w, s, K, xs + i, tmp); break;
-      case 6: dot_multi<Dec, M, 6>(w, s, K, xs + i, tmp); break;
-      case 7: dot_multi<Dec, M, 7>(w, s, K, xs + i, tmp); break;
-      default: dot_multi<Dec, M, 8>(w, s, K, xs + i, tmp); break;
+      case 1: dot_multi<Dec, M, 1>(w, s, K, xs + i, tmp, ahead); break;
+      case 2: dot_multi<Dec, M, 2>(w, s, K, xs + i, tmp, ahead); break;
+      case 3: dot_multi<Dec, M, 3>(w, s, K, xs + i, tmp, ahead); break;
+      case 4: dot_multi<Dec, M, 4>(w, s, K, xs + i, tmp, ahead); break;
+      case 5: dot_multi<Dec, M, 5>(w, s, K, xs + i, tmp, ahead); break;
+      case 6: dot_multi<Dec, M, 6>(w, s, K, xs + i, tmp, ahead); break;
+      case 7: dot_multi<Dec, M, 7>(w, s, K, xs + i, tmp, ahead); break;
+      default: dot_multi<Dec, M, 8>(w, s, K, xs + i, tmp, ahead); break;
     }
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < c; ++r) out[m * n + i + r] = tmp[m * c + r];
@@ -402,16 +411,18 @@ void multi_nr(const uint8_t* const* w, const void* const* s, int K, const float*
 }
 
 template <class Dec>
-void multi_m(int M, const uint8_t* const* w, const void* const* s, int K, const float* const* xs, int n, float* out) {
-  if (M == 4) return multi_nr<Dec, 4>(w, s, K, xs, n, out);
-  if (M == 2) return multi_nr<Dec, 2>(w, s, K, xs, n, out);
-  for (int m = 0; m < M; ++m) multi_nr<Dec, 1>(w + m, s + m, K, xs, n, out + m * n);
+void multi_m(int M, const uint8_t* const* w, const void* const* s, int K, const float* const* xs, int n, float* out, int ahead) {
+  if (M == 4) return multi_nr<Dec, 4>(w, s, K, xs, n, out, ahead);
+  if (M == 2) return multi_nr<Dec, 2>(w, s, K, xs, n, out, ahead);
+  for (int m = 0; m < M; ++m) multi_nr<Dec, 1>(w + m, s + m, K, xs, n, out + m * n, ahead);
 }
 #endif
 
 // Dots of M rows (mats[i], rows[i]; all with the same K and format) with n input vectors:
-// out [M][n]. SIMD when built for AVX2 and K % 32 == 0, else row by row in scalar code.
-void dot_many(const Mat* const* mats, const int* rows, int M, const float* const* xs, int n, float* out, bool simd) {
+// out [M][n]. SIMD when built for AVX2 and K % 32 == 0, else row by row in scalar code. The SIMD
+// path prefetches each row's bytes `ahead` bytes further on as it reads them (0: no prefetch).
+void dot_many(const Mat* const* mats, const int* rows, int M, const float* const* xs, int n, float* out, bool simd,
+              int ahead) {
   const Mat& m0 = *mats[0];
   (void)m0;
 #if JDS_AVX2
@@ -420,30 +431,21 @@ void dot_many(const Mat* const* mats, const int* rows, int M, const float* const
     const void* s[4];
     for (int i = 0; i < M; ++i) row_ptrs(*mats[i], rows[i], w[i], s[i]);
     switch (m0.fmt) {
-      case FP4: return multi_m<BlockFP4>(M, w, s, m0.K, xs, n, out);
-      case BF16: return multi_m<BlockBF16>(M, w, s, m0.K, xs, n, out);
-      case FP8_E8M0: return multi_m<BlockFP8<false, false>>(M, w, s, m0.K, xs, n, out);
+      case FP4: return multi_m<BlockFP4>(M, w, s, m0.K, xs, n, out, ahead);
+      case BF16: return multi_m<BlockBF16>(M, w, s, m0.K, xs, n, out, ahead);
+      case FP8_E8M0: return multi_m<BlockFP8<false, false>>(M, w, s, m0.K, xs, n, out, ahead);
       default:
-        if (m0.round_w) return multi_m<BlockFP8<true, true>>(M, w, s, m0.K, xs, n, out);
-        return multi_m<BlockFP8<true, false>>(M, w, s, m0.K, xs, n, out);
+        if (m0.round_w) return multi_m<BlockFP8<true, true>>(M, w, s, m0.K, xs, n, out, ahead);
+        return multi_m<BlockFP8<true, false>>(M, w, s, m0.K, xs, n, out, ahead);
     }
   }
 #endif
+  (void)ahead;
   for (int i = 0; i < M; ++i) dot_rows(*mats[i], rows[i], xs, n, out + i * n);
 }
 
-// Software prefetch of a weight row ahead of its use (the hardware streamers lose several
-// interleaved streams at page boundaries).
-inline void prefetch_row(const Mat& m, int row) {
-  if (row >= m.N) return;
-  const size_t bytes = m.fmt == FP4 ? size_t(m.K) / 2 : (m.fmt == BF16 ? size_t(m.K) * 2 : size_t(m.K));
-  const char* p = (const char*)m.w + size_t(row) * bytes;
-  for (size_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 3);
-  if (m.fmt == FP4) {
-    const char* q = (const char*)m.s + size_t(row) * (m.K / 32);
-    for (size_t i = 0; i < size_t(m.K) / 32; i += 64) __builtin_prefetch(q + i, 0, 3);
-  }
-}
+// Bytes of one stored weight row of K elements (scales apart).
+inline int row_bytes(int fmt, int K) { return fmt == FP4 ? K / 2 : (fmt == BF16 ? 2 * K : K); }
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
@@ -501,6 +503,11 @@ int jds_moe_forward(int fmt, const uint8_t* data, const int64_t* stride, const i
   const int nft = (F + tile_f - 1) / tile_f, ndt = (D + tile_d - 1) / tile_d;
   const bool rnd = round_bf16 != 0;
   auto dt = [rnd](float v) { return rnd ? bf16_round(v) : v; };
+  // Software prefetch, `prefetch` groups of rows ahead: as a group's rows are read, the same bytes of
+  // the next group's rows are fetched (a group holds 2 rows of each of w1 / w3 in phase 1, 4 rows of
+  // w2 in phase 2, consecutive in memory). The hardware prefetchers alone leave a core at ~half the
+  // rate it reaches from cache: each stream is one or two 4 KiB pages long before the next starts.
+  const int ahead1 = prefetch * 2 * row_bytes(fmt, D), ahead2 = prefetch * 4 * row_bytes(fmt, F);
 
   // phase 0 (serial, R x D floats): inputs in the decoder's order
   for (int r = 0; r < R; ++r)
@@ -524,12 +531,10 @@ int jds_moe_forward(int fmt, const uint8_t* data, const int64_t* stride, const i
         const int f_end = (ft + 1) * tile_f < F ? (ft + 1) * tile_f : F;
         for (int f = ft * tile_f; f < f_end; f += 2) {
           const int two = f + 1 < f_end ? 2 : 1;
-          if (prefetch) { prefetch_row(w1, f + 2 * prefetch); prefetch_row(w3, f + 2 * prefetch);
-                          prefetch_row(w1, f + 2 * prefetch + 1); prefetch_row(w3, f + 2 * prefetch + 1); }
           const Mat* mats[4] = {&w1, &w3, &w1, &w3};
           const int rows[4] = {f, f, f + 1, f + 1};
           float gu[4 * 64];  // [w1 f, w3 f, w1 f+1, w3 f+1][pair]
-          dot_many(mats, rows, 2 * two, xs, nc, gu, simd);
+          dot_many(mats, rows, 2 * two, xs, nc, gu, simd, ahead1);
           for (int j = 0; j < two; ++j) {
             const int fj = f + j;
             const int fpos = perm ? (fj & ~31) + fp4_pos(fj & 31) : fj;
@@ -561,11 +566,10 @@ int jds_moe_forward(int fmt, const uint8_t* data, const int64_t* stride, const i
         const int d_end = (dtile + 1) * tile_d < D ? (dtile + 1) * tile_d : D;
         for (int d = dtile * tile_d; d < d_end; d += 4) {
           const int nm = d + 4 <= d_end ? 4 : d_end - d;
-          if (prefetch) for (int j = 0; j < 4; ++j) prefetch_row(w2, d + 4 * prefetch + j);
           const Mat* mats[4] = {&w2, &w2, &w2, &w2};
           const int rows[4] = {d, d + 1, d + 2, d + 3};
           float o[4 * 64];
-          dot_many(mats, rows, nm, hs, nc, o, simd);
+          dot_many(mats, rows, nm, hs, nc, o, simd, ahead2);
           for (int j = 0; j < nm; ++j)
             for (int i = 0; i < nc; ++i) out[size_t(pair_out[p0 + c0 + i]) * D + d + j] = dt(o[j * nc + i]);
         }

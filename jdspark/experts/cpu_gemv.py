@@ -49,7 +49,7 @@ _SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("_kernel.cc", "_h
 _LOCK = threading.Lock()
 _LIB = None
 TILE_F, TILE_D = 32, 32
-PREFETCH = int(os.environ.get("JDSPARK_CPU_PREFETCH", "2"))  # weight rows prefetched ahead (0: off)
+PREFETCH = int(os.environ.get("JDSPARK_CPU_PREFETCH", "1"))  # groups of weight rows prefetched ahead (0: off)
 
 
 def default_threads() -> int:
