@@ -159,9 +159,12 @@ for part in "$@"; do
     moe-tests)  # the routed-expert kernel compiled against its reference (every form, format and decoder)
       timeout ${MOE_TEST_SECONDS:-200} python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu \
         tests/pallas_kernels/test_moe.py 2>&1 | tail -8 | tee "$OUT/moe_gpu_tests.log" ;;
-    bw)  # the host expert pool's bandwidths on this host (16 cores): host read, PCIe, CPU and GPU expert GEMV
-      timeout 150 python3 -m jdspark.cli bench bw --json "$OUT/bench_bw.json" 2>&1 | grep -v Warning \
-        | tee "$OUT/bench_bw.log" ;;
+    bw)  # the host expert pool's bandwidths on this host (16 cores): host read, PCIe, CPU and GPU expert GEMV;
+      # BW_PREFETCH="1 0 1 0" alternates the CPU GEMV's prefetch (groups of rows ahead; 0: none), BW_ARGS adds flags
+      for p in ${BW_PREFETCH:-1}; do
+        JDSPARK_CPU_PREFETCH=$p timeout ${BW_SECONDS:-150} python3 -m jdspark.cli bench bw ${BW_ARGS:-} \
+          --json "$OUT/bench_bw_prefetch$p.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench_bw.log"
+      done ;;
     host-tests)  # the host experts' FFI custom call (its CUDA handler) and the hybrid layers, on this GPU
       timeout ${HOST_TEST_SECONDS:-240} python3 -m pytest -q -W ignore -p no:cacheprovider tests/experts/test_host_ffi.py \
         tests/experts/test_hybrid.py 2>&1 | tail -12 | tee "$OUT/host_gpu_tests.log" ;;
