@@ -14,6 +14,8 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
 - per_request_ones: the same with new requests at confidences of 1 (`first_confidence="ones"`);
 - per_request_queued: per_request priced with costs of queued calls (`SpecOptions.profile="queued"`:
                the executables' rate when issued back to back, as overlapped steps run them);
+- per_request_queued_unpriced: the same with switching executables free (`SpecOptions.price_switches`
+               off: the engine before the switch cost was learnt);
 - budget:      Algorithm 1 over stale confidences with the bucket's measured costs;
 - fixed3, alternate35 (diagnostics): every request at width 3, or at 3 and 5 on alternate steps (what
                switching executables between steps costs, against fixed3 and fixed5).
@@ -45,8 +47,8 @@ from pathlib import Path
 
 import numpy as np
 
-MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "per_request_queued", "budget", "fixed3",
-         "alternate35")
+MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "per_request_queued",
+         "per_request_queued_unpriced", "budget", "fixed3", "alternate35")
 PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
                 "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"", "for i in range(10):", "with open(path) as f:",
                 "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
@@ -101,7 +103,7 @@ def synthetic_model(args):
 
 
 def set_mode(engine, mode: str) -> None:
-    profile = "queued" if mode == "per_request_queued" else "synchronised"
+    profile = "queued" if mode.startswith("per_request_queued") else "synchronised"
     if engine.selectors:  # an adaptive engine: its selectors measured under the mode's profile
         engine.set_policy(options=dataclasses.replace(engine.options, profile=profile))
     options = engine.options
@@ -111,7 +113,8 @@ def set_mode(engine, mode: str) -> None:
     batch_widths = {"padded": "padded", "budget": "budget"}.get(mode, "per_request")
     first = "ones" if mode == "per_request_ones" else "recent"
     engine.set_policy(speculative=True, width_policy=fixed_policy(mode) or engine.selector,
-                      options=dataclasses.replace(options, batch_widths=batch_widths, first_confidence=first))
+                      options=dataclasses.replace(options, batch_widths=batch_widths, first_confidence=first,
+                                                  price_switches=mode != "per_request_queued_unpriced"))
 
 
 def fixed_policy(mode: str):
@@ -188,6 +191,8 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
                                     "profiled_ms": mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])}
                                 for k, rs in sorted(by_width.items())},
             "verify_after": {kind: {"steps": len(v), "ms": mean_ms(v)} for kind, v in switch.items()},
+            # what the engine learnt a switch of executables adds to a step, per bucket (`costs.LiveCosts`)
+            "learnt_switch_ms": {str(b): cost * 1e3 for b, cost in engine.live.switch.items()},
             "tokens_per_step": tokens / max(len(records), 1)}
 
 
@@ -310,7 +315,9 @@ def main(argv=None) -> int:
                                                   for k, w in level["verify_by_width"].items())
                       + "  after the same / another executable: " + " / ".join(
                           f"x{v['steps']} {v['ms']:.2f}" if v["steps"] else "x0"
-                          for v in level["verify_after"].values()),
+                          for v in level["verify_after"].values())
+                      + "  learnt switch ms: "
+                      + " ".join(f"{b}:{ms:.3f}" for b, ms in level["learnt_switch_ms"].items()),
                       flush=True)
             if args.out:  # after every level, so a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))

@@ -145,11 +145,24 @@ class LiveCosts:
     row), with 1 row 1.6 against 2.85 (one call at a time). So each
     bucket keeps an exponential average of observed - profiled per kind of call (decode, verify),
     and the policy the engine prices with adds it to the decode cost and to every V(k) (floored at
-    zero): the shape of V(k) stays the profile's, its level becomes the steps'."""
+    zero): the shape of V(k) stays the profile's, its level becomes the steps'.
+
+    Switching executables may cost more than issuing the same one again (on the GPU each executable
+    is a CUDA graph, which XLA may have to update before launching it after another ran). So a step
+    whose time window issued another call than the one before (`issued`; windows that issued a
+    prefill are left out) feeds a second average: its excess over its kind's offset is the bucket's
+    switch cost, which the pricing adds to every call but the one issued last (`switch_price`),
+    once both kinds of window were seen MIN_SWITCH_SAMPLES times. Where switching costs nothing
+    (the CPU) it stays near zero and the choices do not change."""
+
+    MIN_SWITCH_SAMPLES = 8
 
     def __init__(self, selectors: dict[int, AdaptiveWidth], weight: float = 0.2):
         self.selectors, self.weight = selectors, weight
         self.offsets = {n: {"decode": 0.0, "verify": 0.0} for n in selectors}
+        self.switch = dict.fromkeys(selectors, 0.0)  # seconds a switched window takes beyond its kind's offset
+        self.windows = {n: {"same": 0, "switched": 0} for n in selectors}
+        self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
         self._policies = dict(selectors)  # rebuilt on the next read after an observation
 
     def policy(self, bucket: int) -> AdaptiveWidth:
@@ -160,14 +173,35 @@ class LiveCosts:
                 decode_cost=None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
         return self._policies[bucket]
 
+    def issued(self, bucket: int, call: int | str) -> None:
+        """The engine issued a call in `bucket`: a step width, "decode" or "prefill"."""
+        self._switched |= self._last is not None and (bucket, call) != self._last
+        self._prefilled |= call == "prefill"
+        self._last = (bucket, call)
+
+    def switch_price(self, bucket: int) -> tuple[int | str | None, float]:
+        """(the call a step of `bucket` would repeat: the last issued if it was this bucket's, else None;
+        the seconds a step pays for issuing any other)."""
+        stay = self._last[1] if self._last is not None and self._last[0] == bucket else None
+        ready = min(self.windows[bucket].values()) >= self.MIN_SWITCH_SAMPLES
+        return stay, max(self.switch[bucket], 0.0) if ready else 0.0
+
     def observe(self, bucket: int, drafted: bool, width: int, seconds: float) -> None:
-        """One step of `bucket`: a verify call of `width` (drafted) or a decode call, `seconds` long."""
-        base, kind = self.selectors[bucket], "verify" if drafted else "decode"
-        if not drafted and base.decode_cost is None:
+        """One step of `bucket` read: a verify call of `width` (drafted) or a decode call, `seconds` long;
+        the calls issued since the previous read decide whether its window switched."""
+        switched, clean = self._switched, not self._prefilled
+        self._switched = self._prefilled = False
+        base, kind = self.selectors.get(bucket), "verify" if drafted else "decode"
+        if base is None or (not drafted and base.decode_cost is None):  # not measured (yet): nothing to correct
             return
         profiled = base.step_costs[width] if drafted else base.decode_cost
-        offsets = self.offsets[bucket]
-        offsets[kind] += self.weight * (seconds - profiled - offsets[kind])
+        offsets, excess = self.offsets[bucket], seconds - profiled
+        if switched and clean:
+            self.switch[bucket] += self.weight * (excess - offsets[kind] - self.switch[bucket])
+            excess -= self.switch[bucket]
+        if clean:
+            self.windows[bucket]["switched" if switched else "same"] += 1
+        offsets[kind] += self.weight * (excess - offsets[kind])
         self._policies.pop(bucket, None)
 
 

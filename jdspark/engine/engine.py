@@ -86,7 +86,7 @@ class Engine:
                  time.perf_counter() - start, self.exe.loaded, self.exe.from_workers, self.exe.worker_seconds,
                  self.exe.lower_seconds)
         self.selector, self.selectors = None, {}  # the measured selectors: the largest bucket's, every bucket's
-        self.live: costs.LiveCosts | None = None  # the selectors as the steps take them (`costs.LiveCosts`)
+        self.live = costs.LiveCosts({})  # the selectors as the steps take them, once measured (`costs.LiveCosts`)
         self._measured: dict[str, tuple] = {}  # profile -> (selectors, selector, live) measured under it
         self.width_policy = self._width_policy(width_policy, widths)
         log.info("engine ready in %.1f s (compile cache %s)", time.perf_counter() - start,
@@ -193,6 +193,7 @@ class Engine:
         out, self.state, self.draft_cache = self.exe.buckets[bucket].prefill(
             self.exe.params.arrays, self.state, self.draft_cache, ids, n_valid, reset,
             call_inputs(rows, self._slots, set()))
+        self.live.issued(bucket, "prefill")
         prompts = advance_prompts(rows, live, n_valid, self._pending, self._slots)
         for seq, _, last in prompts.values():
             if last:
@@ -217,8 +218,7 @@ class Engine:
         return deltas
 
     def check_prompt(self, prompt_ids, params: SamplingParams) -> np.ndarray:
-        """The prompt as int32 ids, or a typed EngineError (`request.check_prompt`). Reads only the
-        configuration, so a server can check a request before queueing it."""
+        """The prompt as int32 ids, or a typed EngineError (`request.check_prompt`); reads the config only."""
         return check_prompt(prompt_ids, params, self.model.config.vocab_size, self.config)
 
     def room(self, prompt_len: int) -> int:
@@ -226,16 +226,14 @@ class Engine:
         return room(self.config, prompt_len)
 
     def cancel(self, request_id: int) -> None:
-        """Drop a running request (its client went away); its slot is free for the next one. A
-        request that already finished is ignored."""
+        """Drop a running request (its client went away): its slot is free; a finished one is ignored."""
         b = self._slot_of.pop(request_id, None)
         if b is not None:
             self._slots[b] = None
             self._pending.pop(b, None)
 
     def complete(self, first: list[Delta]) -> list[Completion]:
-        """Step until the requests of these first Deltas (from `add` / `add_many`) finish; their
-        Completions, in order (offline generation: benchmarks, training data, tests)."""
+        """Step until these first Deltas' requests finish; their Completions, in order (offline use, tests)."""
         done = {d.request_id: d.completion for d in first if d.final}
         while len(done) < len(first):
             done.update({rid: d.completion for rid, d in self.step().items() if d.final})
@@ -323,11 +321,13 @@ class Engine:
         rows = call_slots(active, bucket, self.config.max_batch)
         inputs = call_inputs(rows, self._slots, set(active), widths)
         out, self.state, self.draft_cache = call(self.exe.params.arrays, self.state, self.draft_cache, inputs)
+        drafted = call is not self.exe.buckets[bucket].decode
+        self.live.issued(bucket, width if drafted else "decode")
         sequences = {b: self._slots[b] for b in active}
         for b, seq in sequences.items():
             seq.issued(widths.get(b, 0))
-        return IssuedVerify(out, rows, sequences, stale, width, widths, bucket,
-                            call is not self.exe.buckets[bucket].decode, started, self.cost_summary(bucket))
+        return IssuedVerify(out, rows, sequences, stale, width, widths, bucket, drafted, started,
+                            self.cost_summary(bucket))
 
     def _read_verify(self, call: IssuedVerify) -> dict[int, Delta]:
         """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
@@ -356,8 +356,7 @@ class Engine:
         if confidence is not None:
             self.prior.update(confidence[[row_of[b] for b in live]])
             self.calibration.observe(records, [seq.greedy for seq in live.values()])
-        if self.live is not None:
-            self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds)
+        self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds)
         self._publish(record)
         return deltas
 
@@ -367,8 +366,9 @@ class Engine:
         calls, adaptive = self.exe.buckets[bucket], self._adaptive()
         if adaptive and self.options.calibrate:
             stale = self.calibration.apply(stale, {b: self._slots[b].greedy for b in stale})
+        switch = self.live.switch_price(bucket) if adaptive and self.options.price_switches else (None, 0.0)
         width, widths = choose(stale, speculating, self._policy_at(bucket) if self.speculative else None, adaptive,
-                               calls.step, self._slots, self.options, self._first_confidence())
+                               calls.step, self._slots, self.options, self._first_confidence(), switch)
         return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
 
     def _adaptive(self) -> bool:

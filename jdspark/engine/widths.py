@@ -51,7 +51,8 @@ def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, b
 
 def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled, *,
                    may_decode: bool, probing=frozenset(), lifted=frozenset(),
-                   probe_confidence: np.ndarray | None = None) -> tuple[int | None, dict[int, int]]:
+                   probe_confidence: np.ndarray | None = None,
+                   switch: tuple[int | str | None, float] = (None, 0.0)) -> tuple[int | None, dict[int, int]]:
     """(executable width or None for the plain decode call, {slot: width}) for the whole batch.
 
     The step's call costs S(K) = D + V(K) for its executable width K, whichever rows use it, and a
@@ -67,12 +68,17 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     A probing row (`probing`: back from a pause) is judged as a new request would be, at
     `probe_confidence` (default ones, its best case; the engine passes where new requests start):
     if even then no width beats the decode call, its probe could not change the choice, and the step
-    decodes (the engine keeps the probe for a later step); otherwise the step drafts."""
+    decodes (the engine keeps the probe for a later step); otherwise the step drafts.
+
+    `switch` = (the call issued last: a width, "decode" or None, the seconds issuing another costs;
+    `costs.LiveCosts.switch_price`): every call but that one is priced that much dearer."""
     rows = list(widths)
     expected = policy.expected_tokens(np.stack([stale[b] for b in rows]))
     own = np.array([widths[b] for b in rows])[:, None]
     probe, lift = (np.array([b in group for b in rows])[:, None] for group in (probing, lifted))
-    step_costs = np.asarray(policy.step_costs)
+    stay, switch_cost = switch
+    switching = np.array([k != stay for k in range(len(policy.step_costs))])
+    step_costs = np.asarray(policy.step_costs) + switch_cost * switching
 
     def tokens_per_second(ks: np.ndarray, probe_tokens: np.ndarray | None = None) -> np.ndarray:
         """Expected tokens per second of the step at each executable width of `ks`, in one pass;
@@ -92,14 +98,14 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
         if probe.any():
             start = np.ones((1, expected.shape[1] - 1)) if probe_confidence is None else probe_confidence[None]
             could = float(tokens_per_second(np.array(sorted(compiled)), policy.expected_tokens(start)[0]).max())
-        if len(rows) / policy.decode_cost > could:
+        if len(rows) / (policy.decode_cost + switch_cost * (stay != "decode")) > could:
             return None, {b: 0 for b in rows}
     return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}
 
 
 def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled,
-                        sequences, options, speculating: dict[int, bool],
-                        probe_confidence: np.ndarray | None = None) -> tuple[int | None, dict[int, int]]:
+                        sequences, options, speculating: dict[int, bool], probe_confidence: np.ndarray | None = None,
+                        switch: tuple[int | str | None, float] = (None, 0.0)) -> tuple[int | None, dict[int, int]]:
     """`price_the_step` for the engine's rows: their probes read from their sequences, and kept
     (`Sequence.defer_probe`) where the step decodes; the decode call only while pauses are on.
     Under "per_request" every speculating row is lifted to the step's width (the executable is
@@ -108,7 +114,7 @@ def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], po
     probing = {b for b in stale if sequences[b].probing}
     lifted = {b for b in widths if speculating[b]} if options.batch_widths == "per_request" else set()
     width, widths = price_the_step(widths, stale, policy, compiled, may_decode=options.pause_steps > 0,
-                                   probing=probing, lifted=lifted, probe_confidence=probe_confidence)
+                                   probing=probing, lifted=lifted, probe_confidence=probe_confidence, switch=switch)
     if width is None:
         for b in probing:
             sequences[b].defer_probe()
@@ -163,10 +169,12 @@ def compiled_widths(model_config, config, speculative: bool, widths, width) -> t
 
 
 def choose(stale: dict[int, np.ndarray], speculating: dict[int, bool], policy, adaptive: bool, compiled,
-           slots, options, first_confidence) -> tuple[int | None, dict[int, int]]:
+           slots, options, first_confidence, switch: tuple[int | str | None, float] = (None, 0.0)
+           ) -> tuple[int | None, dict[int, int]]:
     """(executable width, {slot: width}) of a step over these rows' stale confidences; (None, {}):
     a plain decode call. `policy`: the width policy in use (None: not speculating); `adaptive`:
-    it is the engine's measured selector; `compiled`: the step executables by width."""
+    it is the engine's measured selector; `compiled`: the step executables by width; `switch`: what
+    issuing another call than the last costs (`price_the_step`)."""
     if options.pause_steps and isinstance(policy, AdaptiveWidth):
         pause_where_drafting_does_not_pay(policy, stale, speculating, slots, options.pause_steps)
     if policy is None or not any(speculating.values()):
@@ -175,5 +183,5 @@ def choose(stale: dict[int, np.ndarray], speculating: dict[int, bool], policy, a
     if not isinstance(policy, AdaptiveWidth):
         return executable_width(widths, compiled), widths
     width, widths = price_for_the_batch(widths, stale, policy, compiled, slots, options, speculating,
-                                        first_confidence)
+                                        first_confidence, switch)
     return (None, {}) if width is None else (width, widths)

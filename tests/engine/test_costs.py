@@ -93,3 +93,42 @@ def test_live_costs_move_each_kind_of_call_towards_what_the_steps_took():
         live.observe(1, True, 5, 0.0)
         live.observe(1, False, 0, 0.0)
     assert np.all(live.policy(1).verify_costs >= 0) and live.policy(1).decode_cost > 0
+
+
+def test_live_costs_learn_what_switching_executables_adds():
+    """Windows that issued the same call as the one before take 0.5 ms over the profile, those that
+    switched 1.5 ms: the verify offset learns 0.5 ms, the switch cost 1.0 ms, priced only once both
+    kinds were seen MIN_SWITCH_SAMPLES times; a window that issued a prefill teaches no switch
+    cost. Where switching adds nothing, the switch cost stays ~0."""
+    base = AdaptiveWidth([0.002, 0.002, 0.003, 0.003, 0.004, 0.004], 0.001, gamma=5, decode_cost=0.0015)
+
+    def run(extra_when_switched, windows=300):
+        live = costs.LiveCosts({1: base}, weight=0.2)
+        for i in range(windows):
+            width = 5 if i % 3 else 3  # 3, 5, 5, 3, 5, 5, ...: a switch into each 3 and into the first 5 after it
+            switched = live._last not in (None, (1, width))
+            live.issued(1, width)
+            live.observe(1, True, width, float(base.step_costs[width]) + 0.0005 + extra_when_switched * switched)
+            if i == 2:
+                assert live.switch_price(1) == (5, 0.0)  # too few windows seen yet
+        return live
+
+    live = run(0.001)
+    stay, cost = live.switch_price(1)
+    assert stay == 5 and cost == pytest.approx(0.001, rel=1e-3)
+    assert live.offsets[1]["verify"] == pytest.approx(0.0005, rel=1e-3)
+    live.issued(1, "prefill")
+    live.issued(1, 3)
+    live.observe(1, True, 3, 1.0)  # a prefill in the window: its second is no switch cost
+    assert live.switch_price(1) == (3, pytest.approx(0.001, rel=1e-3))
+    assert costs.LiveCosts({1: base, 4: base}).switch_price(4) == (None, 0.0)
+    assert run(0.0).switch_price(1)[1] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_live_costs_ignore_steps_of_buckets_not_measured():
+    """The engine's LiveCosts before (or without) a measured selector: steps are tracked, nothing learnt."""
+    live = costs.LiveCosts({})
+    for width in (5, 3, 5):
+        live.issued(1, width)
+        live.observe(1, True, width, 0.1)
+    assert live.offsets == {} and live.switch == {}

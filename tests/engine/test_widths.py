@@ -1,6 +1,8 @@
 """How a step's rows get their widths (`engine/widths.py`) and which batch buckets a config
 compiles: pure functions, no engine."""
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -150,3 +152,21 @@ def test_rows_are_lifted_to_the_step_width_where_it_costs_nothing():
     assert price_the_step({0: 1, 1: 1}, stale, flat, COMPILED, may_decode=True, lifted={0, 1}) == (3, {0: 3, 1: 3})
     cool = {0: stale[0], 1: np.full(3, 0.1)}
     assert price_the_step({0: 1, 1: 0}, cool, flat, COMPILED, may_decode=True, lifted={0}) == (3, {0: 3, 1: 0})
+
+
+def test_a_switch_cost_keeps_the_call_issued_last_unless_another_gains_more():
+    """A lone row at confidences 0.9, widths 1 and 3 compiled, S(1) = 2 ms, S(3) = 3.4 ms, decode
+    1.1 ms: width 3 brings 3.44 tokens per 3.4 ms (1.01 per ms) against 1.9 per 2 ms (0.95) and 1
+    per 1.1 ms (0.91). With free switches width 3 wins from wherever; at 0.5 ms a switch, a step
+    issued last at width 1 stays (3.44 / 3.9 = 0.88 per ms), and so does one that decoded last; at
+    0.1 ms width 3 pays for the switch (0.98); issued last at 3, or when every call is a switch, 3."""
+    costs = AdaptiveWidth([0.001, 0.001, 0.001, 0.0024], 0.001, gamma=3, decode_cost=0.0011)
+    compiled = {0: None, 1: None, 3: None}
+    price = functools.partial(price_the_step, {0: 3}, {0: np.full(3, 0.9)}, costs, compiled, may_decode=True,
+                              lifted={0})
+    assert price() == (3, {0: 3})
+    assert price(switch=(1, 0.0005)) == (1, {0: 1})
+    assert price(switch=(1, 0.0001)) == (3, {0: 3})
+    assert price(switch=(3, 0.0005)) == (3, {0: 3})
+    assert price(switch=("decode", 0.0005)) == (None, {0: 0})
+    assert price(switch=(None, 0.0005)) == (3, {0: 3})
