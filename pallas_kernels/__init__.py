@@ -4,9 +4,7 @@
 - `sinkhorn`: `sinkhorn` / `ref_sinkhorn`, the mHC Sinkhorn projection;
 - `moe`: `moe` / `ref_moe`, routed experts read in place (from device memory, or from pinned host
   memory over PCIe: the PCIe share of `jdspark.experts.hybrid`);
-- `fp8_linear`: `fp8_linear` / `ref_fp8_linear`, FP8 block-scaled linears read in place;
-- `triton_memo`: installed on import, one Triton compile per distinct kernel in a process (jaxlib
-  0.10.3 and later compile each `pallas_call` site's Triton module while lowering).
+- `fp8_linear`: `fp8_linear` / `ref_fp8_linear`, FP8 block-scaled linears read in place.
 
 Kernels are the bottom layer: nothing here imports `jdspark`. The choice between a kernel and its
 reference is one setting, `implementation`, validated and resolved here for every kernel:
@@ -21,10 +19,7 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels import triton_memo
-
 IMPLEMENTATIONS = ("auto", "pallas", "xla")
-triton_memo.install()
 
 
 def resolve_implementation(implementation: str) -> str:

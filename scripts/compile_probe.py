@@ -65,16 +65,12 @@ def run_threads(args) -> dict:
         for key, (program, seconds) in lower(exe, decode, draft, args.only):  # lowered one by one, lazily
             text = program.as_text()
             rows[key] = {"program": str(key), "lower_s": seconds, "hlo_chars": len(text),
-                         "triton_calls": text.count("__gpu$xla.gpu.triton") + text.count("triton_kernel_call")}
+                         "triton_calls": text.count("__gpu$xla.gpu.triton")}
             futures.append(pool.submit(compile_one, key, program))
         for future in futures:
             future.result()  # a failed compile raises here
-    from pallas_kernels import triton_memo
-    memo = triton_memo.install()  # Pallas kernels compiled while lowering (jaxlib >= 0.10.3), and reused
-    return {"mode": f"threads={args.threads}", "implementation": args.implementation, "options": options,
-            "lower_s": sum(r["lower_s"] for r in rows.values()), "wall_s": time.perf_counter() - origin,
-            "triton_compiled": memo and memo.misses, "triton_reused": memo and memo.hits,
-            "programs": list(rows.values())}
+    return {"mode": f"threads={args.threads}", "implementation": args.implementation, "options": options, "lower_s": sum(r["lower_s"] for r in rows.values()),
+            "wall_s": time.perf_counter() - origin, "programs": list(rows.values())}
 
 
 def run_processes(args) -> dict:

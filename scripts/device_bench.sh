@@ -195,13 +195,6 @@ for part in "$@"; do
         timeout ${PROBE_SECONDS:-150} python3 scripts/compile_probe.py --threads 8 --implementation $impl \
           --json "$OUT/compile_probe_$impl.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/compile_probe_$impl.log"
       done ;;
-    triton-memo)  # issues 24 / 26: the embedded 1-slot engine's 8 programs lowered and compiled one at a time
-      # (--threads 1: lowering, where jaxlib compiles the Pallas kernels, is serial), memo on then off
-      for memo in 1 0; do
-        echo "--- JDSPARK_TRITON_MEMO=$memo"
-        JDSPARK_TRITON_MEMO=$memo timeout ${PROBE_SECONDS:-150} python3 scripts/compile_probe.py --threads 1 \
-          --json "$OUT/compile_probe_memo$memo.json" 2>&1 | grep -E "program|threads=|Triton" | cut -c1-220
-      done 2>&1 | tee "$OUT/triton_memo.log" ;;
     compile-phases)  # issue 26: where one program's compile time goes: XLA's phase timers (VLOG 1 of the
       # GPU compiler's files) for decode and step[5], compiled one at a time, then each under PHASE_FLAGS
       for flags in "" ${PHASE_FLAGS:-}; do

@@ -33,7 +33,6 @@ import jax
 from flax import nnx
 
 from jdspark.engine.exe_cache import ExecutableCache
-from pallas_kernels import triton_memo
 
 log = logging.getLogger(__name__)
 MIN_PROGRAMS = 4  # fewer missing programs are compiled in-process: a worker's own start-up costs seconds
@@ -87,10 +86,6 @@ def compile_all(lowerings: dict, store: ExecutableCache | None = None, arguments
             program = lower()
             lowering += time.perf_counter() - start
             futures[pool.submit(ExecutableCache.compile, program, options)] = key
-        memo = triton_memo.install()
-        if memo is not None and memo.misses:  # Pallas kernels compiled while lowering (jaxlib >= 0.10.3)
-            log.info("lowered in %.1f s; Triton kernels compiled so far: %d, compiles reused: %d", lowering,
-                     memo.misses, memo.hits)
         compiled = {}
         for future in as_completed(futures):
             key = futures[future]
