@@ -30,7 +30,9 @@ bfloat16 weight per call), `fp8_scaled_x` (FP8 linears but `wo_a` of <= 16 rows 
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
 former MoE and linears), `pallas` (the routed experts through the in-place kernel
 `pallas_kernels.moe`), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
-faster alone, but a decode then rounds differently from the verify of the same row).
+faster alone, but a decode then rounds differently from the verify of the same row), `per_layer`
+(every block traced and lowered on its own, not once per kind: `block.extend_block`; compile time
+and run time beside `current`).
 `--params packed separate` times both ways of passing the parameters (packed: as the engine does on
 the GPU). `--fp8-linears 1 6` and `--moe-layer 1 2 6 --sweep` first time the kernels alone, in
 device time (the kernels of a `jax.profiler` trace). JSON with every row: `--json PATH`.
@@ -61,6 +63,7 @@ from flax import nnx
 
 from jdspark.config import CSA_RATIO, EngineConfig, QuantConfig, flash_config, pro_config, tiny_config
 from jdspark.engine.packed import SMALL_BYTES, PackedParams
+from jdspark.model import dsv4
 from jdspark.model import state as state_lib
 from jdspark.model.dequant import (E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_dequant, fp8_block_matmul,
                                    fp8_scaled_x_matmul)
@@ -273,6 +276,14 @@ def with_experts_implementation(graphdef, params, name: str):
         if isinstance(node, Experts):
             node.implementation = EXPERTS_IMPLEMENTATION[name]
     return nnx.split(module)[0]
+
+
+def _per_layer_extend(block, *args):
+    """Each block traced and lowered on its own (before `block.extend_block` shared one trace per kind)."""
+    return block.extend(*args)
+
+
+PATCHES["per_layer"] = [(dsv4, "extend_block", _per_layer_extend)]
 
 
 def register_variant(name: str, patches: list) -> None:

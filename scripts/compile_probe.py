@@ -11,6 +11,13 @@ compiles overlap) and the wall; `--json` writes them.
     python scripts/compile_probe.py --processes 8
     python scripts/compile_probe.py --threads 8 --implementation xla   # no Pallas kernels
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=gpu_compiler=1 python scripts/compile_probe.py --threads 1 --only decode 5
+
+`--cross-lower LAYERS` instead traces and lowers the Flash-dims extend (FP8 linears + ds_fp4 experts,
+abstract weights: nothing is allocated) for CUDA on any machine, its Pallas kernels lowered to Triton
+as on the GPU, with the blocks traced once per kind (as the model does, `block.extend_block`) and one
+by one (as before): what the serial lowering of a Flash start-up costs, measurable on a CPU.
+
+    python scripts/compile_probe.py --cross-lower 43 --rows 1 6
 """
 
 from __future__ import annotations
@@ -73,6 +80,51 @@ def run_threads(args) -> dict:
             "wall_s": time.perf_counter() - origin, "programs": list(rows.values())}
 
 
+def cross_lower(args) -> dict:
+    """Seconds to trace and to lower the Flash-dims extend at each of `args.rows`, per way of tracing
+    the blocks, with the Pallas calls and the size of the lowered program."""
+    import sys
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_decode import STORAGES, make_config, random_params
+
+    import pallas_kernels
+    from jdspark.config import EngineConfig
+    from jdspark.model import dsv4, moe, quantized
+    from jdspark.model import state as state_lib
+    from jdspark.model.hyper import with_implementation
+    from pallas_kernels import rejection_sampler, sinkhorn
+
+    def compiled_mode(interpret=None):  # the kernels as the GPU lowers them, not in interpret mode
+        return bool(interpret)
+    for module in (pallas_kernels, moe, quantized, sinkhorn, rejection_sampler):
+        module.interpret_mode = compiled_mode
+    config = make_config("flash", args.cross_lower, None, "fp8+fp4")
+    graphdef, params = random_params(config, jnp.bfloat16, STORAGES["fp8+fp4"], skip=lambda path: True)
+    graphdef = with_implementation(graphdef, params, "pallas")
+    decode = jax.eval_shape(lambda: state_lib.init_state(config, EngineConfig(max_seq_len=4096), jnp.bfloat16))
+    shared, rows = dsv4.extend_block, []
+    for name, extend_block in (("per_kind", shared), ("per_layer", lambda block, *a: block.extend(*a))):
+        dsv4.extend_block = extend_block
+        for s in args.rows:
+            def extend(params, decode, ids, n_valid):
+                return nnx.merge(graphdef, params).extend(ids, decode, n_valid)[::2]
+            ids, n_valid = jax.ShapeDtypeStruct((1, s), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
+            start = time.perf_counter()
+            traced = jax.jit(extend, donate_argnums=1).trace(params, decode, ids, n_valid)
+            middle = time.perf_counter()
+            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+            rows.append({"program": f"extend S={s}", "blocks": name, "trace_s": middle - start,
+                         "lower_s": time.perf_counter() - middle, "pallas_calls": text.count("xla.gpu.triton"),
+                         "mlir_chars": len(text)})
+    dsv4.extend_block = shared
+    return {"mode": f"cross-lower {args.cross_lower} layers for cuda", "jax": jax.__version__, "programs": rows}
+
+
 def run_processes(args) -> dict:
     """The engine's own compile path with `args.processes` workers, into a fresh temporary store."""
     import jax
@@ -96,11 +148,16 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--only", nargs="*", default=[], help="threads: only these programs (prefill, decode, widths)")
+    p.add_argument("--cross-lower", type=int, metavar="LAYERS", help="the Flash-dims extend lowered for CUDA")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 6], help="--cross-lower: rows S per call")
     p.add_argument("--json")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)  # the workers' phases
     start = time.perf_counter()
-    result = run_processes(args) if args.processes else run_threads(args)
+    if args.cross_lower:
+        result = cross_lower(args)
+    else:
+        result = run_processes(args) if args.processes else run_threads(args)
     result["total_s"] = time.perf_counter() - start
     for row in result["programs"]:
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))

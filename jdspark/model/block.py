@@ -5,6 +5,8 @@ parameters; the MTP block (spec §5.7). Three ways to run a block: the full sequ
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -34,7 +36,6 @@ class HyperHead(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, config: DSV4Config, layer_id: int, *, dtype, rngs: Keys, qat_sim: bool = False):
         c = config
-        self.layer_id = layer_id
         hc = dict(sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, rngs=rngs)
         self.hc_attn = HyperConnection(c.hc_mult, c.hidden_size, **hc)
         self.hc_ffn = HyperConnection(c.hc_mult, c.hidden_size, **hc)
@@ -66,6 +67,21 @@ class Block(nnx.Module):
     def _ffn(self, x: jax.Array, ids: jax.Array) -> jax.Array:
         u, post, comb = self.hc_ffn.pre(x)
         return HyperConnection.post(self.ffn(self.ffn_norm(u), ids), x, post, comb)
+
+
+def extend_block(block: Block, x: jax.Array, positions: jax.Array, ids: jax.Array, cache: LayerCache,
+                 length: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, LayerCache]:
+    """`block.extend` through one jitted function for every block of the same structure (the graph
+    of a block holds its kind, not its index), so a model's program traces and lowers each kind of
+    layer once, not each layer: a 43-layer Flash has a handful of kinds. XLA inlines the calls, so
+    the compiled program is the one the layers would make one by one."""
+    graphdef, state = nnx.split(block)
+    return _extend_block(graphdef, state, x, positions, ids, cache, length, n_valid)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _extend_block(graphdef, state, *args):
+    return nnx.merge(graphdef, state).extend(*args)
 
 
 class MTPBlock(Block):

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jdspark.config import DSV4Config
 from jdspark.model import quant_sim
-from jdspark.model.block import Block, HyperHead, MTPBlock
+from jdspark.model.block import Block, HyperHead, MTPBlock, extend_block
 from jdspark.model.draft import DraftStage
 from jdspark.model.layers import Embedding, Keys, Linear, RMSNorm
 from jdspark.model.state import DecodeState
@@ -67,7 +67,7 @@ class DSV4(nnx.Module):
         x = self.embed_streams(ids)
         caches, features = [], []
         for i, layer in enumerate(self.layers):
-            x, cache = layer.extend(x, positions, ids, decode.layers[i], length, n_valid)
+            x, cache = extend_block(layer, x, positions, ids, decode.layers[i], length, n_valid)
             caches.append(cache)
             if i in feature_layers:
                 features.append(_stream_mean(x))

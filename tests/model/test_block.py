@@ -1,0 +1,55 @@
+"""Blocks of one kind share one traced `extend` (`block.extend_block`): their graphs are equal exactly
+when their kinds (hash routing, compression ratio) are, a model's program holds one function per kind
+called once per layer, and its results are the blocks' own to float32 rounding. (Not bit for bit: XLA
+inlines the calls, but the CPU program it then makes orders some sums differently, ~2e-6 apart.)"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jdspark.config import EngineConfig, tiny_config
+from jdspark.model import dsv4
+from jdspark.model.model import Model, _extend
+
+ENGINE = EngineConfig(max_seq_len=64, gamma=5, max_batch=2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model.random(tiny_config(), "float32", seed=5)  # 6 layers: ratios 0, 0, 4, 16, 4, 16; 3 hash layers
+
+
+def kinds(config):
+    return [(config.is_hash_layer(i), config.layer_ratio(i)) for i in range(config.num_hidden_layers)]
+
+
+def test_blocks_have_equal_graphs_exactly_when_their_kinds_are_equal(model):
+    graphs, kind = [nnx.split(layer)[0] for layer in model.module().layers], kinds(model.config)
+    for i in range(len(graphs)):
+        for j in range(len(graphs)):
+            assert (graphs[i] == graphs[j]) == (kind[i] == kind[j]), (i, j)
+
+
+def test_the_program_lowers_each_kind_once_and_calls_it_per_layer(model):
+    ids, n_valid = np.zeros((2, 3), np.int32), np.full((2,), 3, np.int32)
+    text = _extend.lower(graphdef=model.graphdef, params=model.params, decode=model.init_state(ENGINE), ids=ids,
+                         n_valid=n_valid, feature_layers=()).as_text()
+    assert len(set(re.findall(r"func\.func private @(_extend_block\w*)", text))) == len(set(kinds(model.config))) == 4
+    assert len(re.findall(r"call @_extend_block", text)) == model.config.num_hidden_layers
+
+
+def test_the_shared_extend_gives_the_blocks_own_results(model, monkeypatch):
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 9)).astype(np.int32)
+    n_valid = np.array([9, 4], np.int32)
+
+    def run():  # a fresh trace each time: the monkeypatch below applies
+        return jax.jit(lambda params, decode: nnx.merge(model.graphdef, params).extend(ids, decode, n_valid, (2, 4)))(
+            model.params, model.init_state(ENGINE))
+    shared = run()
+    monkeypatch.setattr(dsv4, "extend_block", lambda block, *args: block.extend(*args))
+    own = run()
+    for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(own), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
