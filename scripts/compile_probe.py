@@ -76,8 +76,9 @@ def run_threads(args) -> dict:
             futures.append(pool.submit(compile_one, key, program))
         for future in futures:
             future.result()  # a failed compile raises here
-    return {"mode": f"threads={args.threads}", "implementation": args.implementation, "options": options, "lower_s": sum(r["lower_s"] for r in rows.values()),
-            "wall_s": time.perf_counter() - origin, "programs": list(rows.values())}
+    return {"mode": f"threads={args.threads}", "implementation": args.implementation, "options": options,
+            "lower_s": sum(r["lower_s"] for r in rows.values()), "wall_s": time.perf_counter() - origin,
+            "programs": list(rows.values())}
 
 
 def cross_lower(args) -> dict:
