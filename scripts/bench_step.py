@@ -6,7 +6,8 @@ variant — `auto` (the engine's default, what `jdspark serve` runs: on the GPU 
 and race, the routed-expert and FP8 linear kernels only for weights of real size, so the embedded
 model keeps their XLA forms), `kernel` (`implementation="pallas"`: every Pallas kernel wherever its
 sizes allow, the embedded model's 67 small FP8 linears and its experts too) or `loop`
-(`implementation="xla"`: the jnp references, a device loop of 19 iterations per Sinkhorn site) — a
+(`implementation="xla"`: the jnp references, a device loop of 19 iterations per Sinkhorn site) or
+`twins` (`auto` with every executable loaded twice and alternated: `EngineConfig.twin_executables`) — a
 fresh engine with widths 0 and gamma is compiled and measured:
 - the synchronised cost of its `decode` and step[0], step[gamma] executables (medians), hence
   D = S(0) - decode and V(gamma) = S(gamma) - D as the engine's selector sees them;
@@ -46,7 +47,8 @@ from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.profile import busy_us, gap_lines, gpu_kernel_events, host_summary, idle_gaps
 from jdspark.engine.request import SamplingParams
 
-VARIANTS = {"auto": "auto", "kernel": "pallas", "loop": "xla"}  # the engine's implementation setting
+# the engine's implementation setting, and whether it twins its executables (`EngineConfig.twin_executables`)
+VARIANTS = {"auto": ("auto", False), "kernel": ("pallas", False), "loop": ("xla", False), "twins": ("auto", True)}
 
 
 def kernel_counts(compiled) -> dict:
@@ -126,9 +128,10 @@ def device_busy(engine: Engine, speculative: bool, steps: int) -> dict | None:
 
 def measure(model, variant: str, runs: int, steps: int, cache_dir: str) -> dict:
     start = time.perf_counter()
-    engine = Engine(model, EngineConfig(max_seq_len=512, gamma=5, max_batch=1), prefill_chunk=64, widths=(0, 5),
-                    options=SpecOptions(width=5, profile_runs=runs, reprofile=True, cost_cache_dir=cache_dir),
-                    implementation=VARIANTS[variant])
+    implementation, twins = VARIANTS[variant]
+    engine = Engine(model, EngineConfig(max_seq_len=512, gamma=5, max_batch=1, twin_executables=twins),
+                    prefill_chunk=64, widths=(0, 5), implementation=implementation,
+                    options=SpecOptions(width=5, profile_runs=runs, reprofile=True, cost_cache_dir=cache_dir))
     compile_s = time.perf_counter() - start
     cost = engine.measure_call_costs()
     draft = cost["step0"] - cost["decode"]

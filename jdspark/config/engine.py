@@ -22,6 +22,10 @@ class EngineConfig:
     (the accepted prefix of u_j < a), and the drafter's confidences read a. Calls then cost what
     they cost serving text that accepts a per position; the tokens are not the model's. None: exact
     verification, the only setting for serving.
+
+    `twin_executables` loads every executable twice and alternates the two call by call, so that each
+    sees the same buffer addresses every call under overlapped steps (no CUDA graph update;
+    `executables.Twins`). Off by default until measured on the GPU.
     """
 
     max_seq_len: int = 4096
@@ -29,6 +33,7 @@ class EngineConfig:
     max_batch: int = 1
     batch_buckets: tuple[int, ...] = ()
     scripted_acceptance: float | None = None
+    twin_executables: bool = False
 
     def __post_init__(self):
         for key, low in (("max_seq_len", 1), ("gamma", 0), ("max_batch", 1)):

@@ -74,6 +74,26 @@ def _arguments(args) -> str:
     return repr((str(treedef), [(a.shape, str(a.dtype), repr(a.sharding)) for a in leaves]))
 
 
+def _self_contained(compiled: jax.stages.Compiled) -> bool:
+    """Whether `compiled` survives serialization: no Python host callbacks or objects it keeps alive."""
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+    return unloaded is not None and not getattr(unloaded, "host_callbacks", None) and not getattr(
+        unloaded, "keepalive", None)
+
+
+def twin(compiled: jax.stages.Compiled) -> jax.stages.Compiled:
+    """A second loaded instance of `compiled` (serialized and loaded again: its own CUDA graphs) on the
+    GPU; `compiled` itself elsewhere, or where it cannot be serialized (host callbacks)."""
+    if jax.default_backend() != "gpu" or not _self_contained(compiled):
+        return compiled
+    try:
+        blob, in_tree, out_tree = serialize_executable.serialize(compiled)
+        return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
+    except (ValueError, NotImplementedError, pickle.PicklingError, TypeError) as error:
+        log.info("no twin for an executable: %s", error)
+        return compiled
+
+
 class ExecutableCache:
     """Serialized executables in `root`, keyed by `static` (the caller's settings that shape every
     program) plus each program's name and arguments."""
@@ -125,8 +145,7 @@ class ExecutableCache:
     def save(self, name: str, args, compiled: jax.stages.Compiled) -> bool:
         """Store `compiled` (written whole, then renamed: readers never see part of a file). False if
         it cannot be stored (host callbacks, or a backend without serialization)."""
-        unloaded = getattr(compiled._executable, "_unloaded_executable", None)
-        if unloaded is None or getattr(unloaded, "host_callbacks", None) or getattr(unloaded, "keepalive", None):
+        if not _self_contained(compiled):
             return False
         try:
             blob, _, _ = serialize_executable.serialize(compiled)

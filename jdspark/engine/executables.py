@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import time
@@ -59,7 +60,7 @@ from jdspark.drafter import dspark
 from jdspark.engine import compiling, packed
 from jdspark.engine.calls import (SLOT_FIELDS, Rows, SlotSampling, pack_output, put_rows, take_rows, unpack_slots,
                                   with_anchor)
-from jdspark.engine.exe_cache import ExecutableCache
+from jdspark.engine.exe_cache import ExecutableCache, twin
 from jdspark.model import hyper, state
 from jdspark.model.model import Model
 from jdspark.speculative.sampling import exponential_noise, uniform_noise
@@ -96,6 +97,28 @@ def _exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jax.vmap(lambda k: exponential_noise(k, shape))(keys)
 
 
+class Twins:
+    """Two loaded instances of one compiled executable, taken in turn by the parity of the engine's
+    calls (`EngineConfig.twin_executables`).
+
+    Overlapped, a call is issued while the previous call's slot inputs and output are still alive, so
+    those buffers take two addresses in turn, and an executable whose buffers are not where they were
+    on its last call has XLA update its CUDA graph before it runs (`command_buffer::update` on the
+    H200: 0.44 ms a speculative step, 0.18 a decode step; docs/BENCHMARKS.md). Each of two instances
+    called on alternate calls sees one of the two addresses every time. The second instance is the
+    first deserialized again (`exe_cache.twin`: no second compile); where that is not possible (the
+    CPU, where there is no graph to update) both are the first."""
+
+    def __init__(self, compiled: jax.stages.Compiled, calls: itertools.count):
+        self.pair, self.calls = (compiled, twin(compiled)), calls
+
+    def __call__(self, *args):
+        return self.pair[next(self.calls) % 2](*args)
+
+    def __getattr__(self, name):  # as_text, cost_analysis, ...: the first instance's
+        return getattr(self.pair[0], name)
+
+
 @dataclasses.dataclass
 class Bucket:
     """The executables of one batch size."""
@@ -126,6 +149,7 @@ class Executables:
         self.prefill_chunk = prefill_chunk
         self.widths = widths
         self.scripted_acceptance = engine.scripted_acceptance  # benchmarks only (EngineConfig)
+        self.twins = engine.twin_executables
         if self.scripted_acceptance is not None:
             log.warning("scripted acceptance %.2f: drafts are accepted by script, not verified (benchmarks "
                         "only; the tokens are not the model's)", self.scripted_acceptance)
@@ -230,7 +254,9 @@ class Executables:
         fresh, lowering = compiling.compile_all(lowerings, store, arguments, compiling.compiler_options(self.config))
         compiled |= fresh
         self.lower_seconds = loading + lowering  # loading, tracing and lowering in this process: serial, in Python
+        calls = itertools.count()  # every call of every executable, for the twins' parity
         for (b, name), program in compiled.items():
+            program = Twins(program, calls) if self.twins else program
             if name in ("prefill", "decode"):
                 setattr(self.buckets[b], name, program)
             else:

@@ -4,6 +4,7 @@ the invalid flag; the kernel setting is validated before compiling; a float32
 model's executables compute every dot product at full float32 precision whatever the ambient
 default; every call leaves the donated state in the buffers it came in."""
 
+import itertools
 import re
 
 import jax
@@ -15,7 +16,7 @@ from flax import nnx
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import calls, executables
-from jdspark.engine.engine import Engine
+from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.engine.request import SamplingParams
 from jdspark.model import hyper
 from tests.conftest import DSPARK_CONFIG
@@ -162,3 +163,77 @@ def test_every_step_keeps_the_state_and_draft_buffers_in_place(dspark_engine):
         finally:
             engine.cancel(rid)  # the session engine's slot is free for the next test either way
         assert not any(moved), (speculative, moved)
+
+
+def test_twins_take_turns_by_the_parity_of_every_call(monkeypatch):
+    """Two executables' twins share one call count: the instance a call runs is the parity of its
+    place among all calls, whichever executable it is (so each instance meets the same buffer
+    addresses under overlapped steps)."""
+    ran = []
+
+    def fake(name):
+        return lambda *args: ran.append(name) or args
+
+    monkeypatch.setattr(executables, "twin", lambda compiled: fake(compiled.__name__ + "'"))
+    first, second = fake("a"), fake("b")
+    first.__name__, second.__name__ = "a", "b"
+    calls = itertools.count()
+    a, b = executables.Twins(first, calls), executables.Twins(second, calls)
+    for call in (a, a, b, a, b, b):
+        assert call(1, 2) == (1, 2)
+    assert ran == ["a", "a'", "b", "a'", "b", "b'"]
+
+
+@pytest.mark.slow  # the session dspark_engine
+def test_an_engine_with_twins_emits_the_same_tokens(dspark_engine, monkeypatch):
+    """Every executable of the session engine wrapped in twins whose second instance records its calls
+    (on the CPU both instances are the one executable): the same tokens, target-only and speculative,
+    and every other call ran the second instance."""
+    engine, second = dspark_engine, []
+
+    def recording(compiled):
+        def call(*args):
+            second.append(compiled)
+            return compiled(*args)
+        return call
+
+    def generate():
+        params = SamplingParams(max_tokens=24, temperature=1.0, seed=4, ignore_eos=True)
+        return engine.complete([engine.add(np.array([5, 9, 2, 14], np.int32), params)])[0].token_ids
+
+    saved = {n: (b.prefill, b.decode, dict(b.step)) for n, b in engine.exe.buckets.items()}
+    modes = [dict(speculative=False), dict(speculative=True, width_policy=lambda confidence: 3)]
+    expected = []
+    for mode in modes:
+        engine.set_policy(**mode)
+        expected.append(generate())
+    monkeypatch.setattr(executables, "twin", recording)
+    calls = itertools.count()
+    try:
+        for bucket in engine.exe.buckets.values():
+            bucket.prefill = bucket.prefill and executables.Twins(bucket.prefill, calls)
+            bucket.decode = executables.Twins(bucket.decode, calls)
+            bucket.step = {k: executables.Twins(c, calls) for k, c in bucket.step.items()}
+        for mode, tokens in zip(modes, expected):
+            engine.set_policy(**mode)
+            assert generate() == tokens
+        assert 0 < len(second) and abs(next(calls) - 2 * len(second)) <= 1
+    finally:
+        for n, (prefill, decode, step) in saved.items():
+            bucket = engine.exe.buckets[n]
+            bucket.prefill, bucket.decode, bucket.step = prefill, decode, step
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_twins_are_two_instances_and_change_no_token(dspark_model):
+    """`twin_executables` on the GPU: each executable's second instance is another loaded executable,
+    and a greedy and a sampled request get the tokens of an engine without twins."""
+    def tokens(twins):
+        engine = Engine(dspark_model, EngineConfig(max_seq_len=64, gamma=5, max_batch=1, twin_executables=twins),
+                        prefill_chunk=16, options=SpecOptions(width=3))
+        if twins:
+            decode = engine.exe.buckets[1].decode
+            assert decode.pair[0] is not decode.pair[1]
+        return [engine.complete([engine.add(np.array([5, 9, 2, 14], np.int32), SamplingParams(
+            max_tokens=24, temperature=t, seed=4, ignore_eos=True))])[0].token_ids for t in (0.0, 1.0)]
+    assert tokens(True) == tokens(False)
