@@ -31,7 +31,7 @@ with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`)
 former MoE and linears), `pallas` (the routed experts through the in-place kernel
 `pallas_kernels.moe`), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
 faster alone, but a decode then rounds differently from the verify of the same row), `per_layer`
-(every block traced and lowered on its own, not once per kind: `block.extend_block`; compile time
+(every block traced and lowered on its own, not once per kind: `block.shared_extend`; compile time
 and run time beside `current`).
 `--params packed separate` times both ways of passing the parameters (packed: as the engine does on
 the GPU). `--fp8-linears 1 6` and `--moe-layer 1 2 6 --sweep` first time the kernels alone, in
@@ -278,12 +278,12 @@ def with_experts_implementation(graphdef, params, name: str):
     return nnx.split(module)[0]
 
 
-def _per_layer_extend(block, *args):
-    """Each block traced and lowered on its own (before `block.extend_block` shared one trace per kind)."""
-    return block.extend(*args)
+def _per_layer_extend():
+    """Each block traced and lowered on its own (before `block.shared_extend` shared one trace per kind)."""
+    return lambda block, *args: block.extend(*args)
 
 
-PATCHES["per_layer"] = [(dsv4, "extend_block", _per_layer_extend)]
+PATCHES["per_layer"] = [(dsv4, "shared_extend", _per_layer_extend)]
 
 
 def register_variant(name: str, patches: list) -> None:

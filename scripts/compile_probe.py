@@ -14,7 +14,7 @@ compiles overlap) and the wall; `--json` writes them.
 
 `--cross-lower LAYERS` instead traces and lowers the Flash-dims extend (FP8 linears + ds_fp4 experts,
 abstract weights: nothing is allocated) for CUDA on any machine, its Pallas kernels lowered to Triton
-as on the GPU, with the blocks traced once per kind (as the model does, `block.extend_block`) and one
+as on the GPU, with the blocks traced once per kind (as the model does, `block.shared_extend`) and one
 by one (as before): what the serial lowering of a Flash start-up costs, measurable on a CPU.
 
     python scripts/compile_probe.py --cross-lower 43 --rows 1 6
@@ -108,9 +108,9 @@ def cross_lower(args) -> dict:
     graphdef, params = random_params(config, jnp.bfloat16, STORAGES["fp8+fp4"], skip=lambda path: True)
     graphdef = with_implementation(graphdef, params, "pallas")
     decode = jax.eval_shape(lambda: state_lib.init_state(config, EngineConfig(max_seq_len=4096), jnp.bfloat16))
-    shared, rows = dsv4.extend_block, []
-    for name, extend_block in (("per_kind", shared), ("per_layer", lambda block, *a: block.extend(*a))):
-        dsv4.extend_block = extend_block
+    shared, rows = dsv4.shared_extend, []
+    for name, blocks in (("per_kind", shared), ("per_layer", lambda: lambda block, *a: block.extend(*a))):
+        dsv4.shared_extend = blocks
         for s in args.rows:
             def extend(params, decode, ids, n_valid):
                 return nnx.merge(graphdef, params).extend(ids, decode, n_valid)[::2]
@@ -122,7 +122,7 @@ def cross_lower(args) -> dict:
             rows.append({"program": f"extend S={s}", "blocks": name, "trace_s": middle - start,
                          "lower_s": time.perf_counter() - middle, "pallas_calls": text.count("xla.gpu.triton"),
                          "mlir_chars": len(text)})
-    dsv4.extend_block = shared
+    dsv4.shared_extend = shared
     return {"mode": f"cross-lower {args.cross_lower} layers for cuda", "jax": jax.__version__, "programs": rows}
 
 

@@ -69,19 +69,20 @@ class Block(nnx.Module):
         return HyperConnection.post(self.ffn(self.ffn_norm(u), ids), x, post, comb)
 
 
-def extend_block(block: Block, x: jax.Array, positions: jax.Array, ids: jax.Array, cache: LayerCache,
-                 length: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, LayerCache]:
-    """`block.extend` through one jitted function for every block of the same structure (the graph
-    of a block holds its kind, not its index), so a model's program traces and lowers each kind of
-    layer once, not each layer: a 43-layer Flash has a handful of kinds. XLA inlines the calls, so
-    the compiled program is the one the layers would make one by one."""
-    graphdef, state = nnx.split(block)
-    return _extend_block(graphdef, state, x, positions, ids, cache, length, n_valid)
+def shared_extend():
+    """A function like `Block.extend(block, ...)` that runs every block of the same structure through
+    one jitted function (the graph of a block holds its kind, not its index), so a program traces and
+    lowers each kind of layer once, not each layer: a 43-layer Flash has a handful of kinds. XLA
+    inlines the calls, so the compiled program is the one the layers would make one by one. Make one
+    per program: its trace cache lives as long as it, so code patched between programs is seen."""
+    @functools.partial(jax.jit, static_argnums=0)
+    def extend_one_kind(graphdef, state, *args):
+        return nnx.merge(graphdef, state).extend(*args)
 
-
-@functools.partial(jax.jit, static_argnums=0)
-def _extend_block(graphdef, state, *args):
-    return nnx.merge(graphdef, state).extend(*args)
+    def extend(block: Block, *args) -> tuple[jax.Array, LayerCache]:
+        graphdef, state = nnx.split(block)
+        return extend_one_kind(graphdef, state, *args)
+    return extend
 
 
 class MTPBlock(Block):

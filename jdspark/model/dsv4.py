@@ -14,7 +14,7 @@ from flax import nnx
 
 from jdspark.config import DSV4Config
 from jdspark.model import quant_sim
-from jdspark.model.block import Block, HyperHead, MTPBlock, extend_block
+from jdspark.model.block import Block, HyperHead, MTPBlock, shared_extend
 from jdspark.model.draft import DraftStage
 from jdspark.model.layers import Embedding, Keys, Linear, RMSNorm
 from jdspark.model.state import DecodeState
@@ -65,7 +65,7 @@ class DSV4(nnx.Module):
         length = decode.length
         positions = length[:, None] + jnp.arange(ids.shape[1])
         x = self.embed_streams(ids)
-        caches, features = [], []
+        caches, features, extend_block = [], [], shared_extend()
         for i, layer in enumerate(self.layers):
             x, cache = extend_block(layer, x, positions, ids, decode.layers[i], length, n_valid)
             caches.append(cache)

@@ -1,4 +1,4 @@
-"""Blocks of one kind share one traced `extend` (`block.extend_block`): their graphs are equal exactly
+"""Blocks of one kind share one traced `extend` (`block.shared_extend`): their graphs are equal exactly
 when their kinds (hash routing, compression ratio) are, a model's program holds one function per kind
 called once per layer, and its results are the blocks' own to float32 rounding. (Not bit for bit: XLA
 inlines the calls, but the CPU program it then makes orders some sums differently, ~2e-6 apart.)"""
@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jdspark.config import EngineConfig, tiny_config
-from jdspark.model import dsv4
+from jdspark.model import block, dsv4
 from jdspark.model.model import Model, _extend
 
 ENGINE = EngineConfig(max_seq_len=64, gamma=5, max_batch=2)
@@ -37,8 +37,8 @@ def test_the_program_lowers_each_kind_once_and_calls_it_per_layer(model):
     ids, n_valid = np.zeros((2, 3), np.int32), np.full((2,), 3, np.int32)
     text = _extend.lower(graphdef=model.graphdef, params=model.params, decode=model.init_state(ENGINE), ids=ids,
                          n_valid=n_valid, feature_layers=()).as_text()
-    assert len(set(re.findall(r"func\.func private @(_extend_block\w*)", text))) == len(set(kinds(model.config))) == 4
-    assert len(re.findall(r"call @_extend_block", text)) == model.config.num_hidden_layers
+    assert len(set(re.findall(r"func\.func private @(extend_one_kind\w*)", text))) == len(set(kinds(model.config))) == 4
+    assert len(re.findall(r"call @extend_one_kind", text)) == model.config.num_hidden_layers
 
 
 def test_the_shared_extend_gives_the_blocks_own_results(model, monkeypatch):
@@ -49,7 +49,20 @@ def test_the_shared_extend_gives_the_blocks_own_results(model, monkeypatch):
         return jax.jit(lambda params, decode: nnx.merge(model.graphdef, params).extend(ids, decode, n_valid, (2, 4)))(
             model.params, model.init_state(ENGINE))
     shared = run()
-    monkeypatch.setattr(dsv4, "extend_block", lambda block, *args: block.extend(*args))
+    monkeypatch.setattr(dsv4, "shared_extend", lambda: lambda block, *args: block.extend(*args))
     own = run()
     for a, b in zip(jax.tree.leaves(shared), jax.tree.leaves(own), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_each_program_traces_afresh_so_patched_code_is_seen(model, monkeypatch):
+    """The shared trace lives as long as one program's trace: a block method patched before the next
+    program is traced is what that program runs (benchmarks compare implementations so)."""
+    ids, n_valid = np.zeros((2, 3), np.int32), np.full((2,), 3, np.int32)
+
+    def logits():
+        extend = jax.jit(lambda params, decode: nnx.merge(model.graphdef, params).extend(ids, decode, n_valid)[0])
+        return np.asarray(extend(model.params, model.init_state(ENGINE)))
+    before = logits()
+    monkeypatch.setattr(block.Block, "_ffn", lambda self, x, ids: x)  # every MoE sublayer skipped
+    assert not np.allclose(logits(), before)
