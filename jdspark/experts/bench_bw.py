@@ -282,7 +282,7 @@ def run(args) -> dict:
     read_mb = args.read_mb or (1024 if ram >= 32 << 30 else 256)
     res = {"dim": args.dim, "inter": args.inter, "threads": threads, "cpus": os.cpu_count(),
            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-           "simd": bool(cpu_gemv.kernel().jds_has_simd())}
+           "simd": bool(cpu_gemv.kernel().jds_has_simd()), "prefetch_groups": cpu_gemv.PREFETCH}
     read = host_read(read_mb << 20, threads, args.repeats)
     res.update(host_read_GBps=read["GBps"], host_read_best_GBps=read["best_GBps"], host_read=read)
     _progress(f"host read {read['GBps']:.2f} GB/s")
@@ -335,7 +335,7 @@ def format_table(res: dict) -> str:
              f"{res['host_read']['how']}, {res['host_read']['bytes'] >> 20} MiB; after the sweep "
              f"{res['host_read_after_GBps']:.2f}); load average {res.get('load_average')}",
              f"CPU expert GEMV, D={res['dim']} F={res['inter']}, top-{TOP_K} per row, {res['threads']} threads, "
-             f"SIMD {'on' if res['simd'] else 'off'}:",
+             f"SIMD {'on' if res['simd'] else 'off'}, prefetch {res['prefetch_groups']} group(s) of rows ahead:",
              f"  {'format':8} {'backend':7} {'rows':>4} {'experts':>7} {'ms':>8} {'GB/s':>7} {'% read':>7}"]
     for g in res["cpu_gemv"] + res["cpu_gemv_numba"]:
         lines.append(f"  {g['format']:8} {g['backend']:7} {g['rows']:>4} {g['experts']:>7.1f} {g['ms']:>8.2f} "
