@@ -278,12 +278,12 @@ def with_experts_implementation(graphdef, params, name: str):
     return nnx.split(module)[0]
 
 
-def _per_layer_extend():
+def per_layer_extend():
     """Each block traced and lowered on its own (before `block.shared_extend` shared one trace per kind)."""
     return lambda block, *args: block.extend(*args)
 
 
-PATCHES["per_layer"] = [(dsv4, "shared_extend", _per_layer_extend)]
+PATCHES["per_layer"] = [(dsv4, "shared_extend", per_layer_extend)]
 
 
 def register_variant(name: str, patches: list) -> None:

@@ -91,7 +91,7 @@ def cross_lower(args) -> dict:
     import jax.numpy as jnp
     from flax import nnx
     sys.path.insert(0, str(Path(__file__).parent))
-    from bench_decode import STORAGES, make_config, random_params
+    from bench_decode import STORAGES, make_config, per_layer_extend, random_params
 
     import pallas_kernels
     from jdspark.config import EngineConfig
@@ -109,11 +109,12 @@ def cross_lower(args) -> dict:
     graphdef = with_implementation(graphdef, params, "pallas")
     decode = jax.eval_shape(lambda: state_lib.init_state(config, EngineConfig(max_seq_len=4096), jnp.bfloat16))
     shared, rows = dsv4.shared_extend, []
-    for name, blocks in (("per_kind", shared), ("per_layer", lambda: lambda block, *a: block.extend(*a))):
+    for name, blocks in (("per_kind", shared), ("per_layer", per_layer_extend)):
         dsv4.shared_extend = blocks
         for s in args.rows:
             def extend(params, decode, ids, n_valid):
-                return nnx.merge(graphdef, params).extend(ids, decode, n_valid)[::2]
+                logits, _, new = nnx.merge(graphdef, params).extend(ids, decode, n_valid)
+                return logits, new
             ids, n_valid = jax.ShapeDtypeStruct((1, s), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)
             start = time.perf_counter()
             traced = jax.jit(extend, donate_argnums=1).trace(params, decode, ids, n_valid)

@@ -125,10 +125,17 @@ def test_live_costs_learn_what_switching_executables_adds():
     assert run(0.0).switch_price(1)[1] == pytest.approx(0.0, abs=1e-7)
 
 
-def test_live_costs_ignore_steps_of_buckets_not_measured():
-    """The engine's LiveCosts before (or without) a measured selector: steps are tracked, nothing learnt."""
-    live = costs.LiveCosts({})
-    for width in (5, 3, 5):
-        live.issued(1, width)
-        live.observe(1, True, width, 0.1)
-    assert live.offsets == {} and live.switch == {}
+def test_live_costs_learn_nothing_from_a_bucket_not_measured_but_close_its_window():
+    """A step read in a bucket without a selector (the engine's LiveCosts before, or without, a
+    measured one) teaches nothing and raises nothing, and the window it closes (here one with a
+    prefill) does not leak into the next: that next window is a clean switch."""
+    base = AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)
+    live = costs.LiveCosts({1: base})
+    live.issued(1, 5)
+    live.observe(1, True, 5, 0.004)
+    live.issued(4, "prefill")
+    live.issued(4, 3)
+    live.observe(4, True, 3, 0.1)  # bucket 4 has no selector
+    live.issued(1, 5)
+    live.observe(1, True, 5, 0.004)
+    assert live.windows == {1: {"same": 1, "switched": 1}} and set(live.offsets) == set(live.switch) == {1}
