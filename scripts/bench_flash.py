@@ -239,7 +239,7 @@ def measure(args) -> dict:
                                             scripted_acceptance=args.acceptance),
                         prefill_chunk=64, widths=tuple(args.widths),
                         options=SpecOptions(width=None if adaptive else max(args.widths), profile_runs=args.runs,
-                                            reprofile=True, cost_cache_dir=cache_dir))
+                                            reprofile=True, cost_cache_dir=cache_dir, profile="synchronised"))
         startup_s = time.perf_counter() - start
         print(f"engine start-up {startup_s:.1f} s ({engine.exe.lower_seconds:.1f} s loading, tracing and lowering, "
               f"{engine.exe.count} executables)", flush=True)

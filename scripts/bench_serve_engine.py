@@ -9,11 +9,13 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
 - padded:      adaptive widths, the batch at the widest any request chose (the old engine), clipped
                where the step's pricing finds a narrower width better;
 - per_request: adaptive widths, the step's width priced for the whole batch and verified by every
-               speculating request (`engine/widths.py`); a new request's stale confidences start
+               speculating request (`engine/widths.py`), priced with costs of one call at a time
+               (`SpecOptions.profile="synchronised"`); a new request's stale confidences start
                at the engine's recent average (`SpecOptions.first_confidence="recent"`);
 - per_request_ones: the same with new requests at confidences of 1 (`first_confidence="ones"`);
 - per_request_queued: per_request priced with costs of queued calls (`SpecOptions.profile="queued"`:
-               the executables' rate when issued back to back, as overlapped steps run them);
+               the executables' rate when issued back to back, as overlapped steps run them): the
+               engine's default;
 - per_request_queued_unpriced: the same with switching executables free (`SpecOptions.price_switches`
                off: the engine before the switch cost was learnt);
 - budget:      Algorithm 1 over stale confidences with the bucket's measured costs;

@@ -133,9 +133,9 @@ class Engine:
         return failed
 
     def measure_call_costs(self, bucket: int | None = None) -> dict[str, float]:
-        """Seconds per synchronised call of `decode` and of each step[k] ("step{k}") of a batch bucket
-        (default the largest), every row active at full width, each call on emptied state (`costs.
-        measure_bucket`: the fastest of `profile_runs`, cached unless `reprofile`); before any request."""
+        """Seconds per call of `decode` and each step[k] ("step{k}") of a batch bucket (default the largest),
+        every row active at full width, on emptied state (`costs.measure_bucket`: the fastest of
+        `profile_runs` under `options.profile`, cached unless `reprofile`); before any request."""
         return costs.measure_bucket(self, bucket or max(self.config.buckets))
 
     # ---- requests -------------------------------------------------------------------------------

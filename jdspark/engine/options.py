@@ -38,8 +38,10 @@ class SpecOptions:
     pause_steps: int = 32
     first_confidence: str = "recent"  # where a new request's stale confidences start, and where a probe is
     # judged: "ones", or "recent" (the engine's running average, `sequence.ConfidencePrior`)
-    profile: str = "synchronised"  # a cost: one call at a time, or "queued": calls issued back to back
-    # (the rate of overlapped steps, which hide the host's dispatch behind the device; `costs.measure_bucket`)
+    profile: str = "queued"  # a cost: calls issued back to back, the rate of overlapped steps (which hide
+    # the host's dispatch behind the device), or "synchronised": one call at a time, what steps cost without
+    # overlap (`costs.measure_bucket`). Queued priced the H200's 1- and 8-slot engines' adaptive widths 10%
+    # faster at c = 1 in both paired runs (1302 vs 1179, 1342 vs 1218 tok/s; docs/BENCHMARKS.md)
     calibrate: bool = True  # adaptive widths read stale confidences scaled to the acceptance the engine saw
     # after such confidences, per position, greedy and sampled apart (`speculative.calibration`)
     price_switches: bool = True  # adaptive widths price issuing another executable than the last one at

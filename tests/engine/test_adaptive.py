@@ -241,23 +241,24 @@ def test_engine_logs_throughput_acceptance_widths_and_costs(engine, caplog):
 
 
 def test_a_new_profile_measures_the_selectors_again_once(engine, tmp_path):
-    """`SpecOptions.profile`: the selectors measured under "queued" (calls back to back) replace the
-    synchronised ones, the adaptive policy follows them, switching back restores the first set
-    without measuring, and a switch while a request runs is refused."""
+    """`SpecOptions.profile`: the selectors measured under the other profile ("synchronised": one call at
+    a time, against the default "queued") replace the first ones, the adaptive policy follows them,
+    switching back restores the first set without measuring, and a switch while a request runs is
+    refused."""
     options, first = engine.options, engine.selector
-    assert engine.width_policy is first
-    engine.set_policy(options=dataclasses.replace(options, profile="queued", profile_runs=1, reprofile=True,
+    assert engine.width_policy is first and options.profile == "queued"
+    engine.set_policy(options=dataclasses.replace(options, profile="synchronised", profile_runs=1, reprofile=True,
                                                   cost_cache_dir=str(tmp_path)))
-    queued = engine.selector
-    assert queued is not first and engine.width_policy is queued and engine.selectors[max(engine.selectors)] is queued
-    assert np.all(np.isfinite(queued.step_costs)) and queued.decode_cost > 0
+    other = engine.selector
+    assert other is not first and engine.width_policy is other and engine.selectors[max(engine.selectors)] is other
+    assert np.all(np.isfinite(other.step_costs)) and other.decode_cost > 0
     assert len(list(tmp_path.glob("*.json"))) == len(engine.config.buckets)  # measured, under their own keys
     assert generate(engine).token_ids  # serves under the new selectors
     engine.set_policy(options=options)
     assert engine.selector is first and engine.width_policy is first  # kept, not measured again
     rid = engine.add(PROMPT, GREEDY).request_id
-    with pytest.raises(EngineError, match="profile=.queued.: requests are running"):
-        engine.set_policy(options=dataclasses.replace(options, profile="queued"))
+    with pytest.raises(EngineError, match="profile=.synchronised.: requests are running"):
+        engine.set_policy(options=dataclasses.replace(options, profile="synchronised"))
     engine.cancel(rid)
     assert engine.options is options
 
