@@ -163,14 +163,16 @@ class LiveCosts:
         self.switch = dict.fromkeys(selectors, 0.0)  # seconds a switched window takes beyond its kind's offset
         self.windows = {n: {"same": 0, "switched": 0} for n in selectors}
         self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
-        self._policies = dict(selectors)  # rebuilt on the next read after an observation
+        self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
+        self._observed: set[int] = set()  # buckets observed since their policy was last repriced
 
     def policy(self, bucket: int) -> AdaptiveWidth:
-        if bucket not in self._policies:
+        if bucket in self._observed:
             base, offsets = self.selectors[bucket], self.offsets[bucket]
-            self._policies[bucket] = AdaptiveWidth(
-                np.maximum(base.verify_costs + offsets["verify"], 0.0), base.draft_cost, base.gamma,
-                decode_cost=None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
+            self._policies[bucket] = self._policies[bucket].repriced(
+                np.maximum(base.verify_costs + offsets["verify"], 0.0),
+                None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
+            self._observed.discard(bucket)
         return self._policies[bucket]
 
     def issued(self, bucket: int, call: int | str) -> None:
@@ -202,7 +204,7 @@ class LiveCosts:
         if clean:
             self.windows[bucket]["switched" if switched else "same"] += 1
         offsets[kind] += self.weight * (excess - offsets[kind])
-        self._policies.pop(bucket, None)
+        self._observed.add(bucket)
 
 
 def measured_selector(engine, bucket: int) -> AdaptiveWidth:

@@ -77,25 +77,28 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     own = np.array([widths[b] for b in rows])[:, None]
     probe, lift = (np.array([b in group for b in rows])[:, None] for group in (probing, lifted))
     stay, switch_cost = switch
-    switching = np.array([k != stay for k in range(len(policy.step_costs))])
-    step_costs = np.asarray(policy.step_costs) + switch_cost * switching
+    step_costs = np.array([c + (switch_cost if k != stay else 0.0) for k, c in enumerate(policy.step_costs)])
+    row_index = np.arange(len(rows))[:, None]
 
     def tokens_per_second(ks: np.ndarray, probe_tokens: np.ndarray | None = None) -> np.ndarray:
         """Expected tokens per second of the step at each executable width of `ks`, in one pass;
-        probing rows at `probe_tokens` (E(k) per width) where given."""
-        tokens = np.take_along_axis(expected, np.where(lift, ks[None], np.minimum(own, ks[None])), axis=1)
+        probing rows at `probe_tokens` (E(k) per width) where given. (Plain indexing: the choice is
+        host time in every step, and np.take_along_axis's checks cost more than the lookup.)"""
+        tokens = expected[row_index, np.where(lift, ks[None], np.minimum(own, ks[None]))]
         if probe_tokens is not None:
             tokens = np.where(probe, probe_tokens[ks][None], tokens)
         return tokens.sum(axis=0) / step_costs[ks]
 
     first = executable_width(widths, compiled)
     # the rows' own width first, then the others in ascending order: argmax keeps the first best
-    ks = np.array([first, *sorted(k for k in compiled if k != first and (lift.any() or k < first))])
-    rates = tokens_per_second(ks)
-    best, best_rate = int(ks[np.argmax(rates)]), float(rates.max())
+    any_lifted = any(b in lifted for b in rows)
+    ks = np.array([first, *sorted(k for k in compiled if k != first and (any_lifted or k < first))])
+    rates = tokens_per_second(ks).tolist()
+    best_rate = max(rates)
+    best = int(ks[rates.index(best_rate)])
     if may_decode and policy.decode_cost is not None:
         could = best_rate
-        if probe.any():
+        if any(b in probing for b in rows):
             start = np.ones((1, expected.shape[1] - 1)) if probe_confidence is None else probe_confidence[None]
             could = float(tokens_per_second(np.array(sorted(compiled)), policy.expected_tokens(start)[0]).max())
         if len(rows) / (policy.decode_cost + switch_cost * (stay != "decode")) > could:

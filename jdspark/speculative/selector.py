@@ -82,6 +82,13 @@ class AdaptiveWidth:
         self.step_costs = _step_costs(self.draft_cost, self.verify_costs)  # S(k) = D + V(k), k = 0..gamma
         self._last = None  # (confidences' shape and bytes, E(k)) of the last `expected_tokens`
 
+    def repriced(self, verify_costs, decode_cost: float | None) -> "AdaptiveWidth":
+        """The same policy at other costs (`costs.LiveCosts` moves them after every step), keeping the
+        last `expected_tokens`, which do not depend on them: the next step's rows are often the same."""
+        policy = AdaptiveWidth(verify_costs, self.draft_cost, self.gamma, decode_cost)
+        policy._last = self._last
+        return policy
+
     def __call__(self, confidences) -> int:
         c = [float(x) for x in confidences]
         if len(c) != self.gamma:

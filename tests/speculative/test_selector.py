@@ -137,3 +137,21 @@ def test_expected_tokens_reuses_only_the_same_rows():
     np.testing.assert_allclose(policy.expected_tokens(np.full((2, 5), 0.9)), np.repeat(first, 2, axis=0))
     with pytest.raises(ValueError):
         policy.expected_tokens(np.full((1, 5), 1.5))
+
+
+def test_a_repriced_policy_chooses_at_its_new_costs_and_keeps_the_rows_memo():
+    """`repriced` (what `costs.LiveCosts` does after every step): the costs and choices of a policy
+    built at the new costs, the original unchanged, and E(k) of the same rows not computed again."""
+    rng = np.random.default_rng(5)
+    old = AdaptiveWidth([1.0, 1.1, 1.2, 1.3, 1.4, 1.5], 0.5, 5, decode_cost=0.9)
+    rows = rng.uniform(0.3, 1.0, (8, 5))
+    memo = old.expected_tokens(rows)
+    new_costs = [0.2, 0.4, 0.6, 3.0, 4.0, 5.0]
+    repriced = old.repriced(new_costs, 0.3)
+    fresh = AdaptiveWidth(new_costs, 0.5, 5, decode_cost=0.3)
+    assert repriced.step_costs == fresh.step_costs and repriced.decode_cost == 0.3
+    np.testing.assert_array_equal(repriced.widths(rows), fresh.widths(rows))
+    np.testing.assert_array_equal(repriced.drafting_pays(rows), fresh.drafting_pays(rows))
+    assert not np.array_equal(repriced.widths(rows), old.widths(rows))  # the new costs matter
+    assert old.step_costs == [1.5, 1.6, 1.7, 1.8, 1.9, 2.0] and old.decode_cost == 0.9
+    assert repriced.expected_tokens(rows.copy()) is memo
