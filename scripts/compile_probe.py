@@ -161,6 +161,7 @@ def main() -> None:
     else:
         result = run_processes(args) if args.processes else run_threads(args)
     result["total_s"] = time.perf_counter() - start
+    result["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     for row in result["programs"]:
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     print({k: round(v, 2) if isinstance(v, float) else v for k, v in result.items() if k != "programs"})

@@ -190,11 +190,20 @@ for part in "$@"; do
           | tee "$OUT/startup_$run.log"
       done ;;
     compile)  # issue 26: the embedded 1-slot engine's 8 programs compiled in 8 threads, with its Pallas kernels
-      # and with their jnp references (PROBE_IMPLEMENTATIONS), on an empty cache each
-      for impl in ${PROBE_IMPLEMENTATIONS:-auto xla}; do
-        timeout ${PROBE_SECONDS:-150} python3 scripts/compile_probe.py --threads 8 --implementation $impl \
-          --json "$OUT/compile_probe_$impl.json" 2>&1 | grep -v Warning | tail -12 | tee "$OUT/compile_probe_$impl.log"
-      done ;;
+      # and with their jnp references (PROBE_IMPLEMENTATIONS), on an empty cache each, under each XLA_FLAGS set of
+      # PROBE_FLAG_SETS ('|'-separated; the first, empty, is XLA's defaults), e.g.
+      # PROBE_FLAG_SETS="|--xla_llvm_disable_expensive_passes=true|--xla_gpu_disable_gpuasm_optimizations=true"
+      IFS='|' read -ra FLAG_SETS <<< "${PROBE_FLAG_SETS:-}"
+      [ ${#FLAG_SETS[@]} -eq 0 ] && FLAG_SETS=("")
+      n=0
+      for flags in "${FLAG_SETS[@]}"; do
+        for impl in ${PROBE_IMPLEMENTATIONS:-auto xla}; do
+          echo "--- $impl XLA_FLAGS=$flags"
+          XLA_FLAGS="$flags" timeout ${PROBE_SECONDS:-150} python3 scripts/compile_probe.py --threads 8 \
+            --implementation $impl --json "$OUT/compile_probe_${impl}_$n.json" 2>&1 | grep -v Warning | tail -12
+        done
+        n=$((n + 1))
+      done 2>&1 | tee "$OUT/compile_probe.log" ;;
     compile-phases)  # issue 26: where one program's compile time goes: XLA's phase timers (VLOG 1 of the
       # GPU compiler's files) for decode and step[5], compiled one at a time, then each under PHASE_FLAGS
       for flags in "" ${PHASE_FLAGS:-}; do
