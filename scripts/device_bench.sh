@@ -214,13 +214,14 @@ for part in "$@"; do
       done 2>&1 | tee "$OUT/compile_phases.log" ;;
     switch)  # issue 26: what switching step executables costs a lone request (1-slot embedded engine):
       # fixed3 / alternate35 / fixed5 / per_request_queued with and without the learnt switch cost, with XLA's
-      # defaults and under each of SWITCH_FLAGS
-      for flags in "" ${SWITCH_FLAGS:---xla_gpu_command_buffer_update_mode=SKIP_TEMP}; do
+      # defaults and under each of SWITCH_FLAGS (set it empty for XLA's defaults alone); SWITCH_ARGS: more
+      # arguments of bench_serve_engine.py (e.g. --twins)
+      for flags in "" ${SWITCH_FLAGS---xla_gpu_command_buffer_update_mode=SKIP_TEMP}; do
         echo "--- XLA_FLAGS=$flags"
         XLA_FLAGS="$flags" JDSPARK_CACHE=$WORK/switch-cache timeout ${SWITCH_SECONDS:-200} python3 scripts/bench_serve_engine.py \
           --max-running 1 --buckets 1 --concurrency 1 --modes fixed5 fixed3 alternate35 per_request_queued \
           per_request_queued_unpriced --rounds 3 \
-          --requests 8 2>&1 | grep -E "^round|^\| |start-up|Error|error" | cut -c1-260
+          --requests 8 ${SWITCH_ARGS:-} 2>&1 | grep -E "^round|^\| |start-up|Error|error" | cut -c1-260
       done 2>&1 | tee "$OUT/switch.log" ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
       LABEL=${SERVE_LABEL:-$(echo "${CONCURRENCY:-all}" | tr ' ' _)}
