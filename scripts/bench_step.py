@@ -131,7 +131,8 @@ def measure(model, variant: str, runs: int, steps: int, cache_dir: str) -> dict:
     implementation, twins = VARIANTS[variant]
     engine = Engine(model, EngineConfig(max_seq_len=512, gamma=5, max_batch=1, twin_executables=twins),
                     prefill_chunk=64, widths=(0, 5), implementation=implementation,
-                    options=SpecOptions(width=5, profile_runs=runs, reprofile=True, cost_cache_dir=cache_dir))
+                    options=SpecOptions(width=5, profile_runs=runs, reprofile=True, cost_cache_dir=cache_dir,
+                                        profile="synchronised"))
     compile_s = time.perf_counter() - start
     cost = engine.measure_call_costs()
     draft = cost["step0"] - cost["decode"]

@@ -1,18 +1,18 @@
 """Measured costs of the engine's executables, cached on disk per (device kind, model config,
 engine config).
 
-A cost is the fastest of N synchronised calls of one compiled executable on the engine's state, or,
-under `SpecOptions(profile="queued")`, of N samples of `QUEUED` calls issued back to back and
-synchronised once, per call: overlapped steps issue a call before reading the one before, so on a
-GPU the host's dispatch hides behind the device, and one call at a time prices what serving does not
-pay (H200, embedded model: step[5] profiled at 2.47 ms, its overlapped serving calls 2.01-2.11). The
-labels are timed in interleaved rounds, after warm-up rounds lasting at least `WARM_S`: on the H200 a
-profile taken label after label, right after compiling, found the GPU at idle clocks (bucket 1's
-decode at 2.76 ms against the 1.6 ms its serving steps then took). Every slot is active, as in a full
-batch step (idle slots skip writes, so an idle profile under-counts what a call costs); the state is
-reset before each call
-(outside the timed region), so the profile leaves nothing behind. The engine turns the costs of
-its decode and step[k] executables into the selector's D and V(k).
+A cost is, per call, the fastest of N samples of `QUEUED` calls of one compiled executable issued back
+to back on the engine's state and synchronised once (`SpecOptions(profile="queued")`, the default):
+overlapped steps issue a call before reading the one before, so on a GPU the host's dispatch hides
+behind the device, and one call at a time prices what serving does not pay (H200, embedded model:
+step[5] profiled one at a time at 2.47 ms, its overlapped serving calls 2.01-2.11);
+`profile="synchronised"` times one call at a time (what steps cost without overlap). The labels are
+timed in interleaved rounds, after warm-up rounds lasting at least `WARM_S`: on the H200 a profile
+taken label after label, right after compiling, found the GPU at idle clocks (bucket 1's decode at
+2.76 ms against the 1.6 ms its serving steps then took). Every slot is active, as in a full batch
+step (idle slots skip writes, so an idle profile under-counts what a call costs); the state is reset
+before each call (outside the timed region), so the profile leaves nothing behind. The engine turns
+the costs of its decode and step[k] executables into the selector's D and V(k).
 """
 
 from __future__ import annotations
