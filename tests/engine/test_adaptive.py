@@ -267,18 +267,19 @@ def test_a_switch_cost_keeps_the_step_on_the_executable_issued_last(engine, monk
     """Under the measured selector, with V(k) rising in k so that the choice follows the stale
     confidences, a lone request's steps change executables; with issuing another executable than
     the last priced at 1 s (`LiveCosts.switch_price`), every step repeats the first step's call.
-    With `price_switches=False` the choice never asks for the price. (Confidences as stated: the
-    calibration earlier tests taught would move them.)"""
+    The call to stay on is the one the price names: told width 1 was issued last, every step verifies
+    width 1; told nothing was (every call pays), none does. With `price_switches=False` the choice
+    never asks for the price. (Confidences as stated: the calibration earlier tests taught would
+    move them.)"""
     rising = AdaptiveWidth([0.010 + 0.004 * k for k in range(6)], 0.002, gamma=5, decode_cost=0.011)
     monkeypatch.setattr(engine.live, "policy", lambda bucket: rising)
     last, asked = engine.live.switch_price, []
 
-    def switch_price(bucket, cost):
-        asked.append(bucket)
-        return last(bucket)[0], cost
-
-    def calls_made(cost, options=SpecOptions(pause_steps=0, calibrate=False)):
-        monkeypatch.setattr(engine.live, "switch_price", lambda bucket: switch_price(bucket, cost))
+    def calls_made(cost, options=SpecOptions(pause_steps=0, calibrate=False), stay=lambda bucket: last(bucket)[0]):
+        def switch_price(bucket):
+            asked.append(bucket)
+            return stay(bucket), cost
+        monkeypatch.setattr(engine.live, "switch_price", switch_price)
         engine.set_policy(speculative=True, width_policy=engine.selector, options=options)
         with engine.record_steps() as records:
             generate(engine)
@@ -286,6 +287,8 @@ def test_a_switch_cost_keeps_the_step_on_the_executable_issued_last(engine, monk
 
     assert len(set(calls_made(0.0))) > 1  # free switches: the calls follow the confidences
     assert len(set(calls_made(1.0))) == 1
+    assert set(calls_made(1.0, stay=lambda bucket: 1)) == {(True, 1)}
+    assert (True, 1) not in set(calls_made(1.0, stay=lambda bucket: None))  # every call pays: the widest wins
     asked.clear()
     calls_made(1.0, SpecOptions(pause_steps=0, calibrate=False, price_switches=False))
     assert asked == []
