@@ -76,13 +76,29 @@ def shared_extend():
     inlines the calls, so the compiled program is the one the layers would make one by one. Make one
     per program: its trace cache lives as long as it, so code patched between programs is seen."""
     @functools.partial(jax.jit, static_argnums=0)
-    def extend_one_kind(graphdef, state, *args):
-        return nnx.merge(graphdef, state).extend(*args)
+    def extend_one_kind(kind: _Kind, state, *args):
+        return nnx.merge(kind.graphdef, state).extend(*args)
 
     def extend(block: Block, *args) -> tuple[jax.Array, LayerCache]:
         graphdef, state = nnx.split(block)
-        return extend_one_kind(graphdef, state, *args)
+        return extend_one_kind(_Kind(graphdef), state, *args)
     return extend
+
+
+class _Kind:
+    """A block's graph as the shared function's static key. Graphs compare their static attributes
+    by value, and 2 == 2.0 == True in Python, so two blocks whose settings differ only in type would
+    share one trace: equal kinds also need equal reprs, which name the types' values apart."""
+
+    def __init__(self, graphdef: nnx.GraphDef):
+        self.graphdef = graphdef
+
+    def __hash__(self) -> int:
+        return hash(self.graphdef)
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, _Kind) and self.graphdef == other.graphdef
+                and repr(self.graphdef) == repr(other.graphdef))
 
 
 class MTPBlock(Block):

@@ -66,3 +66,17 @@ def test_each_program_traces_afresh_so_patched_code_is_seen(model, monkeypatch):
     before = logits()
     monkeypatch.setattr(block.Block, "_ffn", lambda self, x, ids: x)  # every MoE sublayer skipped
     assert not np.allclose(logits(), before)
+
+
+def test_settings_equal_in_value_but_not_in_type_are_different_kinds():
+    """Graphs compare static attributes by value (2 == 2.0 == True), so two blocks apart only in a
+    setting's type would share one trace without the repr in the shared function's key."""
+    class Toy(nnx.Module):
+        def __init__(self, setting):
+            self.setting = setting
+            self.w = nnx.Param(np.ones(2, np.float32))
+
+    as_int, as_float, again = (nnx.split(Toy(v))[0] for v in (2, 2.0, 2))
+    assert as_int == as_float  # what the key must not rely on alone
+    assert block._Kind(as_int) != block._Kind(as_float)
+    assert block._Kind(as_int) == block._Kind(again) and hash(block._Kind(as_int)) == hash(block._Kind(again))
