@@ -98,8 +98,9 @@ def _exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 class Twins:
-    """Two loaded instances of one compiled executable, taken in turn by the parity of the engine's
-    calls (`EngineConfig.twin_executables`).
+    """Two loaded instances of one compiled executable, taken in turn by the parity of a call count the
+    engine's verify and decode executables share (prefills count apart; `twins_of`,
+    `EngineConfig.twin_executables`).
 
     Overlapped, a call is issued while the previous call's slot inputs and output are still alive, so
     those buffers take two addresses in turn, and an executable whose buffers are not where they were
@@ -116,7 +117,17 @@ class Twins:
         return self.pair[next(self.calls) % 2](*args)
 
     def __getattr__(self, name):  # as_text, cost_analysis, ...: the first instance's
+        if name == "pair":  # not yet set (a copy being built): no recursion through the line below
+            raise AttributeError(name)
         return getattr(self.pair[0], name)
+
+
+def twins_of(compiled: dict) -> dict:
+    """{(bucket, name): executable} as `Twins`: the verify and decode calls share one parity, the
+    prefills another (a step that prefills and verifies would otherwise put every verify on one
+    instance)."""
+    calls, prefills = itertools.count(), itertools.count()
+    return {key: Twins(program, prefills if key[1] == "prefill" else calls) for key, program in compiled.items()}
 
 
 @dataclasses.dataclass
@@ -254,9 +265,7 @@ class Executables:
         fresh, lowering = compiling.compile_all(lowerings, store, arguments, compiling.compiler_options(self.config))
         compiled |= fresh
         self.lower_seconds = loading + lowering  # loading, tracing and lowering in this process: serial, in Python
-        calls = itertools.count()  # every call of every executable, for the twins' parity
-        for (b, name), program in compiled.items():
-            program = Twins(program, calls) if self.twins else program
+        for (b, name), program in (twins_of(compiled) if self.twins else compiled).items():
             if name in ("prefill", "decode"):
                 setattr(self.buckets[b], name, program)
             else:

@@ -184,6 +184,23 @@ def test_twins_take_turns_by_the_parity_of_every_call(monkeypatch):
     assert ran == ["a", "a'", "b", "a'", "b", "b'"]
 
 
+def test_verify_and_decode_calls_alternate_whatever_prefills_run_between(monkeypatch):
+    """`twins_of` (the engine's wiring): prefills keep their own parity, so a step that prefills and
+    verifies still alternates its verify calls between the two instances."""
+    ran = []
+
+    def fake(name):
+        program = lambda *args: ran.append(name)  # noqa: E731
+        program.__name__ = name
+        return program
+
+    monkeypatch.setattr(executables, "twin", lambda compiled: fake(compiled.__name__ + "'"))
+    twins = executables.twins_of({(1, "prefill"): fake("p"), (1, "decode"): fake("d"), (1, 5): fake("s")})
+    for key in [(1, "prefill"), (1, 5), (1, "prefill"), (1, 5), (1, "decode"), (1, "prefill"), (1, 5)]:
+        twins[key]()
+    assert ran == ["p", "s", "p'", "s'", "d", "p", "s'"]
+
+
 @pytest.mark.slow  # the session dspark_engine
 def test_an_engine_with_twins_emits_the_same_tokens(dspark_engine, monkeypatch):
     """Every executable of the session engine wrapped in twins whose second instance records its calls
