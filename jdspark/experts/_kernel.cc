@@ -89,11 +89,14 @@ struct Row {  // one weight row (an output feature) of an expert matrix [N, K]
 #if JDS_AVX2
 // As M rows are read block by block (`bytes` each), the line `ahead` bytes further on in each row,
 // once per 64 B line (0: no prefetch). Offsets in int: with the offset computed in size_t, g++ 12.2 -O3
-// emitted no prefetch at all (measured: ds_fp4 back to 41% of host read; objdump showed none).
+// emitted no prefetch at all (measured: ds_fp4 back to 41% of host read; objdump showed none). The
+// address is integer arithmetic: near a bank's end it may lie past the allocation, which a prefetch
+// (a hint that never faults) may name but a pointer may not.
 template <int M>
 inline void prefetch_ahead(const uint8_t* const* w, int bytes, int b, int ahead) {
   if (!ahead || (b * bytes) % 64) return;
-  for (int m = 0; m < M; ++m) _mm_prefetch((const char*)(w[m] + bytes * b + ahead), _MM_HINT_T0);
+  const int offset = bytes * b + ahead;
+  for (int m = 0; m < M; ++m) _mm_prefetch((const char*)(reinterpret_cast<uintptr_t>(w[m]) + offset), _MM_HINT_T0);
 }
 
 inline __m256 cvt8(__m128i v8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v8)); }

@@ -49,7 +49,17 @@ _SOURCES = tuple(pathlib.Path(__file__).with_name(n) for n in ("_kernel.cc", "_h
 _LOCK = threading.Lock()
 _LIB = None
 TILE_F, TILE_D = 32, 32
-PREFETCH = int(os.environ.get("JDSPARK_CPU_PREFETCH", "1"))  # groups of weight rows prefetched ahead (0: off)
+
+
+def _prefetch_groups() -> int:
+    """JDSPARK_CPU_PREFETCH: groups of weight rows the GEMV prefetches ahead (0: off; default 1)."""
+    setting = os.environ.get("JDSPARK_CPU_PREFETCH", "1")
+    if not (setting.isdigit() and int(setting) <= 64):
+        raise ValueError(f"JDSPARK_CPU_PREFETCH={setting!r}: must be a whole number of row groups, 0..64 (0: off)")
+    return int(setting)
+
+
+PREFETCH = _prefetch_groups()
 
 
 def default_threads() -> int:

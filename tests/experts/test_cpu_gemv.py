@@ -111,3 +111,16 @@ def test_pure_callback():
 
     y = np.asarray(layer(jnp.asarray(x), jnp.asarray(ids, jnp.int32), jnp.asarray(w)))
     assert _rel(y, reference_forward(bank, x, ids, w, limit=6.0)) <= 1e-5
+
+
+@pytest.mark.parametrize("setting, groups", [("0", 0), ("1", 1), ("64", 64), ("-1", None), ("65", None), ("x", None)])
+def test_prefetch_setting_is_a_count_of_row_groups(monkeypatch, setting, groups):
+    """JDSPARK_CPU_PREFETCH: 0..64 groups of rows; anything else is refused by name before the kernel
+    could form addresses before its buffer or overflow an offset."""
+    from jdspark.experts import cpu_gemv
+    monkeypatch.setenv("JDSPARK_CPU_PREFETCH", setting)
+    if groups is None:
+        with pytest.raises(ValueError, match=f"JDSPARK_CPU_PREFETCH='{setting}'"):
+            cpu_gemv._prefetch_groups()
+    else:
+        assert cpu_gemv._prefetch_groups() == groups
