@@ -188,6 +188,11 @@ class LiveCosts:
         ready = min(self.windows[bucket].values()) >= self.MIN_SWITCH_SAMPLES
         return stay, max(self.switch[bucket], 0.0) if ready else 0.0
 
+    def close_window(self) -> None:
+        """A read that observes no step (its requests all ended first): the calls issued since the read
+        before say nothing about the next window."""
+        self._switched = self._prefilled = False
+
     def observe(self, bucket: int, drafted: bool, width: int, seconds: float) -> None:
         """One step of `bucket` read: a verify call of `width` (drafted) or a decode call, `seconds` long;
         the calls issued since the previous read decide whether its window switched."""

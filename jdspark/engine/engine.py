@@ -85,8 +85,8 @@ class Engine:
                  "(%.1f s), %.1f s loading, tracing and lowering here", self.exe.count, list(config.buckets),
                  time.perf_counter() - start, self.exe.loaded, self.exe.from_workers, self.exe.worker_seconds,
                  self.exe.lower_seconds)
-        self.selector, self.selectors = None, {}  # the measured selectors: the largest bucket's, every bucket's
-        self.live = costs.LiveCosts({})  # the selectors as the steps take them, once measured (`costs.LiveCosts`)
+        self.selector, self.selectors, self.live = None, {}, costs.LiveCosts({})  # the measured selectors: the
+        # largest bucket's, every bucket's, and as the steps take them (`costs.LiveCosts`), once measured
         self._measured: dict[str, tuple] = {}  # profile -> (selectors, selector, live) measured under it
         self.width_policy = self._width_policy(width_policy, widths)
         log.info("engine ready in %.1f s (compile cache %s)", time.perf_counter() - start,
@@ -201,8 +201,7 @@ class Engine:
         return IssuedPrefill(out, rows, prompts)
 
     def _read_prefill(self, call: IssuedPrefill) -> dict[int, Delta]:
-        """The first Delta of each request whose prompt ended in the call (an error if any of its
-        chunks came back with non-finite logits)."""
+        """The first Delta of each request whose prompt ended in the call (an error for non-finite logits)."""
         out = calls.read_output(call.out, self.config.gamma)
         deltas = {}
         for i, b in enumerate(call.rows.tolist()):
@@ -337,6 +336,7 @@ class Engine:
         live = {b: seq for b, seq in call.sequences.items() if self._slots[b] is seq}
         if not live:  # every request it ran for ended before it was read: a call wasted, no step to record
             self._last_read = time.perf_counter()
+            self.live.close_window()
             return {}
         deltas = {}
         for b, seq in live.items():

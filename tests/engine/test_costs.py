@@ -125,6 +125,21 @@ def test_live_costs_learn_what_switching_executables_adds():
     assert run(0.0).switch_price(1)[1] == pytest.approx(0.0, abs=1e-7)
 
 
+def test_a_read_that_observes_no_step_closes_its_window():
+    """A verify read whose requests all ended first observes nothing (`Engine._read_verify`), but the
+    switch and prefill it saw issued must not leak into the next window, which repeated its call."""
+    base = AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)
+    live = costs.LiveCosts({1: base})
+    live.issued(1, 5)
+    live.observe(1, True, 5, 0.004)
+    live.issued(1, "prefill")
+    live.issued(1, 3)  # a switched, prefilled window ...
+    live.close_window()  # ... read with no step to observe
+    live.issued(1, 3)
+    live.observe(1, True, 3, 0.004)
+    assert live.windows == {1: {"same": 2, "switched": 0}}
+
+
 def test_live_costs_learn_nothing_from_a_bucket_not_measured_but_close_its_window():
     """A step read in a bucket without a selector (the engine's LiveCosts before, or without, a
     measured one) teaches nothing and raises nothing, and the window it closes (here one with a
