@@ -80,6 +80,13 @@ inline float bf16_value(uint16_t b) {
 
 // Position of element i of a 32-block in the order the fp4 decoder produces: evens then odds.
 inline int fp4_pos(int i) { return (i & 1) * 16 + (i >> 1); }
+// Where element i of a K-long ds_fp4 row's input sits in the decoder's order: per 32-block (fp4_pos), or
+// with the AVX-512 decoder (`wide`) per 128-group, element 8i + t at 16t + i (`dot_fp4_512`), the blocks
+// after the last full group per 32-block.
+inline int fp4_pos_in_row(int i, int K, bool wide) {
+  if (wide && i < K / 128 * 128) return (i & ~127) + (i & 7) * 16 + ((i & 127) >> 3);
+  return (i & ~31) + fp4_pos(i & 31);
+}
 
 struct Row {  // one weight row (an output feature) of an expert matrix [N, K]
   const uint8_t* w;   // codes / bytes of this row
@@ -180,36 +187,51 @@ struct BlockBF16 {
 };
 
 #if JDS_AVX512
-// ds_fp4 with AVX-512: vpermps with a 16-entry table decodes 16 codes per instruction straight to
-// E2M1 floats (it reads the low 4 bits of each index), so a 32-block costs one widening load, one
-// shift and two permutes, against pshufb + 4 widenings + 4 conversions on AVX2 (shuffle-port bound).
+// ds_fp4 with AVX-512, 128 elements (4 scale blocks, 64 bytes) a step: the 64 bytes load as 16 lanes of
+// 4 bytes, and vpermps with a 16-entry table decodes the nibble at bits 4t..4t+3 of every lane (it reads
+// the low 4 bits of each index), t = 0..7: lane i of decode t is element 8i + t, lanes 4j..4j+3 hold block
+// j. So 8 permutes and 7 shifts decode 4 blocks (2 shuffle-port ops a block, against 3 for a widening
+// load and two permutes per block, which bounded the GEMV on Zen 5: ~17 GB/s a core), the inputs of
+// a 128-group permuted to match (`fp4_pos_in_row`: element 8i + t at 16t + i), and each lane's 8
+// products are scaled once by its block's factor. Blocks after the last full group (K % 128) take
+// the per-block decode of 32 elements (even then odd, as the AVX2 path).
 template <int M, int NR>
 inline void dot_fp4_512(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out, int ahead) {
   const __m512 lut = _mm512_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, 0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+  const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);  // lane -> block of its group
   __m512 acc[M][NR];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
-  constexpr int CHUNK = 64;  // blocks whose scales are decoded ahead, 16 at a time (broadcast from memory below)
-  alignas(64) float sf[M][CHUNK];
-  for (int b0 = 0; b0 < K / 32; b0 += CHUNK) {
-    const int nb = K / 32 - b0 < CHUNK ? K / 32 - b0 : CHUNK;
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < nb; j += 16) {  // 2^(e - 127) is the float of bits e << 23 (e >= 1)
-        const uint8_t* sb = (const uint8_t*)s[m] + b0 + j;
-        const __m128i bytes = nb - j >= 16 ? _mm_loadu_si128((const __m128i*)sb) : _mm_maskz_loadu_epi8((1u << (nb - j)) - 1, sb);
-        _mm512_store_ps(sf[m] + j, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu8_epi32(bytes), 23)));
+  const int groups = K / 128;
+  for (int g = 0; g < groups; ++g) {
+    prefetch_ahead<M>(w, 64, g, ahead);
+    for (int m = 0; m < M; ++m) {
+      const __m512i q = _mm512_loadu_si512((const void*)(w[m] + 64 * g));
+      // the 4 blocks' factors 2^(e - 127) (the float of bits e << 23, e >= 1), each over its 4 lanes
+      int bytes4;
+      std::memcpy(&bytes4, (const uint8_t*)s[m] + 4 * g, 4);
+      const __m128i e = _mm_cvtsi32_si128(bytes4);
+      const __m512 sc = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_permutexvar_epi32(quarter, _mm512_cvtepu8_epi32(e)), 23));
+      __m512 v[8];
+      v[0] = _mm512_permutexvar_ps(q, lut);
+      for (int t = 1; t < 8; ++t) v[t] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4 * t), lut);
+      for (int r = 0; r < NR; ++r) {
+        const float* x = xs[r] + 128 * g;
+        __m512 sum = _mm512_mul_ps(v[0], _mm512_loadu_ps(x));
+        for (int t = 1; t < 8; ++t) sum = _mm512_fmadd_ps(v[t], _mm512_loadu_ps(x + 16 * t), sum);
+        acc[m][r] = _mm512_fmadd_ps(sum, sc, acc[m][r]);
       }
-    for (int b = b0; b < b0 + nb; ++b) {
-      prefetch_ahead<M>(w, 16, b, ahead);
-      for (int m = 0; m < M; ++m) {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w[m] + 16 * b)));
-        const __m512 even = _mm512_permutexvar_ps(q, lut), odd = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
-        const __m512 sc = _mm512_set1_ps(sf[m][b - b0]);
-        for (int r = 0; r < NR; ++r) {  // inputs of a block: its 16 even elements, then its 16 odd ones
-          const float* x = xs[r] + 32 * b;
-          const __m512 t = _mm512_fmadd_ps(odd, _mm512_loadu_ps(x + 16), _mm512_mul_ps(even, _mm512_loadu_ps(x)));
-          acc[m][r] = _mm512_fmadd_ps(t, sc, acc[m][r]);
-        }
+    }
+  }
+  for (int b = 4 * groups; b < K / 32; ++b) {  // the tail: per block, its 16 even inputs, then its 16 odd ones
+    for (int m = 0; m < M; ++m) {
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w[m] + 16 * b)));
+      const __m512 even = _mm512_permutexvar_ps(q, lut), odd = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+      const __m512 sc = _mm512_set1_ps(BlockFP4::factor(s[m], b));
+      for (int r = 0; r < NR; ++r) {
+        const float* x = xs[r] + 32 * b;
+        const __m512 t = _mm512_fmadd_ps(odd, _mm512_loadu_ps(x + 16), _mm512_mul_ps(even, _mm512_loadu_ps(x)));
+        acc[m][r] = _mm512_fmadd_ps(t, sc, acc[m][r]);
       }
     }
   }
@@ -398,22 +420,30 @@ inline void row_ptrs(const Mat& m, int row, const uint8_t*& w, const void*& s) {
 }
 
 #if JDS_AVX2
+// out [M][c] = the M rows' dots with c <= MAXR input vectors.
+template <class Dec, int M>
+void multi_pass(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, int c, float* out, int ahead) {
+  switch (c) {
+    case 1: return dot_multi<Dec, M, 1>(w, s, K, xs, out, ahead);
+    case 2: return dot_multi<Dec, M, 2>(w, s, K, xs, out, ahead);
+    case 3: return dot_multi<Dec, M, 3>(w, s, K, xs, out, ahead);
+    case 4: return dot_multi<Dec, M, 4>(w, s, K, xs, out, ahead);
+    case 5: return dot_multi<Dec, M, 5>(w, s, K, xs, out, ahead);
+    case 6: return dot_multi<Dec, M, 6>(w, s, K, xs, out, ahead);
+    case 7: return dot_multi<Dec, M, 7>(w, s, K, xs, out, ahead);
+    default: return dot_multi<Dec, M, 8>(w, s, K, xs, out, ahead);
+  }
+}
+
 template <class Dec, int M>
 void multi_nr(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, int n, float* out, int ahead) {
-  // out [M][n]
+  // out [M][n]; one pass writes it in place (no copy: g++ made the copy of a few floats a `rep movs`,
+  // ~10% of a rows = 1 GEMV on Zen 5 by perf)
+  if (n <= MAXR) return multi_pass<Dec, M>(w, s, K, xs, n, out, ahead);
   float tmp[M * MAXR];
   for (int i = 0; i < n; i += MAXR) {
     const int c = n - i < MAXR ? n - i : MAXR;
-    switch (c) {
-      case 1: dot_multi<Dec, M, 1>(w, s, K, xs + i, tmp, ahead); break;
-      case 2: dot_multi<Dec, M, 2>(w, s, K, xs + i, tmp, ahead); break;
-      case 3: dot_multi<Dec, M, 3>(w, s, K, xs + i, tmp, ahead); break;
-      case 4: dot_multi<Dec, M, 4>(w, s, K, xs + i, tmp, ahead); break;
-      case 5: dot_multi<Dec, M, 5>(w, s, K, xs + i, tmp, ahead); break;
-      case 6: dot_multi<Dec, M, 6>(w, s, K, xs + i, tmp, ahead); break;
-      case 7: dot_multi<Dec, M, 7>(w, s, K, xs + i, tmp, ahead); break;
-      default: dot_multi<Dec, M, 8>(w, s, K, xs + i, tmp, ahead); break;
-    }
+    multi_pass<Dec, M>(w, s, K, xs + i, c, tmp, ahead);
     for (int m = 0; m < M; ++m)
       for (int r = 0; r < c; ++r) out[m * n + i + r] = tmp[m * c + r];
   }
@@ -509,6 +539,7 @@ int jds_moe_forward(int fmt, const uint8_t* data, const int64_t* stride, const i
   if (fmt == FP4 && (D % 32 || F % 32)) return -2;
   const bool simd = use_simd && JDS_AVX2;
   const bool perm = fmt == FP4;  // fp4 reads its inputs in the decoder's order
+  const bool wide = simd && JDS_AVX512;  // ... that of the AVX-512 decoder (`fp4_pos_in_row`)
   const int nft = (F + tile_f - 1) / tile_f, ndt = (D + tile_d - 1) / tile_d;
   const bool rnd = round_bf16 != 0;
   auto dt = [rnd](float v) { return rnd ? bf16_round(v) : v; };
@@ -520,7 +551,7 @@ int jds_moe_forward(int fmt, const uint8_t* data, const int64_t* stride, const i
 
   // phase 0 (serial, R x D floats): inputs in the decoder's order
   for (int r = 0; r < R; ++r)
-    for (int i = 0; i < D; ++i) xp[size_t(r) * D + (perm ? (i & ~31) + fp4_pos(i & 31) : i)] = x[size_t(r) * D + i];
+    for (int i = 0; i < D; ++i) xp[size_t(r) * D + (perm ? fp4_pos_in_row(i, D, wide) : i)] = x[size_t(r) * D + i];
 
 #pragma omp parallel num_threads(nthreads)
   {
@@ -546,7 +577,7 @@ int jds_moe_forward(int fmt, const uint8_t* data, const int64_t* stride, const i
           dot_many(mats, rows, 2 * two, xs, nc, gu, simd, ahead1);
           for (int j = 0; j < two; ++j) {
             const int fj = f + j;
-            const int fpos = perm ? (fj & ~31) + fp4_pos(fj & 31) : fj;
+            const int fpos = perm ? fp4_pos_in_row(fj, F, wide) : fj;
             for (int i = 0; i < nc; ++i) {
               float gv = dt(gu[(2 * j) * nc + i]), uv = dt(gu[(2 * j + 1) * nc + i]);
               if (limit > 0) {

@@ -124,3 +124,18 @@ def test_prefetch_setting_is_a_count_of_row_groups(monkeypatch, setting, groups)
             cpu_gemv._prefetch_groups()
     else:
         assert cpu_gemv._prefetch_groups() == groups
+
+
+@pytest.mark.parametrize("dim, inter", [(288, 96), (160, 224)])
+def test_fp4_rows_not_a_multiple_of_128(dim, inter):
+    """The AVX-512 ds_fp4 decoder reads 128 elements a step and the blocks after the last full group
+    one by one: rows of 288 / 160 (groups and a tail) and 96 / 224 elements (a tail alone, groups and
+    a tail) match the reference, as does the scalar path."""
+    bank = random_bank("fp4", dim, inter, 8, scale_dtype="e8m0", seed=9)
+    rng = np.random.default_rng(2)
+    ids = np.stack([rng.choice(8, 4, replace=False) for _ in range(3)])
+    w = rng.uniform(0.05, 1.0, ids.shape).astype(np.float32)
+    x = rng.standard_normal((3, dim)).astype(np.float32)
+    ref = reference_forward(bank, x, ids, w, limit=6.0)
+    for kw in BACKENDS[:2]:
+        assert _rel(moe_forward(bank, x, ids, w, limit=6.0, **kw), ref) <= 1e-5, kw
