@@ -101,11 +101,12 @@ for part in "$@"; do
       timeout 120 python3 -m pytest -q -W ignore -p no:cacheprovider tests/test_assets.py -k greedy 2>&1 | tail -5 \
         | tee -a "$OUT/gpu_tests.log" ;;
     decode)  # issue 23: decode at Flash dimensions (8 layers, 256 experts, FP8 + ds_fp4), the variants in one run,
-      # the per-sublayer split of the first; FP8_ROWS: first Flash's FP8 linears alone at these row counts
+      # the per-sublayer split of the first; FP8_ROWS: first Flash's FP8 linears alone at these row counts;
+      # DECODE_ARGS: more arguments (e.g. --params packed scales-apart)
       timeout ${DECODE_SECONDS:-420} python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 \
         --storage fp8+fp4 --rows ${DECODE_ROWS:-1 6} --context ${DECODE_CONTEXT:-4096} --runs 10 \
         $([ "${DECODE_PROFILE:-1}" = 1 ] && echo --profile) \
-        --variants ${DECODE_VARIANTS:-current fp8_xla} ${FP8_ROWS:+--fp8-linears $FP8_ROWS} \
+        --variants ${DECODE_VARIANTS:-current fp8_xla} ${FP8_ROWS:+--fp8-linears $FP8_ROWS} ${DECODE_ARGS:-} \
         --json "$OUT/bench_decode_${DECODE_CONTEXT:-4096}.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench_decode_${DECODE_CONTEXT:-4096}.log" ;;
     versus-hf)  # issue 23: bf16, 8 layers, 64 experts: huggingface transformers, then jdspark (one process each)
