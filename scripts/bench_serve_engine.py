@@ -69,7 +69,7 @@ def build(args, max_running: int | None = None, buckets: tuple[int, ...] | None 
     config = EngineConfig(max_seq_len=args.max_seq_len, gamma=model.config.dspark.block_size,
                           max_batch=max_running or args.max_running,
                           batch_buckets=tuple(args.buckets) if buckets is None else buckets,
-                          scripted_acceptance=args.acceptance, twin_executables=args.twins)
+                          scripted_acceptance=args.acceptance, twin_executables=not args.single_executables)
     widths = tuple(args.widths) or None
     options = SpecOptions(width=max(widths)) if widths else SpecOptions()  # a subset: no cost profile
     engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, options=options,
@@ -266,8 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--widths", type=int, nargs="*", default=[],
                    help="compile only these step widths (modes none and fixed5 only; default 0..gamma)")
     p.add_argument("--startup-only", action="store_true", help="build the engine, report start-up, exit")
-    p.add_argument("--twins", action="store_true", help="every executable loaded twice and alternated "
-                   "(EngineConfig.twin_executables)")
+    p.add_argument("--single-executables", action="store_true", help="each executable loaded once, not twice "
+                   "and alternated (EngineConfig.twin_executables)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--requests", type=int, default=64, help="requests per (mode, concurrency)")

@@ -7,7 +7,7 @@ and race, the routed-expert and FP8 linear kernels only for weights of real size
 model keeps their XLA forms), `kernel` (`implementation="pallas"`: every Pallas kernel wherever its
 sizes allow, the embedded model's 67 small FP8 linears and its experts too) or `loop`
 (`implementation="xla"`: the jnp references, a device loop of 19 iterations per Sinkhorn site) or
-`twins` (`auto` with every executable loaded twice and alternated: `EngineConfig.twin_executables`) — a
+`single` (`auto` with each executable loaded once, not twice: `EngineConfig.twin_executables`) — a
 fresh engine with widths 0 and gamma is compiled and measured:
 - the synchronised cost of its `decode` and step[0], step[gamma] executables (medians), hence
   D = S(0) - decode and V(gamma) = S(gamma) - D as the engine's selector sees them;
@@ -48,7 +48,7 @@ from jdspark.profile import busy_us, gap_lines, gpu_kernel_events, host_summary,
 from jdspark.engine.request import SamplingParams
 
 # the engine's implementation setting, and whether it twins its executables (`EngineConfig.twin_executables`)
-VARIANTS = {"auto": ("auto", False), "kernel": ("pallas", False), "loop": ("xla", False), "twins": ("auto", True)}
+VARIANTS = {"auto": ("auto", True), "kernel": ("pallas", True), "loop": ("xla", True), "single": ("auto", False)}
 
 
 def kernel_counts(compiled) -> dict:

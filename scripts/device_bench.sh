@@ -216,7 +216,7 @@ for part in "$@"; do
     switch)  # issue 26: what switching step executables costs a lone request (1-slot embedded engine):
       # fixed3 / alternate35 / fixed5 / per_request_queued with and without the learnt switch cost, with XLA's
       # defaults and under each of SWITCH_FLAGS (set it empty for XLA's defaults alone); SWITCH_ARGS: more
-      # arguments of bench_serve_engine.py (e.g. --twins)
+      # arguments of bench_serve_engine.py (e.g. --single-executables)
       for flags in "" ${SWITCH_FLAGS---xla_gpu_command_buffer_update_mode=SKIP_TEMP}; do
         echo "--- XLA_FLAGS=$flags"
         XLA_FLAGS="$flags" JDSPARK_CACHE=$WORK/switch-cache timeout ${SWITCH_SECONDS:-200} python3 scripts/bench_serve_engine.py \
