@@ -105,13 +105,12 @@ class Twins:
     Overlapped, a call is issued while the previous call's slot inputs and output are still alive, so
     those buffers take two addresses in turn, and an executable whose buffers are not where they were
     on its last call has XLA update its CUDA graph before it runs (`command_buffer::update` on the
-    H200: 0.44 ms a speculative step, 0.18 a decode step; docs/BENCHMARKS.md). Each of two instances
-    called on alternate calls sees one of the two addresses every time. The second instance is the
-    first deserialized again (`exe_cache.twin`: no second compile); where that is not possible (the
-    CPU, where there is no graph to update) both are the first."""
+    H200: 0.42 ms a speculative step, 0.39 a decode step, on every call; docs/BENCHMARKS.md). Each of
+    two instances called on alternate calls sees one of the two addresses every time, and the updates
+    are gone."""
 
-    def __init__(self, compiled: jax.stages.Compiled, calls: itertools.count):
-        self.pair, self.calls = (compiled, twin(compiled)), calls
+    def __init__(self, pair: tuple, calls: itertools.count):
+        self.pair, self.calls = pair, calls
 
     def __call__(self, *args):
         return self.pair[next(self.calls) % 2](*args)
@@ -123,11 +122,18 @@ class Twins:
 
 
 def twins_of(compiled: dict) -> dict:
-    """{(bucket, name): executable} as `Twins`: the verify and decode calls share one parity, the
-    prefills another (a step that prefills and verifies would otherwise put every verify on one
-    instance)."""
+    """{(bucket, name): executable} as `Twins` of it and its second instance (`exe_cache.twin`: it
+    deserialized again, no second compile): the verify and decode calls share one parity, the prefills
+    another (a step that prefills and verifies would otherwise put every verify on one instance). An
+    executable with no second instance (the CPU, where there is no graph to update; host callbacks)
+    stays as it is."""
     calls, prefills = itertools.count(), itertools.count()
-    return {key: Twins(program, prefills if key[1] == "prefill" else calls) for key, program in compiled.items()}
+    out = {}
+    for key, program in compiled.items():
+        second = twin(program)
+        parity = prefills if key[1] == "prefill" else calls
+        out[key] = program if second is program else Twins((program, second), parity)
+    return out
 
 
 @dataclasses.dataclass

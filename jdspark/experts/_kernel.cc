@@ -191,9 +191,9 @@ struct BlockBF16 {
 // 4 bytes, and vpermps with a 16-entry table decodes the nibble at bits 4t..4t+3 of every lane (it reads
 // the low 4 bits of each index), t = 0..7: lane i of decode t is element 8i + t, lanes 4j..4j+3 hold block
 // j. So 8 permutes and 7 shifts decode 4 blocks (2 shuffle-port ops a block, against 3 for a widening
-// load and two permutes per block, which bounded the GEMV on Zen 5: ~17 GB/s a core), the inputs of
-// a 128-group permuted to match (`fp4_pos_in_row`: element 8i + t at 16t + i), and each lane's 8
-// products are scaled once by its block's factor. Blocks after the last full group (K % 128) take
+// load and two permutes per block), the inputs of a 128-group permuted to match (`fp4_pos_in_row`:
+// element 8i + t at 16t + i), and each lane's 8 products are scaled once by its block's factor.
+// Measured on Zen 5 (docs/BENCHMARKS.md): 20.5 -> 22.2 GB/s a core from cache, 2-5% from memory. Blocks after the last full group (K % 128) take
 // the per-block decode of 32 elements (even then odd, as the AVX2 path).
 template <int M, int NR>
 inline void dot_fp4_512(const uint8_t* const* w, const void* const* s, int K, const float* const* xs, float* out, int ahead) {
