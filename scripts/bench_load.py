@@ -11,8 +11,9 @@ are usually still cached and the numbers measure decoding and the host-to-device
 `--gpu-memory GB`: no conversion; the safetensors checkpoint is loaded with that many GB of weights
 on the device and the other routed experts streamed into host banks, then loaded all on the device;
 the run states the host memory each load added at its peak (the process's resident set, sampled
-every 5 ms, above what it held before the load), and how far the hybrid model's logits are from
-the all-device ones.
+every 5 ms, above what it held before the load) beside the bytes of its host banks (what must stay;
+on a CPU backend the "device" parameters are host memory too), and how far the hybrid model's
+logits are from the all-device ones.
 
     python scripts/bench_load.py --preset flash --layers 4 --json load.json
     python scripts/bench_load.py --preset flash --layers 4 --gpu-memory 8 --json load.json
@@ -38,6 +39,7 @@ import numpy as np
 from jdspark.checkpoint.loader import convert, load_model
 from jdspark.checkpoint.synthetic import write_checkpoint
 from jdspark.config import QuantConfig, flash_config, pro_config, tiny_config
+from jdspark.experts.hybrid import host_banks
 
 PRESETS = {"tiny": lambda: tiny_config(expert_dtype="fp4", quantization=QuantConfig()),
            "flash": flash_config, "pro": pro_config}
@@ -131,9 +133,11 @@ def hybrid_rows(args, config, src: Path, rows: list) -> dict:
     for name, gpu_memory in (("hybrid", args.gpu_memory * 1e9), ("all-device", None)):
         model, seconds, dropped, added = timed_load(src, args.dtype, args.drop_caches, gpu_memory)
         rows.append((f"load safetensors, {name}", seconds, dir_bytes(src), dropped))
-        out[name] = {"seconds": seconds, "host_peak_added_bytes": added,
+        banks = sum(bank.nbytes for bank in host_banks(model).values())
+        out[name] = {"seconds": seconds, "host_peak_added_bytes": added, "host_bank_bytes": banks,
                      "logits": np.asarray(model.logits(ids), np.float32)}
-        print(f"{name}: {seconds:.2f} s, host memory added at peak {added / 2**30:.2f} GiB", flush=True)
+        print(f"{name}: {seconds:.2f} s, host memory added at peak {added / 2**30:.2f} GiB "
+              f"(host banks {banks / 2**30:.2f} GiB)", flush=True)
         del model
         gc.collect()
     got, want = out["hybrid"].pop("logits"), out["all-device"].pop("logits")

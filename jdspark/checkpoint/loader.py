@@ -12,6 +12,7 @@ checkpoint raises one clear `CheckpointError` and never yields a half-loaded mod
 
 from __future__ import annotations
 
+import collections
 import logging
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from jdspark.checkpoint import orbax_io
 from jdspark.checkpoint.formats import TensorSpec, config_with, detect_storage, disk_specs
 from jdspark.checkpoint.names import Piece, locate
+from jdspark.checkpoint.placed import SplitLayer
 from jdspark.checkpoint.safetensors_io import CheckpointDir, CheckpointError
 from jdspark.config import DSV4Config
 from jdspark.experts import hybrid
@@ -36,7 +38,6 @@ from jdspark.parallel.mesh import place
 from jdspark.parallel.shard import on_mesh
 
 log = logging.getLogger(__name__)
-ON_HOST = "host"  # a leaf's placement: left in host memory (routed experts that go to host banks)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _DEQUANT = {"fp4": jax.jit(fp4_dequant, static_argnums=2), "fp8": jax.jit(fp8_block_dequant, static_argnums=2)}
 
@@ -61,7 +62,8 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
     (`jdspark.parallel.rules`), so no device ever holds the whole model.
     `gpu_memory` (bytes of weights on the one GPU): the routed experts beyond it live in host banks
     (`jdspark.experts.hybrid`, `pcie_share`; `routing_counts` [layers, experts] keep the hottest on
-    the GPU, else routing is uniform); the placement is logged."""
+    the GPU, else routing is uniform); the placement is logged. Each routed expert is read straight
+    into its place (`placed.SplitLayer`): host experts into their banks, never held twice."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
     path = Path(path)
@@ -89,24 +91,29 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
         rules.check_config(config, mesh)
         rules.check(state, mesh)
         placement = {leaf: NamedSharding(mesh, rules.spec_of(leaf)) for leaf in leaves}
-    hosted = None
+    splits: dict[int, SplitLayer] = {}
     if gpu_memory is not None:
         if mesh is not None:
             raise ValueError("gpu_memory (host experts next to one GPU) and mesh (sharding) do not combine: give one")
+        if dequantize:
+            raise ValueError("dequantize=True expands the experts, but host banks hold the checkpoint's storage: "
+                             "drop dequantize or gpu_memory")
         hosted, report = hybrid.plan_for(leaves, gpu_memory, top_k=config.num_experts_per_tok, counts=routing_counts)
         log.info(report)
         if progress:
             tqdm.write(report)
-        placement = dict.fromkeys(hybrid.host_leaves(hosted, leaves), ON_HOST)
-    values = _read(ckpt, plan, specs, leaves, config, progress, placement)
+        splits = {layer: SplitLayer(leaves, layer, ids) for layer, ids in hosted.host_map().items()}
+    values = _read(ckpt, plan, specs, leaves, config, progress, placement, splits)
     for leaf, array in values.items():
         node = pure
         for key in leaf[:-1]:
             node = node[key]
         node[leaf[-1]] = array
     nnx.replace_by_pure_dict(state, pure)
-    if hosted is not None:
-        return hybrid.with_host_experts(Model(graphdef, state), hosted.host_map(), pcie_share=pcie_share)
+    if splits:
+        banks = {layer: split.finish() for layer, split in splits.items()}
+        return hybrid.with_host_experts(Model(graphdef, state), {layer: bank.expert_ids for layer, bank in banks.items()},
+                                        banks=banks, pcie_share=pcie_share)
     return Model(graphdef, state) if mesh is None else on_mesh(Model(graphdef, state), mesh)
 
 
@@ -166,8 +173,9 @@ class _Staging:
 
     def put(self, spec: TensorSpec, piece: Piece, array: np.ndarray) -> None:
         if spec.experts is None:
-            self.parts[spec.path] = array
             self.left[spec.path] = 0
+            # a part that waits for the others is copied: the mapped file's pages are dropped once read
+            self.parts[spec.path] = array if self.done() else np.array(array)
             return
         if spec.path not in self.parts:
             cast = not spec.dequant and jnp.issubdtype(self.leaf.dtype, jnp.floating)
@@ -183,20 +191,17 @@ class _Staging:
         return not any(self.left.values())
 
     def finish(self, leaf_path: tuple, config: DSV4Config, sharding=None) -> jax.Array:
-        """The parameter on the device, or laid out by `sharding` (its pieces only on their devices),
-        or in host memory (`ON_HOST`)."""
+        """The parameter on the device, or laid out by `sharding` (its pieces only on their devices)."""
         spec = self.specs[leaf_path]
         if spec.dequant:
             scale = self.parts[(*leaf_path[:-1], "scale")]
             array = _DEQUANT[spec.fmt](self.parts[leaf_path], scale, self.leaf.dtype)
-            return array if sharding is None or sharding is ON_HOST else place(array, sharding)
+            return array if sharding is None else place(array, sharding)
         array = np.asarray(self.parts[leaf_path])
         if leaf_path[-1] == "tid2eid" and (array.min() < 0 or array.max() >= config.n_routed_experts):
             raise CheckpointError(f"{spec.name()}: expert ids must lie in [0, {config.n_routed_experts}), "
                                   f"found {array.min()}..{array.max()}")
         array = array.astype(self.leaf.dtype, copy=False)
-        if sharding is ON_HOST:
-            return array
         if sharding is not None:
             return place(array, sharding)
         # device_put copies (jnp.asarray may alias host memory on the CPU: here, the mapped file)
@@ -204,13 +209,17 @@ class _Staging:
 
 
 def _read(ckpt: CheckpointDir, plan: dict[str, list[tuple[Piece, TensorSpec]]], specs: dict[tuple, TensorSpec],
-          leaves: dict, config: DSV4Config, progress: bool, placement: dict) -> dict[tuple, jax.Array]:
-    """Read shard by shard in file order; each parameter goes to the device once complete."""
+          leaves: dict, config: DSV4Config, progress: bool, placement: dict,
+          splits: dict[int, SplitLayer]) -> dict[tuple, jax.Array]:
+    """Read shard by shard in file order; each parameter goes to the device once complete, the
+    routed experts of `splits`' layers to their bank or device part as they come. Each tensor's
+    pages leave this process's resident set once what was made from it is on the device (`_Reclaim`)."""
     by_leaf: dict[tuple, list[TensorSpec]] = {}
     for spec in specs.values():
         by_leaf.setdefault(spec.leaf, []).append(spec)
     staging: dict[tuple, _Staging] = {}
     values: dict[tuple, jax.Array] = {}
+    reclaim = _Reclaim()
     total = sum(ckpt.where[name].nbytes(name) for name in plan)
     with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"loading {ckpt.path.name}",
               disable=not progress) as bar:
@@ -219,13 +228,45 @@ def _read(ckpt: CheckpointDir, plan: dict[str, list[tuple[Piece, TensorSpec]]], 
                 if name not in plan:
                     continue
                 array = f.get(name)
+                made = []
                 for piece, spec in plan[name]:
-                    stage = staging.setdefault(spec.leaf, _Staging(by_leaf[spec.leaf], leaves[spec.leaf]))
-                    stage.put(spec, piece, array[piece.index])
-                    if stage.done():
-                        values[spec.leaf] = staging.pop(spec.leaf).finish(spec.leaf, config, placement.get(spec.leaf))
+                    split = splits.get(spec.leaf[1]) if hybrid.is_main_expert(spec.leaf) else None
+                    if split is not None:
+                        made.append(split.put(spec.leaf, piece.expert, array[piece.index]))
+                    else:
+                        stage = staging.setdefault(spec.leaf, _Staging(by_leaf[spec.leaf], leaves[spec.leaf]))
+                        stage.put(spec, piece, array[piece.index])
+                        if stage.done():
+                            made.append(staging.pop(spec.leaf).finish(spec.leaf, config, placement.get(spec.leaf)))
+                    if made and made[-1] is not None:
+                        values[spec.leaf] = made[-1]
+                reclaim.read(f, name, made)
                 bar.update(f.nbytes(name))
+    reclaim.flush()
     return values
+
+
+class _Reclaim:
+    """Drops each tensor's pages of the mapped file (`SafetensorsFile.drop_pages`) once the arrays
+    made from it are on their devices: a device_put may copy later, from those pages. It lags the
+    reading by a few tensors, so waiting for a copy rarely stalls it."""
+
+    def __init__(self, lag: int = 8):
+        self.lag, self.pending = lag, collections.deque()
+
+    def read(self, f, name: str, made: list) -> None:
+        self.pending.append((f, name, [a for a in made if a is not None]))
+        while len(self.pending) > self.lag:
+            self._drop()
+
+    def flush(self) -> None:
+        while self.pending:
+            self._drop()
+
+    def _drop(self) -> None:
+        f, name, made = self.pending.popleft()
+        jax.block_until_ready(made)
+        f.drop_pages(name)
 
 
 def convert(src: str | Path, dst: str | Path, dtype: str = "bfloat16", dequantize: bool = False,

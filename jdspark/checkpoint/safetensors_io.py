@@ -7,6 +7,7 @@ dtypes that libraries lack (F8_E8M0) are no obstacle: E8M0 scales come back as r
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 
@@ -65,8 +66,8 @@ class SafetensorsFile:
         size = self.path.stat().st_size
         for name in self.in_file_order():  # the first tensor cut off is named
             self._check(name, self.table[name], size - data_start)
-        self._data = np.memmap(self.path, dtype=np.uint8, mode="r", offset=data_start, shape=(size - data_start,)) \
-            if size > data_start else np.zeros((0,), np.uint8)
+        self._start, self._size = data_start, size
+        self._map: mmap.mmap | None = None
 
     def _check(self, name: str, info: dict, data_size: int) -> None:
         if info["dtype"] not in DTYPES:
@@ -99,10 +100,27 @@ class SafetensorsFile:
         return end - start
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as a read-only view of the mapped file (F8_E8M0 as raw uint8 exponents)."""
+        """The tensor as a read-only view of the mapped file (F8_E8M0 as raw uint8 exponents); the
+        file is mapped on first use."""
         info = self.table[name]
         start, end = info["data_offsets"]
-        return self._data[start:end].view(DTYPES[info["dtype"]]).reshape(info["shape"])
+        if end == start:
+            return np.zeros(info["shape"], DTYPES[info["dtype"]])
+        if self._map is None:
+            with open(self.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        data = np.frombuffer(self._map, np.uint8, count=end - start, offset=self._start + start)
+        return data.view(DTYPES[info["dtype"]]).reshape(info["shape"])
+
+    def drop_pages(self, name: str) -> None:
+        """Tell the kernel this process is done with tensor `name`'s pages: they leave its resident
+        set but stay in the page cache, and a later read (of a neighbour sharing an edge page, or of
+        a view still held) faults the same bytes back in. So reading a checkpoint holds its shards in
+        the page cache, not in the loader's memory."""
+        start, end = (self._start + offset for offset in self.table[name]["data_offsets"])
+        if self._map is not None and end > start and hasattr(mmap, "MADV_DONTNEED"):
+            first = start // mmap.PAGESIZE * mmap.PAGESIZE
+            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 class ShardWriter:

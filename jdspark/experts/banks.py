@@ -160,7 +160,7 @@ class ExpertBank:
         bank = cls.empty(fmt, d, f, n_experts or e_local, ids, scale_dtype)
         for name, value in zip(TENSORS, (w1, w3, w2, s1, s3, s2)):
             if name in bank.offsets:
-                bank.view(name)[...] = _raw(np.asarray(value), bank.view(name).dtype)
+                bank.view(name)[...] = as_stored(np.asarray(value), bank.view(name).dtype)
         bank.check_scales()
         return bank
 
@@ -217,7 +217,7 @@ class ExpertBank:
     __repr__ = describe
 
 
-def _raw(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
+def as_stored(value: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """The checkpoint array reinterpreted as the bank's storage dtype (same bits)."""
     if value.dtype == dtype:
         return value

@@ -72,7 +72,8 @@ class HybridExperts(Experts):
                  bank: ExpertBank | None = None, via: str = "ffi", pcie_share: float = 0.0):
         """dtype: the model's compute dtype (float32 or bfloat16), which the host GEMV rounds to;
         `bank`: the host experts already in a bank (their arrays in `experts` are then never read, and
-        may be abstract: a model too large to hold whole before it is split); `via`: "ffi" or
+        may be abstract: a model too large to hold whole before it is split; or `experts`' arrays
+        hold the device experts only, in global id order: a placed load); `via`: "ffi" or
         "callback", how the step reaches the host GEMV; `pcie_share`: q in [0, 1], the share of a
         call's host experts the GPU reads over PCIe (module docstring; "ffi" only)."""
         e = experts.n_experts
@@ -95,7 +96,7 @@ class HybridExperts(Experts):
         self.local = nnx.Variable(jnp.asarray(np.minimum(ranks, max(len(device) - 1, 0)), jnp.int32))
         self.on_host = nnx.Variable(jnp.asarray(on_host))
         self.slot_of = nnx.Variable(jnp.asarray(self.bank.slot_of, jnp.int32))
-        self.w1, self.w3, self.w2 = ((_subset(getattr(experts, n), device) if len(device) else None)
+        self.w1, self.w3, self.w2 = ((_on_device(getattr(experts, n), device) if len(device) else None)
                                      for n in ("w1", "w3", "w2"))
         self.n_experts, self.limit, self.qat_sim = e, experts.limit, False
         self.implementation = experts.implementation
@@ -234,10 +235,12 @@ def _mapped(weights: ExpertWeights, bank: ExpertBank, names: tuple[str, str]) ->
     return nnx.merge(graphdef, state)
 
 
-def _subset(weights, ids: np.ndarray):
-    """The same ExpertWeights module over the experts `ids` only, on the device."""
+def _on_device(weights, ids: np.ndarray):
+    """The same ExpertWeights module over the experts `ids` only, on the device: its arrays as they
+    are where they already hold just those experts (len(ids) rows; a layer's arrays have more)."""
     graphdef, state = nnx.split(weights)
-    return nnx.merge(graphdef, jax.tree.map(lambda a: jax.device_put(a[ids]), state))
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a if a.shape[0] == len(ids) else jax.device_put(a[ids]),
+                                            state))
 
 
 def _bank(experts: Experts, fmt: str, host: np.ndarray) -> ExpertBank:
@@ -247,7 +250,7 @@ def _bank(experts: Experts, fmt: str, host: np.ndarray) -> ExpertBank:
         _, stored = getattr(experts, name).stored()
         arrays.append([np.asarray(a[host]) for a in stored])
     if fmt == "bf16":
-        weights = [_bf16_exact(a[0], name) for a, name in zip(arrays, ("w1", "w3", "w2"))]
+        weights = [bf16_exact(a[0], name) for a, name in zip(arrays, ("w1", "w3", "w2"))]
         return ExpertBank.from_stacked("bf16", *weights, expert_ids=host, n_experts=experts.n_experts)
     (w1, s1), (w3, s3), (w2, s2) = arrays
     return ExpertBank.from_stacked(fmt, w1, w3, w2, s1, s3, s2, expert_ids=host,
@@ -262,7 +265,7 @@ def _checked(bank: ExpertBank, fmt: str, host: np.ndarray, n_experts: int) -> Ex
     return bank
 
 
-def _bf16_exact(weight: np.ndarray, name: str) -> np.ndarray:
+def bf16_exact(weight: np.ndarray, name: str) -> np.ndarray:
     """Float experts as bf16 (the host banks' float format); float32 ones must be bf16 values."""
     as_bf16 = weight.astype(ml_dtypes.bfloat16)
     if weight.dtype != ml_dtypes.bfloat16 and not np.array_equal(as_bf16.astype(weight.dtype), weight):
@@ -329,9 +332,3 @@ def plan_for(leaves: Mapping[tuple, jax.ShapeDtypeStruct], gpu_memory: float, *,
     report = (f"placement: GPU {gpu_gb:.2f} GB / host {host_gb:.2f} GB, "
               f"host share of routed uses {100 * placement.host_share:.1f}%; {placement.report()}")
     return placement, report
-
-
-def host_leaves(placement: Placement, leaves) -> set[tuple]:
-    """The routed-expert parameters of the layers that hold host experts (read into host memory)."""
-    layers = set(placement.host_map())
-    return {p for p in leaves if is_main_expert(p) and p[1] in layers}

@@ -1,4 +1,7 @@
-"""The own safetensors reader/writer: every DSV4 dtype, streamed writes, truncation named per tensor."""
+"""The own safetensors reader/writer: every DSV4 dtype, streamed writes, truncation named per tensor,
+pages dropped from the resident set once read."""
+
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -65,3 +68,27 @@ def test_plan_shards_keeps_order_and_the_size_bound():
     assert [i for shard in shards for i in shard] == list(range(len(sizes)))
     assert plan_shards(sizes, 100) == [list(range(6))]
     assert shard_name(0, 2) == "model-00001-of-00002.safetensors"
+
+
+def _mapped_resident_bytes(path) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if "-" in line.split(" ", 1)[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_dropped_pages_leave_the_resident_set_and_read_back_the_same(tmp_path):
+    path = tmp_path / "big.safetensors"
+    value = np.random.default_rng(0).integers(0, 255, (4, 1 << 20), dtype=np.uint8)
+    save_file({"a": value[:2], "b": value[2:]}, path)
+    f = SafetensorsFile(path)
+    assert int(f.get("a").sum()) + int(f.get("b").sum()) == int(value.sum())  # both read: resident
+    assert _mapped_resident_bytes(path) >= 4 << 20
+    f.drop_pages("a")
+    assert _mapped_resident_bytes(path) <= (2 << 20) + 8192  # b and at most a shared edge page
+    np.testing.assert_array_equal(f.get("a"), value[:2])
