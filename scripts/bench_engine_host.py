@@ -64,7 +64,7 @@ def build(args):
     draft = steps[0] - decode
     selector = AdaptiveWidth([s - draft for s in steps], draft, 5, decode_cost=decode)
     engine.selectors = dict.fromkeys(config.buckets, selector)
-    engine.selector, engine.live = selector, costs.LiveCosts(engine.selectors, weight=0.0)
+    engine.selector, engine.live = selector, costs.LiveCosts(engine.selectors, learn=False)
     return engine
 
 

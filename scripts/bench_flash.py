@@ -152,6 +152,28 @@ def host_part(engine: Engine, layers, steps: int, read_GBps: float) -> dict:
     return out
 
 
+def huge_page_share(layers) -> float | None:
+    """Share of the host banks' bytes backed by transparent huge pages (/proc/self/smaps
+    AnonHugePages of the mappings they lie in, pro rata): a GEMV streaming 4 KiB pages pays TLB
+    misses, and the kernel may back a bank with huge pages only later (khugepaged). None off Linux."""
+    spans = [(b.data.ctypes.data, b.data.ctypes.data + b.data.nbytes) for b in (layer.bank for layer in layers)]
+    if not spans or not Path("/proc/self/smaps").exists():
+        return None
+    huge = total = 0.0
+    start = end = 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+        elif line.startswith("AnonHugePages:"):
+            for lo, hi in spans:
+                overlap = min(hi, end) - max(lo, start)
+                if overlap > 0:
+                    huge += int(line.split()[1]) * 1024 * overlap / (end - start)
+    total = sum(hi - lo for lo, hi in spans)
+    return huge / total
+
+
 def step_walls(engine: Engine, widths, steps: int) -> dict:
     """Median wall ms of an overlapped Engine.step() per width k (k = 0: a target-only decode step;
     else a speculative step verifying k drafts): what a served request's steps cost, where the
@@ -255,6 +277,7 @@ def measure(args) -> dict:
            "D_ms": draft * 1e3, "V_ms": {k: (costs[f"step{k}"] - draft) * 1e3 for k in args.widths},
            "device_weights_GB": device_bytes(model) / 1e9}
     print(f"costs (ms): {out['costs_ms']}; D {out['D_ms']:.2f}; V {out['V_ms']}", flush=True)
+    out["banks_huge_page_share"] = huge_page_share(layers)
     out["target_only"] = host_part(engine, layers, args.steps, read["GBps"])
     out["target_only"]["sync_ms"] = step_times(engine, False, args.steps, overlap=False)
     out["target_only"]["tok_s"] = 1e3 / out["target_only"]["wall_ms"]
@@ -268,6 +291,9 @@ def measure(args) -> dict:
     out["projected"] = projected(costs, args.widths)
     out["projected_from_walls"] = projected({k: v / 1e3 for k, v in walls.items()}, args.widths)
     out["trace"] = trace(engine, min(args.steps, 10)) if args.trace and jax.default_backend() == "gpu" else None
+    if layers:  # the host part again, minutes later: does it drift (huge pages, the host's other load)?
+        out["banks_huge_page_share_last"] = huge_page_share(layers)
+        out["target_only_last"] = host_part(engine, layers, args.steps, read["GBps"])
     return out
 
 
@@ -286,6 +312,9 @@ def print_table(res: dict) -> None:
               f"with the GPU's PCIe share ({t['pcie_share']:.2f}) ~{t['host_MB']:.0f} MB read while the CPU "
               f"computes ({t['host_GBps']:.1f} GB/s); floor {t['host_floor_ms']:.2f} ms at "
               f"{res['host_read_GBps']:.1f} GB/s: {t['host_vs_read']:.2f}x")
+        last, huge = res["target_only_last"], (res["banks_huge_page_share"], res["banks_huge_page_share_last"])
+        print(f"host part at the end: CPU {last['host_ms']:.2f} ms, {last['host_vs_read']:.2f}x; banks in huge "
+              f"pages {'n/a' if huge[0] is None else f'{huge[0]:.0%} first, {huge[1]:.0%} at the end'}")
     walls = res["step_wall_ms"]
     print("overlapped Engine.step (ms): decode " + f"{walls['decode']:.2f}, "
           + ", ".join(f"k = {k[4:]}: {v:.2f}" for k, v in walls.items() if k != "decode"))

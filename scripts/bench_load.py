@@ -39,6 +39,7 @@ import numpy as np
 from jdspark.checkpoint.loader import convert, load_model
 from jdspark.checkpoint.synthetic import write_checkpoint
 from jdspark.config import QuantConfig, flash_config, pro_config, tiny_config
+from jdspark.experts import hybrid
 from jdspark.experts.hybrid import host_banks
 
 PRESETS = {"tiny": lambda: tiny_config(expert_dtype="fp4", quantization=QuantConfig()),
@@ -93,10 +94,12 @@ def resident_bytes() -> int:
 
 
 class PeakResident:
-    """The most resident memory above the level at entry, sampled every 5 ms while the block runs."""
+    """The most resident memory above the level at entry, sampled every 5 ms while the block runs:
+    in all (`added`), per phase (`phase(name)` ends the current one) and at its end (`after`)."""
 
     def __enter__(self):
-        self.base = self.peak = resident_bytes()
+        self.base = self.peak = self.phase_peak = resident_bytes()
+        self.phases: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -104,12 +107,23 @@ class PeakResident:
 
     def _sample(self):
         while not self._stop.wait(0.005):
-            self.peak = max(self.peak, resident_bytes())
+            self._seen(resident_bytes())
+
+    def _seen(self, now: int) -> None:
+        self.peak, self.phase_peak = max(self.peak, now), max(self.phase_peak, now)
+
+    def phase(self, name: str) -> None:
+        """End the phase `name` here: its peak is kept, the next phase's starts from now."""
+        now = resident_bytes()
+        self._seen(now)
+        self.phases[name] = self.phase_peak - self.base
+        self.phase_peak = now
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, resident_bytes())
+        self._seen(resident_bytes())
+        self.after = resident_bytes() - self.base
 
     @property
     def added(self) -> int:
@@ -117,12 +131,27 @@ class PeakResident:
 
 
 def timed_load(path: Path, dtype: str, cold: bool, gpu_memory: float | None = None):
+    """(model, seconds, page cache dropped, PeakResident of the load). With `gpu_memory` the peak is
+    split in two phases: reading the checkpoint into place, then `with_host_experts` (the hybrid
+    layers built on the banks: pinning them for the GPU, registering them with the host GEMV)."""
     dropped = drop_caches() if cold else False
     start = time.perf_counter()
+    split = hybrid.with_host_experts
+
+    def traced(*args, **kwargs):
+        peak.phase("read")
+        model = split(*args, **kwargs)
+        peak.phase("hybrid layers")
+        return model
+
     with PeakResident() as peak:
-        model = load_model(path, dtype=dtype, progress=False, gpu_memory=gpu_memory)
+        hybrid.with_host_experts = traced
+        try:
+            model = load_model(path, dtype=dtype, progress=False, gpu_memory=gpu_memory)
+        finally:
+            hybrid.with_host_experts = split
         jax.block_until_ready(model.params)
-    return model, time.perf_counter() - start, dropped, peak.added
+    return model, time.perf_counter() - start, dropped, peak
 
 
 def hybrid_rows(args, config, src: Path, rows: list) -> dict:
@@ -131,13 +160,15 @@ def hybrid_rows(args, config, src: Path, rows: list) -> dict:
     ids = np.arange(16) * 7 % config.vocab_size
     out = {}
     for name, gpu_memory in (("hybrid", args.gpu_memory * 1e9), ("all-device", None)):
-        model, seconds, dropped, added = timed_load(src, args.dtype, args.drop_caches, gpu_memory)
+        model, seconds, dropped, peak = timed_load(src, args.dtype, args.drop_caches, gpu_memory)
         rows.append((f"load safetensors, {name}", seconds, dir_bytes(src), dropped))
         banks = sum(bank.nbytes for bank in host_banks(model).values())
-        out[name] = {"seconds": seconds, "host_peak_added_bytes": added, "host_bank_bytes": banks,
+        out[name] = {"seconds": seconds, "host_peak_added_bytes": peak.added, "host_added_after_bytes": peak.after,
+                     "host_peak_by_phase_bytes": peak.phases, "host_bank_bytes": banks,
                      "logits": np.asarray(model.logits(ids), np.float32)}
-        print(f"{name}: {seconds:.2f} s, host memory added at peak {added / 2**30:.2f} GiB "
-              f"(host banks {banks / 2**30:.2f} GiB)", flush=True)
+        phases = "".join(f", {phase} {b / 2**30:.2f}" for phase, b in peak.phases.items())
+        print(f"{name}: {seconds:.2f} s, host memory added at peak {peak.added / 2**30:.2f} GiB{phases}, "
+              f"after {peak.after / 2**30:.2f} (host banks {banks / 2**30:.2f} GiB)", flush=True)
         del model
         gc.collect()
     got, want = out["hybrid"].pop("logits"), out["all-device"].pop("logits")

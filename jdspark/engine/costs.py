@@ -17,11 +17,13 @@ the costs of its decode and step[k] executables into the selector's D and V(k).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import json
 import logging
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -142,25 +144,34 @@ class LiveCosts:
     A step's wall time (`StepRecord.seconds`: the choice, the call, reading its outputs, emitting the
     tokens; overlapped, the time between two reads) is not its executable's profiled time: on the
     H200 with 16 rows the decode steps took 3.1-3.7 ms against a profiled 1.55 (the host's work per
-    row), with 1 row 1.6 against 2.85 (one call at a time). So each
-    bucket keeps an exponential average of observed - profiled per kind of call (decode, verify),
-    and the policy the engine prices with adds it to the decode cost and to every V(k) (floored at
-    zero): the shape of V(k) stays the profile's, its level becomes the steps'.
+    row), with 1 row 1.6 against 2.85 (one call at a time). So each bucket keeps, per kind of call
+    (decode, verify), the median of observed - profiled over its last `SAMPLES` windows, and the
+    policy the engine prices with adds it to the decode cost and to every V(k) (floored at zero):
+    the shape of V(k) stays the profile's, its level becomes the steps'. A median, not an average:
+    one stalled window (a garbage collection, an executable's first run, the host's other load) is
+    not what a call costs, and priced in, it can stop the engine from drafting, and so from ever
+    seeing the verify calls that would correct it (H200, embedded model, 4 requests: one round's
+    verify windows averaged 5.1 ms against a profiled 2.3, with a 112 ms stall among them, and an
+    average kept the engine decoding, at 0.65x of fixed k = 5, for the rounds after). A window that
+    also issued a prefill teaches nothing: its prefill is paid whatever the width.
 
     Switching executables may cost more than issuing the same one again (on the GPU each executable
     is a CUDA graph, which XLA may have to update before launching it after another ran). So a step
-    whose time window issued another call than the one before (`issued`; windows that issued a
-    prefill are left out) feeds a second average: its excess over its kind's offset is the bucket's
-    switch cost, which the pricing adds to every call but the one issued last (`switch_price`),
-    once both kinds of window were seen MIN_SWITCH_SAMPLES times. Where switching costs nothing
-    (the CPU) it stays near zero and the choices do not change."""
+    whose time window issued another call than the one before (`issued`) also feeds a third median,
+    of its excess over its kind's offset: the bucket's switch cost, which the pricing adds to every
+    call but the one issued last (`switch_price`), once both kinds of window were seen
+    MIN_SWITCH_SAMPLES times. Where switching costs nothing (the CPU) it stays near zero and the
+    choices do not change. `learn=False` keeps the profile as it is (benchmarks of the host's work)."""
 
+    SAMPLES = 9
     MIN_SWITCH_SAMPLES = 8
 
-    def __init__(self, selectors: dict[int, AdaptiveWidth], weight: float = 0.2):
-        self.selectors, self.weight = selectors, weight
+    def __init__(self, selectors: dict[int, AdaptiveWidth], learn: bool = True):
+        self.selectors, self.learn = selectors, learn
         self.offsets = {n: {"decode": 0.0, "verify": 0.0} for n in selectors}
         self.switch = dict.fromkeys(selectors, 0.0)  # seconds a switched window takes beyond its kind's offset
+        self._samples = {n: {kind: collections.deque(maxlen=self.SAMPLES) for kind in ("decode", "verify", "switch")}
+                         for n in selectors}
         self.windows = {n: {"same": 0, "switched": 0} for n in selectors}
         self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
         self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
@@ -196,19 +207,20 @@ class LiveCosts:
     def observe(self, bucket: int, drafted: bool, width: int, seconds: float) -> None:
         """One step of `bucket` read: a verify call of `width` (drafted) or a decode call, `seconds` long;
         the calls issued since the previous read decide whether its window switched."""
-        switched, clean = self._switched, not self._prefilled
+        switched, prefilled = self._switched, self._prefilled
         self._switched = self._prefilled = False
         base, kind = self.selectors.get(bucket), "verify" if drafted else "decode"
-        if base is None or (not drafted and base.decode_cost is None):  # not measured (yet): nothing to correct
-            return
+        if prefilled or not self.learn or base is None or (not drafted and base.decode_cost is None):
+            return  # nothing to learn
         profiled = base.step_costs[width] if drafted else base.decode_cost
-        offsets, excess = self.offsets[bucket], seconds - profiled
-        if switched and clean:
-            self.switch[bucket] += self.weight * (excess - offsets[kind] - self.switch[bucket])
+        offsets, samples, excess = self.offsets[bucket], self._samples[bucket], seconds - profiled
+        if switched:
+            samples["switch"].append(excess - offsets[kind])
+            self.switch[bucket] = statistics.median(samples["switch"])
             excess -= self.switch[bucket]
-        if clean:
-            self.windows[bucket]["switched" if switched else "same"] += 1
-        offsets[kind] += self.weight * (excess - offsets[kind])
+        self.windows[bucket]["switched" if switched else "same"] += 1
+        samples[kind].append(excess)
+        offsets[kind] = statistics.median(samples[kind])
         self._observed.add(bucket)
 
 
