@@ -40,7 +40,8 @@ TIMEOUT_S = 1800
 TRITON_GEMM_MIN_HIDDEN = 1024
 
 
-def _pool(jobs: int) -> ThreadPoolExecutor:
+def thread_pool(jobs: int) -> ThreadPoolExecutor:
+    """Threads for `jobs` loads or compiles (they leave the GIL), at most one per CPU."""
     return ThreadPoolExecutor(max_workers=max(1, min(jobs, os.cpu_count() or 1)))
 
 
@@ -51,7 +52,7 @@ def load_all(store: ExecutableCache | None, arguments: dict, outputs) -> dict:
     where one by one had taken 0.9 s each)."""
     if store is None:
         return dict.fromkeys(arguments)
-    with _pool(len(arguments)) as pool:
+    with thread_pool(len(arguments)) as pool:
         futures = {key: pool.submit(store.load, str(key), args, outputs) for key, args in arguments.items()}
         return {key: future.result() for key, future in futures.items()}
 
@@ -79,7 +80,7 @@ def compile_all(lowerings: dict, store: ExecutableCache | None = None, arguments
     so a start-up cut short keeps what it compiled; `options`: XLA's (`compiler_options`).
     -> ({key: compiled}, seconds spent lowering)."""
     lowering = 0.0
-    with _pool(len(lowerings)) as pool:
+    with thread_pool(len(lowerings)) as pool:
         futures = {}
         for key, lower in lowerings.items():
             start = time.perf_counter()
