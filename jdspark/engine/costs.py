@@ -147,7 +147,11 @@ class LiveCosts:
     row), with 1 row 1.6 against 2.85 (one call at a time). So each bucket keeps, per kind of call
     (decode, verify), the median of observed - profiled over its last `SAMPLES` windows, and the
     policy the engine prices with adds it to the decode cost and to every V(k) (floored at zero):
-    the shape of V(k) stays the profile's, its level becomes the steps'. A median, not an average:
+    the shape of V(k) stays the profile's, its level becomes the steps'. A width whose own last
+    windows number MIN_WIDTH_SAMPLES or more takes their median instead: where the host paces the
+    steps, widths cost alike whatever the profile's slope (H200, embedded model, one request: k = 4
+    profiled 0.16 ms cheaper than k = 5, its windows 0.08 ms cheaper, and priced by the profile's
+    slope the engine verified k = 4 on most steps, at 0.89x of fixed k = 5). A median, not an average:
     one stalled window (a garbage collection, an executable's first run, the host's other load) is
     not what a call costs, and priced in, it can stop the engine from drafting, and so from ever
     seeing the verify calls that would correct it (H200, embedded model, 4 requests: one round's
@@ -164,6 +168,7 @@ class LiveCosts:
     choices do not change. `learn=False` keeps the profile as it is (benchmarks of the host's work)."""
 
     SAMPLES = 9
+    MIN_WIDTH_SAMPLES = 5
     MIN_SWITCH_SAMPLES = 8
 
     def __init__(self, selectors: dict[int, AdaptiveWidth], learn: bool = True):
@@ -172,6 +177,7 @@ class LiveCosts:
         self.switch = dict.fromkeys(selectors, 0.0)  # seconds a switched window takes beyond its kind's offset
         self._samples = {n: {kind: collections.deque(maxlen=self.SAMPLES) for kind in ("decode", "verify", "switch")}
                          for n in selectors}
+        self._widths = {n: [collections.deque(maxlen=self.SAMPLES) for _ in s.verify_costs] for n, s in selectors.items()}
         self.windows = {n: {"same": 0, "switched": 0} for n in selectors}
         self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
         self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
@@ -180,11 +186,18 @@ class LiveCosts:
     def policy(self, bucket: int) -> AdaptiveWidth:
         if bucket in self._observed:
             base, offsets = self.selectors[bucket], self.offsets[bucket]
+            verify = [self._verify_offset(bucket, k) for k in range(len(base.verify_costs))]
             self._policies[bucket] = self._policies[bucket].repriced(
-                np.maximum(base.verify_costs + offsets["verify"], 0.0),
+                np.maximum(base.verify_costs + np.array(verify), 0.0),
                 None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
             self._observed.discard(bucket)
         return self._policies[bucket]
+
+    def _verify_offset(self, bucket: int, width: int) -> float:
+        """Seconds a verify window of `width` takes beyond its profile: its own median once it has
+        MIN_WIDTH_SAMPLES windows, else that of every width's."""
+        own = self._widths[bucket][width]
+        return statistics.median(own) if len(own) >= self.MIN_WIDTH_SAMPLES else self.offsets[bucket]["verify"]
 
     def issued(self, bucket: int, call: int | str) -> None:
         """The engine issued a call in `bucket`: a step width, "decode" or "prefill"."""
@@ -215,12 +228,14 @@ class LiveCosts:
         profiled = base.step_costs[width] if drafted else base.decode_cost
         offsets, samples, excess = self.offsets[bucket], self._samples[bucket], seconds - profiled
         if switched:
-            samples["switch"].append(excess - offsets[kind])
+            samples["switch"].append(excess - (self._verify_offset(bucket, width) if drafted else offsets[kind]))
             self.switch[bucket] = statistics.median(samples["switch"])
             excess -= self.switch[bucket]
         self.windows[bucket]["switched" if switched else "same"] += 1
         samples[kind].append(excess)
         offsets[kind] = statistics.median(samples[kind])
+        if drafted:
+            self._widths[bucket][width].append(excess)
         self._observed.add(bucket)
 
 

@@ -172,3 +172,22 @@ def test_live_costs_learn_nothing_from_a_bucket_not_measured_but_close_its_windo
     live.issued(1, 5)
     live.observe(1, True, 5, 0.004)
     assert live.windows == {1: {"same": 1, "switched": 1}} and set(live.offsets) == set(live.switch) == {1}
+
+
+def test_widths_seen_often_enough_take_their_own_windows():
+    """Profiled 0.2 ms apart, k = 4 and k = 5 windows both take 2.1 ms (the host paces the steps):
+    once each has MIN_WIDTH_SAMPLES windows, each is priced at its own (the same S), and a width
+    never seen takes the median over every width's windows; before that, the profile's slope stays."""
+    base = AdaptiveWidth([0.001, 0.001, 0.001, 0.001, 0.0012, 0.0014], 0.0006, gamma=5, decode_cost=0.001)
+    live = costs.LiveCosts({1: base})
+    for i in range(2 * costs.LiveCosts.MIN_WIDTH_SAMPLES):
+        width = 4 if i % 2 else 5
+        live.issued(1, 5)  # the same call every window: no switch to learn
+        live.observe(1, True, width, 0.0021)
+        if i == 1:
+            steps = live.policy(1).step_costs
+            assert steps[5] - steps[4] == pytest.approx(0.0002)
+    steps = live.policy(1).step_costs
+    assert steps[4] == pytest.approx(0.0021) and steps[5] == pytest.approx(0.0021)
+    kind = live.offsets[1]["verify"]  # the median over both widths' excesses (0.0003 and 0.0001)
+    assert steps[3] == pytest.approx(base.step_costs[3] + kind) and 0.0001 <= kind <= 0.0003
