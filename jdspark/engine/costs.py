@@ -178,6 +178,7 @@ class LiveCosts:
         self._samples = {n: {kind: collections.deque(maxlen=self.SAMPLES) for kind in ("decode", "verify", "switch")}
                          for n in selectors}
         self._widths = {n: [collections.deque(maxlen=self.SAMPLES) for _ in s.verify_costs] for n, s in selectors.items()}
+        self.width_offsets = {n: [None] * len(s.verify_costs) for n, s in selectors.items()}  # None: too few windows
         self.windows = {n: {"same": 0, "switched": 0} for n in selectors}
         self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
         self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
@@ -196,8 +197,8 @@ class LiveCosts:
     def _verify_offset(self, bucket: int, width: int) -> float:
         """Seconds a verify window of `width` takes beyond its profile: its own median once it has
         MIN_WIDTH_SAMPLES windows, else that of every width's."""
-        own = self._widths[bucket][width]
-        return statistics.median(own) if len(own) >= self.MIN_WIDTH_SAMPLES else self.offsets[bucket]["verify"]
+        own = self.width_offsets[bucket][width]
+        return self.offsets[bucket]["verify"] if own is None else own
 
     def issued(self, bucket: int, call: int | str) -> None:
         """The engine issued a call in `bucket`: a step width, "decode" or "prefill"."""
@@ -235,7 +236,10 @@ class LiveCosts:
         samples[kind].append(excess)
         offsets[kind] = statistics.median(samples[kind])
         if drafted:
-            self._widths[bucket][width].append(excess)
+            own = self._widths[bucket][width]
+            own.append(excess)
+            if len(own) >= self.MIN_WIDTH_SAMPLES:
+                self.width_offsets[bucket][width] = statistics.median(own)
         self._observed.add(bucket)
 
 
