@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import json
 import logging
@@ -74,6 +75,8 @@ def build(args, max_running: int | None = None, buckets: tuple[int, ...] | None 
     options = SpecOptions(width=max(widths)) if widths else SpecOptions()  # a subset: no cost profile
     engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, options=options,
                     widths=widths)
+    gc.collect()  # as the server's Scheduler.start does: start-up's objects leave the garbage collector
+    gc.freeze()
     return engine, prompts, time.perf_counter() - start
 
 

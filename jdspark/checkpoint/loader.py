@@ -91,18 +91,8 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
         rules.check_config(config, mesh)
         rules.check(state, mesh)
         placement = {leaf: NamedSharding(mesh, rules.spec_of(leaf)) for leaf in leaves}
-    splits: dict[int, SplitLayer] = {}
-    if gpu_memory is not None:
-        if mesh is not None:
-            raise ValueError("gpu_memory (host experts next to one GPU) and mesh (sharding) do not combine: give one")
-        if dequantize:
-            raise ValueError("dequantize=True expands the experts, but host banks hold the checkpoint's storage: "
-                             "drop dequantize or gpu_memory")
-        hosted, report = hybrid.plan_for(leaves, gpu_memory, top_k=config.num_experts_per_tok, counts=routing_counts)
-        log.info(report)
-        if progress:
-            tqdm.write(report)
-        splits = {layer: SplitLayer(leaves, layer, ids) for layer, ids in hosted.host_map().items()}
+    splits = {} if gpu_memory is None else _splits(leaves, config, gpu_memory, routing_counts, progress,
+                                                     mesh is not None, dequantize)
     values = _read(ckpt, plan, specs, leaves, config, progress, placement, splits)
     for leaf, array in values.items():
         node = pure
@@ -115,6 +105,21 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
         return hybrid.with_host_experts(Model(graphdef, state), {layer: bank.expert_ids for layer, bank in banks.items()},
                                         banks=banks, pcie_share=pcie_share)
     return Model(graphdef, state) if mesh is None else on_mesh(Model(graphdef, state), mesh)
+
+
+def _splits(leaves: dict, config: DSV4Config, gpu_memory: float, routing_counts, progress: bool, meshed: bool,
+            dequantize: bool) -> dict[int, SplitLayer]:
+    """The placement under `gpu_memory` (logged) as a `SplitLayer` per layer with host experts."""
+    if meshed:
+        raise ValueError("gpu_memory (host experts next to one GPU) and mesh (sharding) do not combine: give one")
+    if dequantize:
+        raise ValueError("dequantize=True expands the experts, but host banks hold the checkpoint's storage: "
+                         "drop dequantize or gpu_memory")
+    hosted, report = hybrid.plan_for(leaves, gpu_memory, top_k=config.num_experts_per_tok, counts=routing_counts)
+    log.info(report)
+    if progress:
+        tqdm.write(report)
+    return {layer: SplitLayer(leaves, layer, ids) for layer, ids in hosted.host_map().items()}
 
 
 def _plan(ckpt: CheckpointDir, pieces: dict[str, list[Piece]], specs: dict[tuple, TensorSpec],

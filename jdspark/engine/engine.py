@@ -81,10 +81,6 @@ class Engine:
         self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
         start = time.perf_counter()
         self.exe.compile(self.state, self.draft_cache)
-        log.info("%d executables (batch buckets %s) ready in %.1f s: %d loaded from disk, %d from compile workers "
-                 "(%.1f s), %.1f s loading, tracing and lowering here", self.exe.count, list(config.buckets),
-                 time.perf_counter() - start, self.exe.loaded, self.exe.from_workers, self.exe.worker_seconds,
-                 self.exe.lower_seconds)
         self.selector, self.selectors, self.live = None, {}, costs.LiveCosts({})  # the measured selectors: the
         # largest bucket's, every bucket's, and as the steps take them (`costs.LiveCosts`), once measured
         self._measured: dict[str, tuple] = {}  # profile -> (selectors, selector, live) measured under it

@@ -212,8 +212,12 @@ class Executables:
         neither match the CPU nor keep greedy speculative output equal to greedy target-only output
         (rounding that depends on the verified width flips near-ties). A bfloat16 model keeps the
         default (its few float32 dots, e.g. the head, stay as measured in docs/BENCHMARKS.md)."""
+        start = time.perf_counter()
         with self.precision():
             self._compile(decode, draft_cache)
+        log.info("%d executables (batch buckets %s) ready in %.1f s: %d loaded from disk, %d from compile workers "
+                 "(%.1f s), %.1f s loading, tracing and lowering here", self.count, list(self.buckets),
+                 time.perf_counter() - start, self.loaded, self.from_workers, self.worker_seconds, self.lower_seconds)
 
     def precision(self):
         """The matmul precision every program is traced under (`compile`)."""
