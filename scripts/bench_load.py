@@ -130,6 +130,28 @@ class PeakResident:
         return self.peak - self.base
 
 
+def largest_resident(banks, top: int = 6) -> list[dict]:
+    """The mappings (/proc/self/smaps) holding the most of this process's resident set, largest
+    first: name ([anon] for none), size and resident GiB, and whether a host bank lies in it; []
+    off Linux. Where the placed load's host memory goes beyond its banks."""
+    try:
+        text = Path("/proc/self/smaps").read_text()
+    except OSError:
+        return []
+    spans = [(bank.data.ctypes.data, bank.data.ctypes.data + bank.data.nbytes) for bank in banks]
+    rows = []
+    for line in text.splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            fields = line.split()
+            start, end = (int(x, 16) for x in head.split("-"))
+            rows.append({"name": fields[5] if len(fields) > 5 else "[anon]", "GiB": (end - start) / 2**30,
+                         "bank": any(lo < end and start < hi for lo, hi in spans)})
+        elif line.startswith("Rss:") and rows:
+            rows[-1]["resident_GiB"] = int(line.split()[1]) / 2**20
+    return sorted(rows, key=lambda row: -row.get("resident_GiB", 0))[:top]
+
+
 def timed_load(path: Path, dtype: str, cold: bool, gpu_memory: float | None = None):
     """(model, seconds, page cache dropped, PeakResident of the load). With `gpu_memory` the peak is
     split in two phases: reading the checkpoint into place, then `with_host_experts` (the hybrid
@@ -166,6 +188,10 @@ def hybrid_rows(args, config, src: Path, rows: list) -> dict:
         out[name] = {"seconds": seconds, "host_peak_added_bytes": peak.added, "host_added_after_bytes": peak.after,
                      "host_peak_by_phase_bytes": peak.phases, "host_bank_bytes": banks,
                      "logits": np.asarray(model.logits(ids), np.float32)}
+        out[name]["largest_resident"] = largest_resident(host_banks(model).values())
+        print("  largest resident mappings: " + ", ".join(
+            f"{m['name'].rsplit('/', 1)[-1]} {m['resident_GiB']:.2f}/{m['GiB']:.2f} GiB{' (bank)' if m['bank'] else ''}"
+            for m in out[name]["largest_resident"]))
         phases = "".join(f", {phase} {b / 2**30:.2f}" for phase, b in peak.phases.items())
         print(f"{name}: {seconds:.2f} s, host memory added at peak {peak.added / 2**30:.2f} GiB{phases}, "
               f"after {peak.after / 2**30:.2f} (host banks {banks / 2**30:.2f} GiB)", flush=True)
