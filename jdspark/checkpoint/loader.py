@@ -236,15 +236,17 @@ def _read(ckpt: CheckpointDir, plan: dict[str, list[tuple[Piece, TensorSpec]]], 
                 made = []
                 for piece, spec in plan[name]:
                     split = splits.get(spec.leaf[1]) if hybrid.is_main_expert(spec.leaf) else None
+                    value = None
                     if split is not None:
-                        made.append(split.put(spec.leaf, piece.expert, array[piece.index]))
+                        value = split.put(spec.leaf, piece.expert, array[piece.index])
                     else:
                         stage = staging.setdefault(spec.leaf, _Staging(by_leaf[spec.leaf], leaves[spec.leaf]))
                         stage.put(spec, piece, array[piece.index])
                         if stage.done():
-                            made.append(staging.pop(spec.leaf).finish(spec.leaf, config, placement.get(spec.leaf)))
-                    if made and made[-1] is not None:
-                        values[spec.leaf] = made[-1]
+                            value = staging.pop(spec.leaf).finish(spec.leaf, config, placement.get(spec.leaf))
+                    if value is not None:
+                        values[spec.leaf] = value
+                        made.append(value)
                 reclaim.read(f, name, made)
                 bar.update(f.nbytes(name))
     reclaim.flush()
@@ -260,7 +262,7 @@ class _Reclaim:
         self.lag, self.pending = lag, collections.deque()
 
     def read(self, f, name: str, made: list) -> None:
-        self.pending.append((f, name, [a for a in made if a is not None]))
+        self.pending.append((f, name, made))
         while len(self.pending) > self.lag:
             self._drop()
 
