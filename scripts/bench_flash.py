@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -174,6 +175,17 @@ def huge_page_share(layers) -> float | None:
     return huge / total
 
 
+def host_speed() -> dict:
+    """The host's state beside a host-bound figure: mean core clock (MHz, /proc/cpuinfo) and load
+    average (the machine's speed varied ~1.5x within one session). Empty off Linux."""
+    try:
+        mhz = [float(line.split(":")[1]) for line in Path("/proc/cpuinfo").read_text().splitlines()
+               if line.startswith("cpu MHz")]
+        return {"cpu_MHz": sum(mhz) / len(mhz), "loadavg_1min": os.getloadavg()[0]}
+    except (OSError, ValueError, ZeroDivisionError):
+        return {}
+
+
 def step_walls(engine: Engine, widths, steps: int) -> dict:
     """Median wall ms of an overlapped Engine.step() per width k (k = 0: a target-only decode step;
     else a speculative step verifying k drafts): what a served request's steps cost, where the
@@ -278,7 +290,7 @@ def measure(args) -> dict:
            "device_weights_GB": device_bytes(model) / 1e9}
     print(f"costs (ms): {out['costs_ms']}; D {out['D_ms']:.2f}; V {out['V_ms']}", flush=True)
     out["banks_huge_page_share"] = huge_page_share(layers)
-    out["target_only"] = host_part(engine, layers, args.steps, read["GBps"])
+    out["target_only"] = host_part(engine, layers, args.steps, read["GBps"]) | host_speed()
     out["target_only"]["sync_ms"] = step_times(engine, False, args.steps, overlap=False)
     out["target_only"]["tok_s"] = 1e3 / out["target_only"]["wall_ms"]
     if args.acceptance is not None:
@@ -293,7 +305,7 @@ def measure(args) -> dict:
     out["trace"] = trace(engine, min(args.steps, 10)) if args.trace and jax.default_backend() == "gpu" else None
     if layers:  # the host part again, minutes later: does it drift (huge pages, the host's other load)?
         out["banks_huge_page_share_last"] = huge_page_share(layers)
-        out["target_only_last"] = host_part(engine, layers, args.steps, read["GBps"])
+        out["target_only_last"] = host_part(engine, layers, args.steps, read["GBps"]) | host_speed()
     return out
 
 
@@ -315,6 +327,9 @@ def print_table(res: dict) -> None:
         last, huge = res["target_only_last"], (res["banks_huge_page_share"], res["banks_huge_page_share_last"])
         print(f"host part at the end: CPU {last['host_ms']:.2f} ms, {last['host_vs_read']:.2f}x; banks in huge "
               f"pages {'n/a' if huge[0] is None else f'{huge[0]:.0%} first, {huge[1]:.0%} at the end'}")
+        if "cpu_MHz" in t and "cpu_MHz" in last:
+            print(f"host cores: {t['cpu_MHz']:.0f} MHz, load {t['loadavg_1min']:.1f} first; "
+                  f"{last['cpu_MHz']:.0f} MHz, load {last['loadavg_1min']:.1f} at the end")
     walls = res["step_wall_ms"]
     print("overlapped Engine.step (ms): decode " + f"{walls['decode']:.2f}, "
           + ", ".join(f"k = {k[4:]}: {v:.2f}" for k, v in walls.items() if k != "decode"))
