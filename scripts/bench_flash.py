@@ -51,6 +51,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import PRESETS, STORAGES, nbytes, random_params  # noqa: E402
+from bench_load import mappings  # noqa: E402
 from bench_step import start_request, step_times  # noqa: E402
 
 from jdspark.config import EngineConfig, QuantConfig  # noqa: E402
@@ -154,25 +155,16 @@ def host_part(engine: Engine, layers, steps: int, read_GBps: float) -> dict:
 
 
 def huge_page_share(layers) -> float | None:
-    """Share of the host banks' bytes backed by transparent huge pages (/proc/self/smaps
-    AnonHugePages of the mappings they lie in, pro rata): a GEMV streaming 4 KiB pages pays TLB
-    misses, and the kernel may back a bank with huge pages only later (khugepaged). None off Linux."""
+    """Share of the host banks' bytes backed by transparent huge pages (the huge bytes of the
+    mappings they lie in, pro rata): a GEMV streaming 4 KiB pages pays TLB misses, and the kernel may
+    back a bank with huge pages only later (khugepaged). None off Linux."""
     spans = [(b.data.ctypes.data, b.data.ctypes.data + b.data.nbytes) for b in (layer.bank for layer in layers)]
-    if not spans or not Path("/proc/self/smaps").exists():
+    found = mappings()
+    if not spans or not found:
         return None
-    huge = total = 0.0
-    start = end = 0
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(" ", 1)[0]
-        if "-" in head and ":" not in head:
-            start, end = (int(x, 16) for x in head.split("-"))
-        elif line.startswith("AnonHugePages:"):
-            for lo, hi in spans:
-                overlap = min(hi, end) - max(lo, start)
-                if overlap > 0:
-                    huge += int(line.split()[1]) * 1024 * overlap / (end - start)
-    total = sum(hi - lo for lo, hi in spans)
-    return huge / total
+    huge = sum(m["huge"] * max(0, min(hi, m["end"]) - max(lo, m["start"])) / (m["end"] - m["start"])
+               for m in found for lo, hi in spans)
+    return huge / sum(hi - lo for lo, hi in spans)
 
 
 def host_speed() -> dict:

@@ -130,26 +130,34 @@ class PeakResident:
         return self.peak - self.base
 
 
-def largest_resident(banks, top: int = 6) -> list[dict]:
-    """The mappings (/proc/self/smaps) holding the most of this process's resident set, largest
-    first: name ([anon] for none), size and resident GiB, and whether a host bank lies in it; []
-    off Linux. Where the placed load's host memory goes beyond its banks."""
+def mappings() -> list[dict]:
+    """This process's memory mappings (/proc/self/smaps): start, end, name ([anon] for none),
+    resident bytes and bytes in transparent huge pages; [] off Linux."""
     try:
         text = Path("/proc/self/smaps").read_text()
     except OSError:
         return []
-    spans = [(bank.data.ctypes.data, bank.data.ctypes.data + bank.data.nbytes) for bank in banks]
     rows = []
     for line in text.splitlines():
         head = line.split(" ", 1)[0]
         if "-" in head and ":" not in head:
             fields = line.split()
             start, end = (int(x, 16) for x in head.split("-"))
-            rows.append({"name": fields[5] if len(fields) > 5 else "[anon]", "GiB": (end - start) / 2**30,
-                         "bank": any(lo < end and start < hi for lo, hi in spans)})
-        elif line.startswith("Rss:") and rows:
-            rows[-1]["resident_GiB"] = int(line.split()[1]) / 2**20
-    return sorted(rows, key=lambda row: -row.get("resident_GiB", 0))[:top]
+            rows.append({"start": start, "end": end, "name": fields[5] if len(fields) > 5 else "[anon]",
+                         "resident": 0, "huge": 0})
+        elif rows and line.startswith(("Rss:", "AnonHugePages:")):
+            rows[-1]["resident" if line.startswith("Rss:") else "huge"] = int(line.split()[1]) * 1024
+    return rows
+
+
+def largest_resident(banks, top: int = 6) -> list[dict]:
+    """The mappings holding the most of this process's resident set, largest first: name, size and
+    resident GiB, and whether a host bank lies in it. Where the placed load's host memory goes
+    beyond its banks."""
+    spans = [(bank.data.ctypes.data, bank.data.ctypes.data + bank.data.nbytes) for bank in banks]
+    rows = [{"name": m["name"], "GiB": (m["end"] - m["start"]) / 2**30, "resident_GiB": m["resident"] / 2**30,
+             "bank": any(lo < m["end"] and m["start"] < hi for lo, hi in spans)} for m in mappings()]
+    return sorted(rows, key=lambda row: -row["resident_GiB"])[:top]
 
 
 def timed_load(path: Path, dtype: str, cold: bool, gpu_memory: float | None = None):

@@ -23,7 +23,7 @@ _BANK_TENSOR = {("w1", "weight"): "w1", ("w3", "weight"): "w3", ("w2", "weight")
                 ("w1", "scale"): "s1", ("w3", "scale"): "s3", ("w2", "scale"): "s2"}
 
 
-def bank_format(leaves: Mapping[tuple, jax.ShapeDtypeStruct], layer: int) -> tuple[str, str]:
+def _bank_format(leaves: Mapping[tuple, jax.ShapeDtypeStruct], layer: int) -> tuple[str, str]:
     """(format, scale dtype) of the host bank of main layer `layer`, from its abstract parameters."""
     weight = jnp.dtype(leaves[("layers", layer, "ffn", "experts", "w1", "weight")].dtype)
     fmt = "fp4" if weight == jnp.int8 else "fp8" if weight == jnp.float8_e4m3fn else "bf16"
@@ -40,14 +40,13 @@ class SplitLayer:
         self.leaves = {path: leaf for path, leaf in leaves.items() if path[:4] == prefix}
         w1 = self.leaves[(*prefix, "w1", "weight")]
         n_experts, inter, dim = w1.shape
-        fmt, scale_dtype = bank_format(leaves, layer)
+        fmt, scale_dtype = _bank_format(leaves, layer)
         self.bank = ExpertBank.empty(fmt, dim * (2 if fmt == "fp4" else 1), inter, n_experts, host_ids, scale_dtype)
         on_host = np.zeros(n_experts, bool)
         on_host[self.bank.expert_ids] = True
-        self.device_ids = np.flatnonzero(~on_host)
         self.device_slot = np.cumsum(~on_host) - 1  # global id -> its row among the device experts
         self.on_host = on_host
-        self.staged = {path: np.empty((len(self.device_ids), *leaf.shape[1:]), leaf.dtype)
+        self.staged = {path: np.empty((int((~on_host).sum()), *leaf.shape[1:]), leaf.dtype)
                        for path, leaf in self.leaves.items()}
         self.left = dict.fromkeys(self.leaves, n_experts)
 

@@ -66,7 +66,7 @@ class SafetensorsFile:
         size = self.path.stat().st_size
         for name in self.in_file_order():  # the first tensor cut off is named
             self._check(name, self.table[name], size - data_start)
-        self._start, self._size = data_start, size
+        self._start = data_start
         self._map: mmap.mmap | None = None
 
     def _check(self, name: str, info: dict, data_size: int) -> None:

@@ -212,6 +212,8 @@ def test_load_model_with_gpu_memory_places_experts_on_the_host(fp4_checkpoint, c
     assert rel(hybrid.logits(ids), model.logits(ids)) <= 3e-6
     with pytest.raises(ValueError, match="not routed experts"):
         load_model(fp4_checkpoint, "float32", progress=False, gpu_memory=1000)
+    with pytest.raises(ValueError, match="host banks hold the checkpoint's storage"):
+        load_model(fp4_checkpoint, "float32", progress=False, dequantize=True, gpu_memory=total)
 
 
 @pytest.mark.slow

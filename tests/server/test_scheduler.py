@@ -1,6 +1,7 @@
 """Continuous batching under load: concurrent greedy streams equal one-at-a-time results, a client
 that disconnects frees its slot, a full queue answers 429 + Retry-After, and an engine failure fails
-only the requests it was running while the server keeps serving (without recompiling)."""
+only the requests it was running while the server keeps serving (without recompiling), and serving
+starts with start-up's objects frozen out of the garbage collector."""
 
 import contextlib
 import threading
@@ -158,3 +159,19 @@ def test_engine_failure_fails_running_requests_and_server_recovers(server, clien
     assert server.metric("jdspark:request_success_total", 'finished_reason="error"') == 2
     assert server.metric("jdspark:num_requests_running") == 0
     assert httpx.get(server.url + "/health").json() == {"status": "ok", "running": 0}
+
+
+def test_serving_starts_with_start_ups_objects_frozen_out_of_the_collector(server, monkeypatch):
+    """`Scheduler.start` collects, then freezes what is left (`gc.freeze`), before the engine thread
+    runs: a full collection over the start-up's objects would stall the step it fell in."""
+    import gc
+    import types
+
+    from jdspark.server.metrics import Metrics
+    from jdspark.server.scheduler import Scheduler
+    scheduler = Scheduler(server.engine, Metrics(server.engine.config.gamma), QUEUE)
+    monkeypatch.setattr(scheduler, "_thread", types.SimpleNamespace(start=lambda: None))  # no second engine thread
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    scheduler.start()
+    assert gc.get_freeze_count() > 0
