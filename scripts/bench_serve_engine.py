@@ -40,6 +40,8 @@ so each mode's calls cost what they would on text that accepts a.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -73,8 +75,8 @@ def build(args, max_running: int | None = None, buckets: tuple[int, ...] | None 
                           scripted_acceptance=args.acceptance, twin_executables=not args.single_executables)
     widths = tuple(args.widths) or None
     options = SpecOptions(width=max(widths)) if widths else SpecOptions()  # a subset: no cost profile
-    engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk, options=options,
-                    widths=widths)
+    engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk,
+                    prefill_budget=args.prefill_budget, options=options, widths=widths)
     gc.collect()  # as the server's Scheduler.start does: start-up's objects leave the garbage collector
     gc.freeze()
     return engine, prompts, time.perf_counter() - start
@@ -150,10 +152,13 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
     begin = clock()
     admit(min(concurrency, args.requests))
     tokens = 0
-    with engine.record_steps() as records:
+    step_walls = []  # (ms, whether the step read a verify call) of every Engine.step
+    with engine.record_steps() as records, collections_timed() as gc_pauses:
         while engine.running:
+            before = clock()
             deltas = engine.step()
             now = clock()
+            step_walls.append(((now - before) * 1e3, engine.last_step is not None))
             finished = 0
             for rid, delta in deltas.items():
                 if delta.tokens:
@@ -196,9 +201,35 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
                                     "profiled_ms": mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])}
                                 for k, rs in sorted(by_width.items())},
             "verify_after": {kind: {"steps": len(v), "ms": mean_ms(v)} for kind, v in switch.items()},
+            # the rows of the verify calls by the width each verified (0: a row that did not draft there)
+            "rows_by_width": {str(k): n for k, n in sorted(collections.Counter(
+                row.width for r in calls["verify"] for row in r.rows).items())},
             # what the engine learnt a switch of executables adds to a step, per bucket (`costs.LiveCosts`)
             "learnt_switch_ms": {str(b): cost * 1e3 for b, cost in engine.live.switch.items()},
-            "tokens_per_step": tokens / max(len(records), 1)}
+            "tokens_per_step": tokens / max(len(records), 1),
+            # where the level's wall went besides the verify reads: steps that read only a prefill (or
+            # nothing), the garbage collector's pauses, and the slowest steps (stalls)
+            "other_steps": {"steps": sum(not v for _, v in step_walls),
+                            "ms": sum(ms for ms, v in step_walls if not v)},
+            "gc": {"collections": len(gc_pauses), "ms": sum(gc_pauses), "max_ms": max(gc_pauses, default=0.0)},
+            "slowest_steps_ms": sorted((round(ms, 2) for ms, _ in step_walls), reverse=True)[:5]}
+
+
+@contextlib.contextmanager
+def collections_timed():
+    """The garbage collector's pauses (ms) while the block runs (`gc.callbacks`)."""
+    pauses, started = [], []
+
+    def callback(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append((time.perf_counter() - started.pop()) * 1e3)
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def _profiled_s(policy, record) -> float:
@@ -265,6 +296,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--max-running", type=int, help="engine slots (default: the largest concurrency)")
     p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--prefill-budget", type=int, help="prompt tokens a step prefills (default: the engine's)")
     p.add_argument("--buckets", type=int, nargs="*", default=[], help="batch buckets (default 1, 2, 4, ... max)")
     p.add_argument("--widths", type=int, nargs="*", default=[],
                    help="compile only these step widths (modes none and fixed5 only; default 0..gamma)")
@@ -324,7 +356,11 @@ def main(argv=None) -> int:
                           f"x{v['steps']} {v['ms']:.2f}" if v["steps"] else "x0"
                           for v in level["verify_after"].values())
                       + "  learnt switch ms: "
-                      + " ".join(f"{b}:{ms:.3f}" for b, ms in level["learnt_switch_ms"].items()),
+                      + " ".join(f"{b}:{ms:.3f}" for b, ms in level["learnt_switch_ms"].items())
+                      + "  rows by width: " + " ".join(f"k{k} x{n}" for k, n in level["rows_by_width"].items())
+                      + f"  other steps x{level['other_steps']['steps']} {level['other_steps']['ms']:.1f} ms"
+                      + f"  gc x{level['gc']['collections']} {level['gc']['ms']:.1f} ms (max {level['gc']['max_ms']:.1f})"
+                      + f"  slowest steps {level['slowest_steps_ms']} ms",
                       flush=True)
             if args.out:  # after every level, so a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))

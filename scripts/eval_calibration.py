@@ -17,6 +17,7 @@ steps read the engine's prior, not its own proposals, and are left out):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -52,6 +53,36 @@ def replay(rows, choose, costs: np.ndarray) -> float:
     widths = [choose(row.stale_confidence) for row in rows]
     tokens = sum(min(row.n_accepted, k) + 1 for row, k in zip(rows, widths))
     return tokens / float(sum(costs[k] for k in widths))
+
+
+def smoothed(rows, weight: float) -> list:
+    """The rows with each request's stale confidences averaged over its steps so far (exponentially,
+    `weight` on the newest; 1: as stated). Non-anticipating: a step reads only proposals before it."""
+    out, average = [], {}
+    for row in rows:
+        c = np.asarray(row.stale_confidence, np.float64)
+        average[row.request_id] = c if row.request_id not in average else (
+            weight * c + (1 - weight) * average[row.request_id])
+        out.append(dataclasses.replace(row, stale_confidence=average[row.request_id]))
+    return out
+
+
+def replay_batches(rows, choose_width, costs: np.ndarray, batch: int) -> tuple[float, list[int]]:
+    """(tokens per ms, widths chosen) of the rows run `batch` requests at a time, step by step (each
+    request's steps in order, zipped across the batch while all have steps left), every row verifying
+    the step's width `choose_width([rows' stale confidences])` (the engine's lifted rows)."""
+    by_request: dict[int, list] = {}
+    for row in rows:
+        by_request.setdefault(row.request_id, []).append(row)
+    requests = list(by_request.values())
+    tokens, seconds, widths = 0, 0.0, []
+    for first in range(0, len(requests) - batch + 1, batch):
+        for step in zip(*requests[first:first + batch]):
+            k = choose_width(np.stack([row.stale_confidence for row in step]))
+            tokens += sum(min(row.n_accepted, k) + 1 for row in step)
+            seconds += costs[k]
+            widths.append(k)
+    return tokens / seconds, widths
 
 
 def evaluate(engine, prompts, temperature: float, costs: np.ndarray, max_tokens: int) -> dict:

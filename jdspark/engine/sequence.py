@@ -58,6 +58,7 @@ class Sequence:
         self.started = time.perf_counter()
         self.finish_reason: str | None = None
         self.paused_left, self.probing, self._probe_next = 0, False, False
+        self.pausing = False  # not drafting this step because of a pause (not the breaker)
         self.pauses_in_a_row = 0  # doubles the next pause (probes back off), reset when drafting pays
 
     def speculates(self) -> bool:
@@ -65,7 +66,8 @@ class Sequence:
         (`pause`) or while the breaker cools down. The first step after a pause drafts whatever the
         cost (`probing`)."""
         self.probing, self._probe_next = self._probe_next, False
-        if self.paused_left > 0:
+        self.pausing = self.paused_left > 0
+        if self.pausing:
             self.paused_left -= 1
             self._probe_next = self.paused_left == 0
             return False
@@ -74,7 +76,7 @@ class Sequence:
     def pause(self, steps: int) -> None:
         """Decode without drafting for `steps` steps, doubled for each pause since drafting last paid
         (at most 32x): a request whose drafts never pay probes ever more rarely."""
-        self.paused_left = steps << self.pauses_in_a_row
+        self.paused_left, self.pausing = steps << self.pauses_in_a_row, True
         self.pauses_in_a_row = min(self.pauses_in_a_row + 1, MAX_BACKOFF)
         self.stats.pauses += 1
 

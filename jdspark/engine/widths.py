@@ -112,10 +112,13 @@ def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], po
     """`price_the_step` for the engine's rows: their probes read from their sequences, and kept
     (`Sequence.defer_probe`) where the step decodes; the decode call only while pauses are on.
     Under "per_request" every speculating row is lifted to the step's width (the executable is
-    padded: a narrower row would give up drafts and save nothing); "padded" and "budget" keep
-    their own rules, priced the same way."""
+    padded: a narrower row would give up drafts and save nothing), and so is a paused one: its
+    pause is for steps that would draft for it alone, and here the draft is paid for (not a row
+    whose breaker cools down: the breaker stops drafting for the request, whatever it costs).
+    "padded" and "budget" keep their own rules, priced the same way."""
     probing = {b for b in stale if sequences[b].probing}
-    lifted = {b for b in widths if speculating[b]} if options.batch_widths == "per_request" else set()
+    lifted = ({b for b in widths if speculating[b] or sequences[b].pausing}
+              if options.batch_widths == "per_request" else set())
     width, widths = price_the_step(widths, stale, policy, compiled, may_decode=options.pause_steps > 0,
                                    probing=probing, lifted=lifted, probe_confidence=probe_confidence, switch=switch)
     if width is None:

@@ -2,6 +2,7 @@
 compiles: pure functions, no engine."""
 
 import functools
+import types
 
 import numpy as np
 import pytest
@@ -9,8 +10,10 @@ import pytest
 from jdspark.config import ConfigError, EngineConfig
 from jdspark.engine.errors import EngineError
 from jdspark.engine.options import SpecOptions
-from jdspark.engine.widths import executable_width, price_the_step, row_widths
-from jdspark.speculative.selector import AdaptiveWidth
+from jdspark.engine.request import SamplingParams
+from jdspark.engine.sequence import Sequence
+from jdspark.engine.widths import executable_width, price_for_the_batch, price_the_step, row_widths
+from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
 
 STALE = {0: np.array([0.9, 0.9, 0.9]), 3: np.array([0.2, 0.5, 0.5]), 5: np.array([1.0, 1.0, 0.1])}
 SPECULATING = {0: True, 3: True, 5: False}  # slot 5's breaker is cooling down
@@ -152,6 +155,38 @@ def test_rows_are_lifted_to_the_step_width_where_it_costs_nothing():
     assert price_the_step({0: 1, 1: 1}, stale, flat, COMPILED, may_decode=True, lifted={0, 1}) == (3, {0: 3, 1: 3})
     cool = {0: stale[0], 1: np.full(3, 0.1)}
     assert price_the_step({0: 1, 1: 0}, cool, flat, COMPILED, may_decode=True, lifted={0}) == (3, {0: 3, 1: 0})
+
+
+def test_a_paused_row_verifies_the_width_a_drafting_step_pays_for_and_a_cooling_one_does_not():
+    """Under per_request a row paused by the adaptive pause, next to rows that draft, is lifted to
+    the step's width (its drafts cost the step nothing more) and counts in the step's price; a row
+    whose breaker cools down keeps 0. Under "padded" neither is lifted. Mutation caught: paused rows
+    left at width 0 (run B of the thirteenth session verified k = 5 steps with 8.5 tokens where
+    fixed5 emitted 10.0)."""
+    flat = AdaptiveWidth([0.001] * 4, 0.001, gamma=3, decode_cost=0.002)
+    stale = {0: np.full(3, 0.9), 1: np.full(3, 0.9), 2: np.full(3, 0.3), 3: np.full(3, 0.3)}
+    speculating = {0: True, 1: True, 2: False, 3: False}
+    sequences = {b: types.SimpleNamespace(probing=False, pausing=b == 2) for b in stale}
+    own = {0: 3, 1: 3, 2: 0, 3: 0}
+    assert price_for_the_batch(own, stale, flat, COMPILED, sequences, SpecOptions(pause_steps=4),
+                               speculating) == (3, {0: 3, 1: 3, 2: 3, 3: 0})
+    assert price_for_the_batch(own, stale, flat, COMPILED, sequences, SpecOptions(pause_steps=4, batch_widths="padded"),
+                               speculating) == (3, {0: 3, 1: 3, 2: 0, 3: 0})
+
+
+def test_a_sequence_says_pausing_while_a_pause_holds_it_not_while_its_breaker_cools_down():
+    """`Sequence.pausing` (what lifts a paused row): set by `pause` and on each step the pause holds,
+    cleared on the probe after it; a breaker's cooldown is not a pause."""
+    params = SamplingParams(max_tokens=8)
+    seq = Sequence(0, 4, params, seed=0, gamma=3, eos_token_id=None, tokenizer=None, breaker=None)
+    assert seq.speculates() and not seq.pausing
+    seq.pause(2)
+    assert seq.pausing
+    assert [(seq.speculates(), seq.pausing) for _ in range(3)] == [(False, True), (False, True), (True, False)]
+    breaker = FallbackBreaker(0.5, min_drafted=1, cooldown=2)
+    breaker.record(0, 3)
+    cooling = Sequence(1, 4, params, seed=0, gamma=3, eos_token_id=None, tokenizer=None, breaker=breaker)
+    assert (cooling.speculates(), cooling.pausing) == (False, False)
 
 
 def test_a_switch_cost_keeps_the_call_issued_last_unless_another_gains_more():
