@@ -9,7 +9,11 @@ steps read the engine's prior, not its own proposals, and are left out):
 - a replay of the selector's choice, argmax_k E(k) / S(k) at the step costs given (default: the
   H200's queued profile of the 8-slot engine's bucket 1, tree 1f2d108), against fixed width 5, in
   tokens per ms (a step verified at width k takes min(n_accepted, k) + 1 tokens: the positions past k
-  do not matter).
+  do not matter);
+- the same for the four held-out requests run as one batch of 4 at 4-row step costs (`--batch-costs-ms`),
+  every row verifying the step's width, from the calibrated confidences and from those smoothed over
+  each request's steps (an exponential average, half on the newest proposal): does one step's noisy
+  proposal cost the batch its wide widths?
 
     python scripts/eval_calibration.py [--costs-ms 1.67 1.82 1.99 1.88 1.97 1.95] [--json out.json]
 """
@@ -85,7 +89,8 @@ def replay_batches(rows, choose_width, costs: np.ndarray, batch: int) -> tuple[f
     return tokens / seconds, widths
 
 
-def evaluate(engine, prompts, temperature: float, costs: np.ndarray, max_tokens: int) -> dict:
+def evaluate(engine, prompts, temperature: float, costs: np.ndarray, batch_costs: np.ndarray,
+             max_tokens: int) -> dict:
     greedy = temperature == 0.0
     train = verified_rows(engine, prompts[:4], temperature, max_tokens)
     test = verified_rows(engine, prompts[4:8], temperature, max_tokens)
@@ -108,6 +113,17 @@ def evaluate(engine, prompts, temperature: float, costs: np.ndarray, max_tokens:
                      "tokens_per_ms": replay(test, lambda c: selector(transform(c)), costs),
                      "widths": np.bincount([selector(transform(row.stale_confidence)) for row in test],
                                            minlength=GAMMA + 1).tolist()}
+    # the four held-out requests as one batch of 4 at the bucket-4 costs, every row at the step's width
+    # (the engine's lifted rows), from calibrated confidences as they are and smoothed over each request's steps
+    batch_selector = AdaptiveWidth(batch_costs, 0.0, GAMMA)
+
+    def step_width(confidences):
+        return int(np.argmax(batch_selector.expected_tokens(confidences).sum(axis=0) / batch_costs))
+    calibrated_rows = [dataclasses.replace(row, stale_confidence=calibrated(row.stale_confidence)) for row in test]
+    fixed = replay_batches(test, lambda c: GAMMA, batch_costs, 4)[0]
+    for name, rows in (("batch4_calibrated", calibrated_rows), ("batch4_smoothed", smoothed(calibrated_rows, 0.5))):
+        rate, widths = replay_batches(rows, step_width, batch_costs, 4)
+        out[name] = {"vs_fixed5": rate / fixed, "widths": np.bincount(widths, minlength=GAMMA + 1).tolist()}
     return out
 
 
@@ -115,23 +131,29 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--costs-ms", type=float, nargs=GAMMA + 1, default=[1.67, 1.82, 1.99, 1.88, 1.97, 1.95],
                     help="S(0..5), a step's cost at each width")
+    ap.add_argument("--batch-costs-ms", type=float, nargs=GAMMA + 1, default=[1.70, 1.75, 1.80, 1.85, 1.95, 2.05],
+                    help="S(0..5) of a 4-row step (default: the H200's bucket-4 verify windows, thirteenth session)")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     engine_args = argparse.Namespace(model=None, synthetic=None, dtype="float32", max_seq_len=512, max_running=1,
-                                     prefill_chunk=64, buckets=[1], widths=[GAMMA], acceptance=None)
+                                     prefill_chunk=64, prefill_budget=None, buckets=[1], widths=[GAMMA],
+                                     acceptance=None, single_executables=False)
     engine, prompts, _ = bench_serve_engine.build(engine_args)
     costs = np.array(args.costs_ms)
-    results = [evaluate(engine, prompts, t, costs, args.max_tokens) for t in (0.0, 1.0)]
+    results = [evaluate(engine, prompts, t, costs, np.array(args.batch_costs_ms), args.max_tokens) for t in (0.0, 1.0)]
     print("| T | steps (learned on) | tokens / step | E(5) stated (abs err) | E(5) calibrated (abs err) | "
-          "selector on stated / fixed5 | on calibrated / fixed5 | widths stated / calibrated |")
-    print("|---:|---|---:|---|---|---:|---:|---|")
+          "selector on stated / fixed5 | on calibrated / fixed5 | widths stated / calibrated | "
+          "batch of 4 / fixed5: calibrated, smoothed (steps at k = 0..5) |")
+    print("|---:|---|---:|---|---|---:|---:|---|---|")
     for r in results:
         s, c, f = r["stated"], r["calibrated"], r["fixed5_tokens_per_ms"]
         print(f"| {r['temperature']} | {r['test_steps']} ({r['train_steps']}) | {r['realized_tokens_per_step']:.3f} | "
               f"{s['E5_mean']:.3f} ({s['E5_mean_abs_error']:.3f}) | "
               f"{c['E5_mean']:.3f} ({c['E5_mean_abs_error']:.3f}) | "
-              f"{s['tokens_per_ms'] / f:.3f} | {c['tokens_per_ms'] / f:.3f} | {s['widths']} / {c['widths']} |")
+              f"{s['tokens_per_ms'] / f:.3f} | {c['tokens_per_ms'] / f:.3f} | {s['widths']} / {c['widths']} | "
+              + ", ".join(f"{r[k]['vs_fixed5']:.3f} ({r[k]['widths']})"
+                          for k in ("batch4_calibrated", "batch4_smoothed")) + " |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return results
