@@ -65,12 +65,6 @@ class EngineConfig:
         """The smallest compiled batch size that holds n requests."""
         return next(b for b in self.buckets if b >= n)
 
-    def prefill_buckets(self, rows: int) -> tuple[int, ...]:
-        """The buckets a prefill needs when a step prefills at most `rows` prompts: those up to
-        the one that holds them, and the largest (`Engine.add_many` prefills every new request
-        in one call). The others' prefill would never run."""
-        return tuple(b for b in self.buckets if b <= self.bucket(min(rows, self.max_batch)) or b == self.max_batch)
-
     @property
     def rollback_rows(self) -> int:
         """Most rows one call may write and later roll back: a verification of the full block."""

@@ -38,11 +38,36 @@ log = logging.getLogger(__name__)
 MIN_PROGRAMS = 4  # fewer missing programs are compiled in-process: a worker's own start-up costs seconds
 TIMEOUT_S = 1800
 TRITON_GEMM_MIN_HIDDEN = 1024
+AUTOTUNE_SLACK_BYTES = 1 << 30  # what one compile's autotuning needs besides its operands
 
 
-def thread_pool(jobs: int) -> ThreadPoolExecutor:
-    """Threads for `jobs` loads or compiles (they leave the GIL), at most one per CPU."""
-    return ThreadPoolExecutor(max_workers=max(1, min(jobs, os.cpu_count() or 1)))
+def thread_pool(jobs: int, most: int | None = None) -> ThreadPoolExecutor:
+    """Threads for `jobs` loads or compiles (they leave the GIL), at most one per CPU (and `most`)."""
+    return ThreadPoolExecutor(max_workers=max(1, min(jobs, os.cpu_count() or 1, most or jobs)))
+
+
+def concurrent_compiles(free_bytes: float | None, largest_operand: int) -> int | None:
+    """How many programs may compile at once in worker processes beside this one on its GPU (None:
+    no bound). XLA's autotuner allocates a fusion's operands on the device, and the largest are
+    stacked parameters: at Flash dims (8 layers, 64 slots) on an H100, three of four workers ran out
+    of memory allocating 4.02 GiB beside the engine's 41 GB of weights (docs/BENCHMARKS.md). Each
+    compile is given twice the largest operand and `AUTOTUNE_SLACK_BYTES`."""
+    if free_bytes is None:
+        return None
+    return max(1, int(free_bytes // (2 * largest_operand + AUTOTUNE_SLACK_BYTES)))
+
+
+def device_memory_outside_this_process() -> float | None:
+    """Bytes of the GPU this process's allocator has not reserved, where XLA preallocates its pool
+    (the default: XLA_PYTHON_CLIENT_MEM_FRACTION, 0.75, of the card); None on the CPU or without
+    preallocation (then nothing says what is free)."""
+    if (jax.default_backend() != "gpu"
+            or os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "true").lower() in ("false", "0")
+            or os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "bfc") != "bfc"):
+        return None
+    limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    return None if not limit or not 0 < fraction < 1 else limit / fraction - limit
 
 
 def load_all(store: ExecutableCache | None, arguments: dict, outputs) -> dict:
@@ -72,15 +97,15 @@ def compiler_options(config) -> dict:
 
 
 def compile_all(lowerings: dict, store: ExecutableCache | None = None, arguments: dict | None = None,
-                options: dict | None = None) -> tuple[dict, float]:
+                options: dict | None = None, threads: int | None = None) -> tuple[dict, float]:
     """Lower programs one after another in this thread (tracing holds the GIL) and compile each in
     a pool thread as soon as it is lowered (XLA compiles outside the GIL), so the compiles overlap
     the lowering of the programs after them. `lowerings`: {key: a function returning the lowered
     program}. With a `store`, each is stored as it finishes (under its key and `arguments[key]`),
-    so a start-up cut short keeps what it compiled; `options`: XLA's (`compiler_options`).
-    -> ({key: compiled}, seconds spent lowering)."""
+    so a start-up cut short keeps what it compiled; `options`: XLA's (`compiler_options`); `threads`:
+    at most this many compiles at once. -> ({key: compiled}, seconds spent lowering)."""
     lowering = 0.0
-    with thread_pool(len(lowerings)) as pool:
+    with thread_pool(len(lowerings), threads) as pool:
         futures = {}
         for key, lower in lowerings.items():
             start = time.perf_counter()
@@ -146,9 +171,19 @@ def recipe(exe, decode, draft_cache) -> bytes:
 
 def compile_in_workers(exe, decode, draft_cache, keys: list, count: int) -> None:
     """Lower, compile and store the programs `keys` in `count` processes (round robin), and wait
-    for them. Each worker's phases are logged (start-up, lowering, compiling); a failed worker is
-    logged with its error, and its programs stay missing."""
+    for them; on a GPU, no more compiles at once than its memory outside this process holds
+    (`concurrent_compiles`). Each worker's phases are logged (start-up, lowering, compiling); a
+    failed worker is logged with its error, and its programs stay missing."""
     start = time.perf_counter()
+    largest = max(a.nbytes for a in jax.tree.leaves((exe.params.arrays, decode, draft_cache)))
+    free = device_memory_outside_this_process()
+    at_once = concurrent_compiles(free, largest)
+    threads = None
+    if at_once is not None:
+        count = min(count, at_once)
+        threads = max(1, at_once // count)
+        log.info("compile workers: %d, at most %d compiles each (%.1f GiB of the GPU outside this process, the "
+                 "largest operand %.2f GiB)", count, threads, free / 2 ** 30, largest / 2 ** 30)
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONPATH=os.pathsep.join(sys.path))
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "recipe.pkl")
@@ -157,7 +192,8 @@ def compile_in_workers(exe, decode, draft_cache, keys: list, count: int) -> None
         shares = [share for share in (keys[i::count] for i in range(count)) if share]
         # files, not pipes: a full pipe would block its worker while this waits for another
         outs = [open(os.path.join(folder, f"worker{i}.{kind}"), "w+") for i in range(len(shares)) for kind in "oe"]
-        processes = [subprocess.Popen([sys.executable, "-m", __name__, path, repr(share), repr(time.time())],
+        processes = [subprocess.Popen([sys.executable, "-m", __name__, path, repr(share), repr(time.time()),
+                                       repr(threads)],
                                       env=env, stdout=outs[2 * i], stderr=outs[2 * i + 1])
                      for i, share in enumerate(shares)]
         try:
@@ -189,9 +225,9 @@ def _read(file) -> str:
     return file.read()
 
 
-def _work(path: str, keys: list, spawned: float) -> None:
-    """A worker: rebuild the executables from the recipe at `path`, compile and store `keys`, and
-    print its phases (`spawned`: when the engine started it, time.time())."""
+def _work(path: str, keys: list, spawned: float, threads: int | None) -> None:
+    """A worker: rebuild the executables from the recipe at `path`, compile and store `keys` (at most
+    `threads` at once), and print its phases (`spawned`: when the engine started it, time.time())."""
     up = time.time() - spawned  # the interpreter, jax and this module
     with open(path, "rb") as file:
         spec = pickle.load(file)
@@ -206,7 +242,7 @@ def _work(path: str, keys: list, spawned: float) -> None:
         arguments = {key: programs[key][1] for key in keys}
         lowerings = {key: exe.lowering(programs[key], decode, draft_cache) for key in keys}
         begun = time.perf_counter()
-        _, lowering = compile_all(lowerings, store, arguments, compiler_options(exe.config))
+        _, lowering = compile_all(lowerings, store, arguments, compiler_options(exe.config), threads)
     cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
               for f in ("ru_utime", "ru_stime"))  # every thread, and tools it ran (ptxas): are the cores the bound?
     print(f"{len(keys)} programs; started in {up:.1f} s, ready at {ready:.1f} s; lowering {lowering:.1f} s, "
@@ -216,4 +252,4 @@ def _work(path: str, keys: list, spawned: float) -> None:
 
 if __name__ == "__main__":
     import ast
-    _work(sys.argv[1], ast.literal_eval(sys.argv[2]), float(sys.argv[3]))
+    _work(sys.argv[1], ast.literal_eval(sys.argv[2]), float(sys.argv[3]), ast.literal_eval(sys.argv[4]))

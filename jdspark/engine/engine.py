@@ -72,8 +72,7 @@ class Engine:
         pack_params = on_gpu if pack_params is None else pack_params
         chunk = min(prefill_chunk, config.max_seq_len)
         self.prefill_rows = max(1, (prefill_budget or chunk) // chunk)
-        self.exe = Executables(model, config, chunk, implementation, widths if speculative else (), pack_params,
-                               config.prefill_buckets(self.prefill_rows))
+        self.exe = Executables(model, config, chunk, implementation, widths if speculative else (), pack_params)
         self.state, self.draft_cache = self._fresh_state()
         self._slots: list[Sequence | None] = [None] * config.max_batch
         self._slot_of: dict[int, int] = {}  # request id -> slot
@@ -298,7 +297,7 @@ class Engine:
         self.last_step = None
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
-        issued = [self._issue_prefill(list(self._pending)[:self.prefill_rows])] if self._pending else []
+        issued = [self._issue_prefill(list(self._pending)[:self._prefill_rows(running)])] if self._pending else []
         if running:
             issued.append(self._issue_verify(running))
         if self.overlap:
@@ -307,6 +306,14 @@ class Engine:
         for call in issued:
             deltas.update(self._read_prefill(call) if isinstance(call, IssuedPrefill) else self._read_verify(call))
         return deltas
+
+    def _prefill_rows(self, running: list[int]) -> int:
+        """Prompts a step prefills: `prefill_rows` (the budget) beside running requests; with none
+        running no one waits on the call, so as many as fill the largest prefill bucket they can fill
+        (no padded row: a wave of 16 prompts is one call, not 16)."""
+        if running:
+            return self.prefill_rows
+        return max([self.prefill_rows, *(b for b in self.exe.prefill_buckets if b <= len(self._pending))])
 
     def _issue_verify(self, active: list[int]) -> IssuedVerify:
         started = time.perf_counter()

@@ -12,8 +12,7 @@ instead of tracing and compiling (`exe_cache`).
   prefix + 1 in the target state and the committed rows' features pushed into the drafter's
   context. Width 0 drafts too: its confidences choose the next step's width.
 
-Batch buckets: each of these exists once per batch size n in `EngineConfig.buckets` (prefill only
-in the buckets a prefill call can use, `EngineConfig.prefill_buckets`). A call's n
+Batch buckets: each of these exists once per batch size n in `EngineConfig.buckets`. A call's n
 rows name their state slots (the `slot` input); the executable gathers those rows of the one
 full-size decode state and draft cache, runs on them and scatters them back (in place: both are
 donated). The largest bucket covers every slot in order and skips the gather. Why a gather rather
@@ -152,10 +151,9 @@ class Executables:
     prefill chunk."""
 
     def __init__(self, model: Model, engine: EngineConfig, prefill_chunk: int, implementation: str,
-                 widths: tuple[int, ...], pack_params: bool, prefill_buckets: tuple[int, ...] | None = None):
+                 widths: tuple[int, ...], pack_params: bool):
         """`widths`: the step[k] to compile (empty: a target-only engine, prefill and decode only);
-        `implementation`: "auto", "pallas" or "xla" for every kernel (ValueError otherwise);
-        `prefill_buckets`: the buckets that get a prefill (default all; the largest always)."""
+        `implementation`: "auto", "pallas" or "xla" for every kernel (ValueError otherwise)."""
         resolve_implementation(implementation)  # validates it before anything is compiled
         self.implementation = implementation
         self.graphdef = hyper.with_implementation(model.graphdef, model.params, implementation)
@@ -173,7 +171,9 @@ class Executables:
             log.warning("scripted acceptance %.2f: drafts are accepted by script, not verified (benchmarks "
                         "only; the tokens are not the model's)", self.scripted_acceptance)
         self.buckets = {n: Bucket() for n in engine.buckets}
-        self.prefill_buckets = tuple(sorted({*(prefill_buckets or engine.buckets), engine.max_batch}))
+        # every bucket prefills: beside running requests the budget's rows, with none all the pending
+        # prompts that fill a bucket (`Engine._prefill_rows`), and `Engine.add_many` every new one
+        self.prefill_buckets = tuple(sorted({*engine.buckets, engine.max_batch}))
         self.lower_seconds = 0.0
         self.loaded = 0  # executables loaded from disk by `compile` (exe_cache)
         self.from_workers = 0  # executables `compile` had compile workers build (`compiling`)

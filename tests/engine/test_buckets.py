@@ -2,8 +2,10 @@
 for buckets 1, 4 and 16 and widths 2 and 5 (a row's width rounds up to the executable that holds
 it): a lone request runs the bucket-1 executables and emits what it emits in a full batch next to
 rows of other widths and sampling parameters; a prompt admitted while others run is prefilled a
-chunk per step while they keep decoding; bucket 4 has no prefill (no call could use it); nothing
-compiles after warm-up."""
+chunk per step while they keep decoding, and a wave admitted with nothing running in one call of
+the largest bucket it fills; nothing compiles after warm-up."""
+
+import collections
 
 import numpy as np
 import pytest
@@ -78,11 +80,28 @@ def test_a_new_prompt_is_prefilled_a_chunk_per_step_while_others_decode(engine, 
     assert got[running.request_id] == alone[1] and got[new] == reference
 
 
+def test_a_wave_admitted_with_nothing_running_is_prefilled_in_the_largest_bucket_it_fills(engine, alone):
+    """Five one-chunk prompts admitted to an idle engine: the first step prefills four of them in
+    one bucket-4 call (no padded row, and no running request waits on it), the fifth goes a step
+    later beside their first verify (the budget: one chunk). Each emits what it emits alone.
+    Mutation caught: one prompt a step with nothing running (five first tokens in five steps)."""
+    short = [0, 2, 0, 2, 0]
+    ids = engine.admit([(PROMPTS[i], GREEDY) for i in short])
+    first_step, tokens, step = {}, {rid: [] for rid in ids}, 0
+    while engine.running:
+        step += 1
+        for rid, d in engine.step().items():
+            first_step.setdefault(rid, step)
+            tokens[rid].extend(d.tokens)
+    assert sorted(collections.Counter(first_step.values()).values()) == [1, 4]
+    assert [tokens[rid] for rid in ids] == [alone[i] for i in short]
+
+
 def test_no_compilation_after_warm_up_as_requests_join_and_leave(engine, alone, compile_counter):
     """13 requests, then fewer and fewer: steps in buckets 16, 4 and 1, prompts prefilled in
     bucket 1 (a step prefills one chunk) while the others decode."""
-    assert engine.exe.prefill_buckets == (1, 16) and engine.exe.buckets[4].prefill is None
-    assert engine.exe.count == 2 + 3 * 3  # 2 prefills; decode, step[2], step[5] per bucket
+    assert engine.exe.prefill_buckets == (1, 4, 16)
+    assert engine.exe.count == 3 + 3 * 3  # 3 prefills; decode, step[2], step[5] per bucket
     before = compile_counter.count
     first = engine.add(PROMPTS[3], SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True))
     engine.admit([(p, SamplingParams(max_tokens=8 + i, temperature=0.0, ignore_eos=True))

@@ -63,18 +63,6 @@ def test_an_unknown_batch_widths_mode_is_refused():
         SpecOptions(batch_widths="ragged")
 
 
-def test_prefill_is_compiled_only_in_the_buckets_a_prefill_call_can_use():
-    """A step prefills at most `prefill_rows` prompts (the smallest bucket that holds them) and
-    `add_many` every new one at once (the largest bucket): the buckets between get no prefill."""
-    config = EngineConfig(max_batch=64)
-    assert config.buckets == (1, 4, 16, 64)
-    assert config.prefill_buckets(1) == (1, 64)
-    assert config.prefill_buckets(3) == (1, 4, 64)
-    assert config.prefill_buckets(16) == (1, 4, 16, 64)
-    assert config.prefill_buckets(100) == (1, 4, 16, 64)
-    assert EngineConfig(max_batch=8, batch_buckets=(2, 8)).prefill_buckets(1) == (2, 8)
-
-
 COMPILED = {0: None, 1: None, 2: None, 3: None}
 
 
