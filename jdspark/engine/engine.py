@@ -25,7 +25,7 @@ from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import calls, costs
 from jdspark.engine.batch import (IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs, call_slots,
-                                  prefill_inputs)
+                                  prefill_inputs, prompts_to_prefill)
 from jdspark.engine.errors import CapacityError, EngineError
 from jdspark.engine.executables import Executables
 from jdspark.engine.options import SpecOptions, WidthPolicy
@@ -297,7 +297,8 @@ class Engine:
         self.last_step = None
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
-        issued = [self._issue_prefill(list(self._pending)[:self._prefill_rows(running)])] if self._pending else []
+        rows = prompts_to_prefill(len(self._pending), self.prefill_rows, self.exe.prefill_buckets, bool(running))
+        issued = [self._issue_prefill(list(self._pending)[:rows])] if self._pending else []
         if running:
             issued.append(self._issue_verify(running))
         if self.overlap:
@@ -306,14 +307,6 @@ class Engine:
         for call in issued:
             deltas.update(self._read_prefill(call) if isinstance(call, IssuedPrefill) else self._read_verify(call))
         return deltas
-
-    def _prefill_rows(self, running: list[int]) -> int:
-        """Prompts a step prefills: `prefill_rows` (the budget) beside running requests; with none
-        running no one waits on the call, so as many as fill the largest prefill bucket they can fill
-        (no padded row: a wave of 16 prompts is one call, not 16)."""
-        if running:
-            return self.prefill_rows
-        return max([self.prefill_rows, *(b for b in self.exe.prefill_buckets if b <= len(self._pending))])
 
     def _issue_verify(self, active: list[int]) -> IssuedVerify:
         started = time.perf_counter()
