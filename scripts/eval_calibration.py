@@ -138,7 +138,7 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     engine_args = argparse.Namespace(model=None, synthetic=None, dtype="float32", max_seq_len=512, max_running=1,
                                      prefill_chunk=64, prefill_budget=None, buckets=[1], widths=[GAMMA],
-                                     acceptance=None, single_executables=False)
+                                     acceptance=None, single_executables=False, modes=["fixed5"])
     engine, prompts, _ = bench_serve_engine.build(engine_args)
     costs = np.array(args.costs_ms)
     results = [evaluate(engine, prompts, t, costs, np.array(args.batch_costs_ms), args.max_tokens) for t in (0.0, 1.0)]
