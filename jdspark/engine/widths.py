@@ -32,15 +32,15 @@ from jdspark.speculative.selector import AdaptiveWidth
 def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, bool], policy: WidthPolicy,
                costs: AdaptiveWidth | None) -> dict[int, int]:
     """{slot: drafts to verify} for the step's rows (a row whose breaker is cooling down: 0)."""
-    rows = [b for b in stale if speculating[b]]
+    rows = [b for b in stale if speculating[b]]  # (np.array of the rows, not np.stack: 3x less host time)
     if mode == "budget":
         if costs is None:
             raise EngineError("batch_widths='budget' prices widths with the measured costs: use adaptive widths "
                               "(SpecOptions(width=None)), or batch_widths='per_request'")
-        chosen = allocate_widths(np.stack([stale[b] for b in rows]), padded_cost(costs.draft_cost, costs.verify_costs))
+        chosen = allocate_widths(np.array([stale[b] for b in rows]), padded_cost(costs.draft_cost, costs.verify_costs))
         widths = dict(zip(rows, chosen.tolist()))
     elif isinstance(policy, AdaptiveWidth) and rows:
-        widths = dict(zip(rows, policy.widths(np.stack([stale[b] for b in rows])).tolist()))
+        widths = dict(zip(rows, policy.widths(np.array([stale[b] for b in rows])).tolist()))
     else:
         widths = {b: int(policy(stale[b])) for b in rows}
     if mode == "padded":
@@ -73,7 +73,7 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     `switch` = (the call issued last: a width, "decode" or None, the seconds issuing another costs;
     `costs.LiveCosts.switch_price`): every call but that one is priced that much dearer."""
     rows = list(widths)
-    expected = policy.expected_tokens(np.stack([stale[b] for b in rows]))
+    expected = policy.expected_tokens(np.array([stale[b] for b in rows]))
     own = np.array([widths[b] for b in rows])[:, None]
     probe, lift = (np.array([b in group for b in rows])[:, None] for group in (probing, lifted))
     stay, switch_cost = switch
@@ -137,7 +137,7 @@ def pause_where_drafting_does_not_pay(policy: AdaptiveWidth, stale: dict[int, np
     rows = [b for b in stale if speculating[b] and not sequences[b].probing]
     if not rows:
         return
-    for b, pays in zip(rows, policy.drafting_pays(np.stack([stale[b] for b in rows])).tolist()):
+    for b, pays in zip(rows, policy.drafting_pays(np.array([stale[b] for b in rows])).tolist()):
         if pays:
             sequences[b].drafting_pays()
         else:

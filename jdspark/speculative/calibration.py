@@ -21,6 +21,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
+ROWS_ONE_BY_ONE = 4  # `Calibration.apply` scales at most this many rows one by one (faster for few)
+
 
 class Calibration:
     """Per-position ratios (realized acceptance / stale confidence), greedy and sampled apart. Rows
@@ -69,12 +71,24 @@ class Calibration:
         return np.ones(self.reached.shape[1], np.float32) if ratio is None else ratio
 
     def apply(self, stale: dict[int, np.ndarray], greedy: dict[int, bool]) -> dict[int, np.ndarray]:
-        """Calibrated stale confidences [gamma] of a step's rows (by slot), each at most 1."""
-        out = {}
-        for b, c in stale.items():
-            ratio = self._ratios[bool(greedy[b])]
-            out[b] = c if ratio is None else np.minimum(c * ratio, np.float32(1.0))
-        return out
+        """Calibrated stale confidences [gamma] of a step's rows (by slot), each at most 1. A step
+        pays this on the host: row by row up to `ROWS_ONE_BY_ONE` rows, else in one array operation
+        (timeit, the 2-core CPU: 1.0 us for 1 row one by one against 3.2 in one operation, 14.9
+        against 7.2 for 16, 60.4 against 20.1 for 64)."""
+        if self._ratios[False] is None and self._ratios[True] is None:
+            return stale
+        if len(stale) <= ROWS_ONE_BY_ONE:
+            out = {}
+            for b, c in stale.items():
+                ratio = self._ratios[bool(greedy[b])]
+                out[b] = c if ratio is None else np.minimum(c * ratio, np.float32(1.0))
+            return out
+        ones = np.ones(self.reached.shape[1], np.float32)
+        ratio = {g: ones if r is None else r for g, r in self._ratios.items()}
+        rows = list(stale)
+        scaled = np.minimum(np.array([stale[b] for b in rows]) * np.array([ratio[bool(greedy[b])] for b in rows]),
+                            np.float32(1.0))
+        return dict(zip(rows, scaled))
 
     def __call__(self, stale: np.ndarray, greedy: bool) -> np.ndarray:
         """One row's calibrated stale confidences [gamma]."""

@@ -69,3 +69,19 @@ def test_a_step_of_rows_learns_what_its_rows_one_at_a_time_teach():
         alone.observe([row], [g])
     for name in ("reached", "accepted", "confidence"):
         np.testing.assert_allclose(getattr(together, name), getattr(alone, name), rtol=1e-12)
+
+
+def test_a_step_of_many_rows_is_scaled_as_each_row_alone():
+    """`apply` scales many rows in one array operation and few one by one: the same bits either way,
+    greedy and sampled rows mixed, one kind learned and the other not (fresh random confidences)."""
+    rng = np.random.default_rng(3)
+    calibration = Calibration(GAMMA, decay=1.0, min_rows=1, fold_every=1)
+    calibration.observe(rows_accepting(rng, 50, rng.random(GAMMA), [0.9, 0.8, 0.7, 0.6, 0.5]), [True] * 50)
+    for n in (1, 3, 16, 64):
+        stale = {3 * b: rng.random(GAMMA).astype(np.float32) for b in range(n)}
+        greedy = {b: b % 2 == 0 for b in stale}  # the first row greedy (learned), then alternating
+        scaled = calibration.apply(stale, greedy)
+        for b in stale:
+            alone = calibration(stale[b], greedy[b])
+            assert scaled[b].dtype == alone.dtype and np.array_equal(scaled[b], alone)
+        assert any(not np.array_equal(scaled[b], stale[b]) for b in stale if greedy[b])
