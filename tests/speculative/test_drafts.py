@@ -55,6 +55,7 @@ def fresh_proposal(model, committed: np.ndarray, anchor: int) -> dspark.Proposal
 
 def test_drafts_equal_a_recomputation_over_the_committed_context(dspark_engine, dspark_model):
     engine = dspark_engine
+    saved = engine.policy()  # the shared engine's, restored below for the tests after this one
     engine.set_policy(speculative=True, width_policy=lambda confidence: 3, overlap=False)  # each step read whole
     first = engine.add(PROMPT, SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True))
     rid, tokens = first.request_id, list(first.tokens)
@@ -64,7 +65,7 @@ def test_drafts_equal_a_recomputation_over_the_committed_context(dspark_engine, 
             contexts.append((np.concatenate([PROMPT, tokens[:-1]]).astype(np.int32), tokens[-1]))
             tokens += engine.step()[rid].tokens
     engine.cancel(rid)
-    engine.set_policy(overlap=True)
+    engine.set_policy(**saved)
     accepted = [r.rows[0].n_accepted for r in records]
     assert 0 in accepted[2:] and max(accepted) > 0, accepted  # rejections and acceptances behind the checks
     for step in (3, 6, 8):
