@@ -28,11 +28,15 @@ def _engine(model, max_seq_len: int, monkeypatch, workers: str, store: str = "1"
 
 
 def test_workers_build_the_executables_the_engine_would(dspark_model, monkeypatch, caplog):
-    """Each worker logs its phases. Mutation caught: a recipe that drops a setting the programs
-    depend on (the workers' keys differ, nothing is delivered), or workers that store nothing."""
+    """Each worker logs its phases. Here the GPU memory outside the engine is said to hold two
+    compiles (`concurrent_compiles`), so three workers asked for become two of one compile each.
+    Mutation caught: a recipe that drops a setting the programs depend on (the workers' keys differ,
+    nothing is delivered), or workers that store nothing."""
+    monkeypatch.setattr(compiling, "device_memory_outside_this_process", lambda: 2.5 * 2 ** 30)
     with caplog.at_level(logging.INFO, logger=compiling.__name__):
-        engine = _engine(dspark_model, 88, monkeypatch, workers="2")
+        engine = _engine(dspark_model, 88, monkeypatch, workers="3")
     assert engine.exe.count == 4 and engine.exe.from_workers == 4 and engine.exe.loaded == 0
+    assert "compile workers: 2, at most 1 compiles each" in caplog.text
     assert "compile worker 1: 2 programs; started in" in caplog.text
     alone = _engine(dspark_model, 88, monkeypatch, workers="0", store="0")  # compiled here, stored nowhere
     prompt = np.array([5, 9, 2, 14, 7, 7, 1, 12], np.int32)
