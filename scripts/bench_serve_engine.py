@@ -154,7 +154,6 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
     begin = clock()
     admit(min(concurrency, args.requests))
     tokens = 0
-    step_walls = []  # (ms, whether the step read a verify call) of every Engine.step
     timeline = []  # every step: [ms since the level began, its wall ms, rows of the call it read, that call:
     # its width, "decode", or None (it read no decode / verify call)]
     with engine.record_steps() as records, collections_timed() as gc_pauses:
@@ -162,7 +161,6 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             before = clock()
             deltas = engine.step()
             now = clock()
-            step_walls.append(((now - before) * 1e3, engine.last_step is not None))
             read = engine.last_step
             timeline.append([round((before - begin) * 1e3, 3), round((now - before) * 1e3, 3),
                              len(read.rows) if read else 0, (read.width if read.drafted_call else "decode") if read else None])
@@ -216,10 +214,10 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             "tokens_per_step": tokens / max(len(records), 1),
             # where the level's wall went besides the verify reads: steps that read only a prefill (or
             # nothing), the garbage collector's pauses, and the slowest steps (stalls)
-            "other_steps": {"steps": sum(not v for _, v in step_walls),
-                            "ms": sum(ms for ms, v in step_walls if not v)},
+            "other_steps": {"steps": sum(call is None for *_, call in timeline),
+                            "ms": sum(ms for _, ms, _, call in timeline if call is None)},
             "gc": {"collections": len(gc_pauses), "ms": sum(gc_pauses), "max_ms": max(gc_pauses, default=0.0)},
-            "slowest_steps_ms": sorted((round(ms, 2) for ms, _ in step_walls), reverse=True)[:5],
+            "slowest_steps_ms": sorted((round(ms, 2) for _, ms, *_ in timeline), reverse=True)[:5],
             "timeline": timeline}
 
 

@@ -29,13 +29,13 @@ class PendingPrompt:
         return self.ids[self.done:self.done + size]
 
 
-def prompts_to_prefill(pending: int, budget_rows: int, prefill_buckets, running: bool) -> int:
+def prompts_to_prefill(pending: int, budget_rows: int, buckets, running: bool) -> int:
     """Prompts a step prefills: `budget_rows` (the prefill budget) beside running requests; with none
-    running no one waits on the call, so as many as fill the largest prefill bucket they can fill
-    (no padded row: a wave of 16 prompts is one call, not 16)."""
+    running no one waits on the call, so as many as fill the largest batch bucket they can fill (no
+    padded row: a wave of 16 prompts is one call, not 16)."""
     if running:
         return budget_rows
-    return max([budget_rows, *(b for b in prefill_buckets if b <= pending)])
+    return max([budget_rows, *(b for b in buckets if b <= pending)])
 
 
 def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:

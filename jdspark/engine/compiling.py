@@ -46,14 +46,12 @@ def thread_pool(jobs: int, most: int | None = None) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=max(1, min(jobs, os.cpu_count() or 1, most or jobs)))
 
 
-def concurrent_compiles(free_bytes: float | None, largest_operand: int) -> int | None:
-    """How many programs may compile at once in worker processes beside this one on its GPU (None:
-    no bound). XLA's autotuner allocates a fusion's operands on the device, and the largest are
+def concurrent_compiles(free_bytes: float, largest_operand: int) -> int:
+    """How many programs may compile at once in worker processes beside this one on its GPU, with
+    `free_bytes` outside its pool (`device_memory_outside_this_process`). XLA's autotuner allocates a fusion's operands on the device, and the largest are
     stacked parameters: at Flash dims (8 layers, 64 slots) on an H100, three of four workers ran out
     of memory allocating 4.02 GiB beside the engine's 41 GB of weights (docs/BENCHMARKS.md). Each
     compile is given twice the largest operand and `AUTOTUNE_SLACK_BYTES`."""
-    if free_bytes is None:
-        return None
     return max(1, int(free_bytes // (2 * largest_operand + AUTOTUNE_SLACK_BYTES)))
 
 
@@ -175,11 +173,11 @@ def compile_in_workers(exe, decode, draft_cache, keys: list, count: int) -> None
     (`concurrent_compiles`). Each worker's phases are logged (start-up, lowering, compiling); a
     failed worker is logged with its error, and its programs stay missing."""
     start = time.perf_counter()
-    largest = max(a.nbytes for a in jax.tree.leaves((exe.params.arrays, decode, draft_cache)))
     free = device_memory_outside_this_process()
-    at_once = concurrent_compiles(free, largest)
     threads = None
-    if at_once is not None:
+    if free is not None:
+        largest = max(a.nbytes for a in jax.tree.leaves((exe.params.arrays, decode, draft_cache)))
+        at_once = concurrent_compiles(free, largest)
         count = min(count, at_once)
         threads = max(1, at_once // count)
         log.info("compile workers: %d, at most %d compiles each (%.1f GiB of the GPU outside this process, the "

@@ -182,7 +182,7 @@ class Engine:
         """One prefill call: the next chunk of each of these slots' prompts, in the smallest bucket
         that holds them. A prompt whose last chunk it holds is no longer pending: its request runs
         from the next step on (its first token, the call's sample, is the state's anchor)."""
-        bucket = self.exe.prefill_bucket(len(live))
+        bucket = self.config.bucket(len(live))
         rows = call_slots(live, bucket, self.config.max_batch)
         ids, n_valid, reset = prefill_inputs(rows, {b: self._pending[b] for b in live}, self.exe.prefill_chunk)
         out, self.state, self.draft_cache = self.exe.buckets[bucket].prefill(
@@ -297,7 +297,7 @@ class Engine:
         self.last_step = None
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
-        rows = prompts_to_prefill(len(self._pending), self.prefill_rows, self.exe.prefill_buckets, bool(running))
+        rows = prompts_to_prefill(len(self._pending), self.prefill_rows, self.config.buckets, bool(running))
         issued = [self._issue_prefill(list(self._pending)[:rows])] if self._pending else []
         if running:
             issued.append(self._issue_verify(running))

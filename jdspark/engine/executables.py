@@ -170,10 +170,9 @@ class Executables:
         if self.scripted_acceptance is not None:
             log.warning("scripted acceptance %.2f: drafts are accepted by script, not verified (benchmarks "
                         "only; the tokens are not the model's)", self.scripted_acceptance)
+        # every bucket prefills too: beside running requests the budget's rows, with none as many pending
+        # prompts as fill a bucket (`batch.prompts_to_prefill`), and `Engine.add_many` every new one
         self.buckets = {n: Bucket() for n in engine.buckets}
-        # every bucket prefills: beside running requests the budget's rows, with none all the pending
-        # prompts that fill a bucket (`Engine._prefill_rows`), and `Engine.add_many` every new one
-        self.prefill_buckets = tuple(sorted({*engine.buckets, engine.max_batch}))
         self.lower_seconds = 0.0
         self.loaded = 0  # executables loaded from disk by `compile` (exe_cache)
         self.from_workers = 0  # executables `compile` had compile workers build (`compiling`)
@@ -198,11 +197,7 @@ class Executables:
 
     @property
     def count(self) -> int:
-        return len(self.prefill_buckets) + sum(1 + len(b.step) for b in self.buckets.values())
-
-    def prefill_bucket(self, n: int) -> int:
-        """The smallest bucket with a prefill that holds n rows."""
-        return next(b for b in self.prefill_buckets if b >= n)
+        return sum(2 + len(b.step) for b in self.buckets.values())  # prefill, decode, step[k]
 
     def compile(self, decode, draft_cache) -> None:
         """Lower and compile every executable for these (example) arguments' shapes.
@@ -241,10 +236,9 @@ class Executables:
         params, programs = self.params.arrays, {}
         for b in self.buckets:
             slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)
-            if b in self.prefill_buckets:
-                ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
-                counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
-                programs[b, "prefill"] = self._prefill, (params, decode, draft_cache, ids, counts, flags, slots)
+            ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
+            counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
+            programs[b, "prefill"] = self._prefill, (params, decode, draft_cache, ids, counts, flags, slots)
             programs[b, "decode"] = self._decode, (params, decode, draft_cache, slots)
             for k in self.widths:
                 programs[b, k] = self.step_function(k), (params, decode, draft_cache, slots)
