@@ -32,12 +32,19 @@ to a power of two >= 16 (Triton's smallest dot); under `Tiles.swap` each dot is 
 expert's output features fill the MMA's M side and the few rows its N side. Calls of at most
 `Tiles.gemv_rows` rows take a third form, per-row products and sums with no dot (`_moe_gemv`).
 Block shapes are powers of two; every dimension must be a multiple of its tile (checked: `supported`).
+
+That slot form runs every row of the call against every distinct expert (R x min(R K, E) row
+products for the R K a call needs), so it suits calls of a few rows. `grouped_moe` is the same two
+kernels over the (row, choice) pairs sorted by expert into blocks of 16 rows, one expert's per block
+(`pair_blocks`, the layout of vLLM's fused MoE and megablox's grouped matmul): a call of many rows (a
+verify batch of 64 x 6) then computes about its R K pairs, reading each expert once per block.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -165,26 +172,112 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
         tiles = dataclasses.replace(tiles, decode="offset")
     if tiles.gemv_rows:
         return _combine(_moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles, skip_missing), slot)
-    dtype = x.dtype
     rp = max(16, 1 << (r - 1).bit_length())
-    xp = jnp.zeros((rp, d), dtype).at[:r].set(x)
+    xp = jnp.zeros((rp, d), x.dtype).at[:r].set(x)
     dense_t = jnp.zeros((m, rp, 1), jnp.float32).at[:, :r, 0].set(dense.T)
+    out = _gate_up_down(xp, experts, dense_t, w1, w3, w2, fmt, limit, interpret, tiles, skip_missing)
+    return _combine(out, slot)
+
+
+def _gate_up_down(act, experts, dense_t, w1, w3, w2, fmt, limit, interpret, tiles, skip) -> jax.Array:
+    """The two dot-form kernels over M slots: act [Rp, D] (every slot's rows) or [M, Rp, D] (each
+    slot its own rows), dense_t [M, Rp, 1] each row's routing weight on the slot's expert ->
+    per-slot outputs [M, Rp, D] in act's dtype."""
+    m, rp, d, dtype = experts.shape[0], act.shape[-2], act.shape[-1], act.dtype
+    f = w1[0].shape[1]
     params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     experts = experts.astype(jnp.int32)
-
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, fmt=fmt, k=d, limit=limit, dtype=dtype, tiles=tiles, skip=skip_missing),
+        functools.partial(_gate_up_kernel, fmt=fmt, k=d, limit=limit, dtype=dtype, tiles=tiles, skip=skip,
+                          per_slot=act.ndim == 3),
         out_shape=jax.ShapeDtypeStruct((m, rp, f), dtype),
         grid=(m, f // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
-    )(experts, dense_t, *_activations(fmt, xp), *w1, *w3)
-    out = pl.pallas_call(
-        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(w2), tiles=tiles, skip=skip_missing),
+    )(experts, dense_t, *_activations(fmt, act), *w1, *w3)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(w2), tiles=tiles, skip=skip),
         out_shape=jax.ShapeDtypeStruct((m, rp, d), dtype),
         grid=(m, d // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_down",
     )(experts, *_activations(fmt, h), *w2)
-    return _combine(out, slot)
+
+
+# ---- the grouped form: (row, choice) pairs sorted by expert into blocks of BLOCK_ROWS ------------
+
+BLOCK_ROWS = 16  # rows of one block: Triton's smallest dot, the rows the slot form pads 1..16 to
+
+
+class PairBlocks(NamedTuple):
+    """A call's (row, choice) pairs laid out by expert (`pair_blocks`): block b holds up to BLOCK_ROWS
+    pairs of expert experts[b] (-1: an empty block), position p = b * BLOCK_ROWS + i holds the pair of
+    row rows[p] with routing weight weights[p] (0 in unused positions), and the pair (r, k) sits at
+    position at[r, k] (n_blocks * BLOCK_ROWS where it was dropped)."""
+
+    experts: jax.Array  # [n_blocks] int32
+    rows: jax.Array  # [n_blocks * BLOCK_ROWS] int32
+    weights: jax.Array  # [n_blocks * BLOCK_ROWS] float32
+    at: jax.Array  # [R, K] int32
+
+
+def pair_blocks(idx: jax.Array, weights: jax.Array, n_experts: int) -> PairBlocks:
+    """The blocked layout of idx / weights [R, K] (static shapes: at most min(P, (P + U (BLOCK_ROWS - 1))
+    // BLOCK_ROWS) blocks for P = R K pairs and U = min(E, P) distinct experts, since expert e takes
+    ceil(c_e / BLOCK_ROWS) blocks for its c_e pairs). A pair of expert < 0 or weight 0 adds nothing
+    and is dropped (no block row computes it). A stable sort keeps each expert's pairs in row order."""
+    r, k = idx.shape
+    pairs, bm = r * k, BLOCK_ROWS
+    n_blocks = min(pairs, (pairs + min(n_experts, pairs) * (bm - 1)) // bm)
+    expert = idx.reshape(-1).astype(jnp.int32)
+    weight = weights.reshape(-1).astype(jnp.float32)
+    key = jnp.where((expert >= 0) & (weight != 0), expert, n_experts)  # dropped pairs sort last
+    order = jnp.argsort(key, stable=True)
+    sorted_key = key[order]
+    count = jnp.bincount(key, length=n_experts + 1)[:n_experts]
+    first_pair = jnp.cumsum(count) - count  # the expert's first pair in sorted order
+    first_block = jnp.cumsum((count + bm - 1) // bm) - (count + bm - 1) // bm
+    e = jnp.minimum(sorted_key, n_experts - 1)
+    place = first_block[e] * bm + jnp.arange(pairs) - first_pair[e]
+    place = jnp.where(sorted_key < n_experts, place, n_blocks * bm)  # out of range: dropped
+    size = n_blocks * bm
+    at = jnp.zeros((pairs,), jnp.int32).at[order].set(place.astype(jnp.int32))
+    return PairBlocks(
+        experts=jnp.full((n_blocks,), -1, jnp.int32).at[place // bm].set(sorted_key, mode="drop"),
+        rows=jnp.zeros((size,), jnp.int32).at[place].set((order // k).astype(jnp.int32), mode="drop"),
+        weights=jnp.zeros((size,), jnp.float32).at[place].set(weight[order], mode="drop"),
+        at=at.reshape(r, k))
+
+
+def grouped_supported(fmt: str, d: int, f: int, tiles: Tiles | None = None, n_experts: int = 1) -> bool:
+    """Whether `grouped_moe` handles these sizes: `supported`'s rules for the dot form, any row count."""
+    return supported(fmt, d, f, BLOCK_ROWS, dataclasses.replace(tiles or TILES, gemv_rows=0), n_experts)
+
+
+def grouped_moe(x, idx, weights, w1, w3, w2, *, fmt: str, limit: float, interpret: bool = False,
+                tiles: Tiles | None = None) -> jax.Array:
+    """`ref_moe` for calls of many rows, float32 [R, D]. The slot form (`moe`) runs every row against
+    every distinct expert of the call: R x min(R K, E) row products for R K needed, and R <= 64. Here
+    each block of BLOCK_ROWS pairs of one expert reads that expert's tiles once for its rows (an
+    expert chosen by more than BLOCK_ROWS rows is read once per block), so a call computes about R K
+    rows plus under one block per distinct expert. idx / weights [R, K]: each row's experts and
+    routing weights (`pair_blocks` drops pairs of expert -1 or weight 0). The same kernels as the
+    slot form, always with 16-row tiles: a row's output has the same bits whatever the call's size,
+    and the slot form's for calls of up to 16 rows (a `gpu` test). The combine sums each row's K pair
+    outputs in router order (as `_combine`)."""
+    tiles = dataclasses.replace(tiles or TILES, gemv_rows=0)
+    r, d = x.shape
+    if not grouped_supported(fmt, d, w1[0].shape[1], tiles, w1[0].shape[0]):
+        raise ValueError(f"grouped moe kernel: unsupported sizes fmt={fmt} D={d} F={w1[0].shape[1]}; use ref_moe")
+    if interpret and tiles.decode == "prmt":
+        tiles = dataclasses.replace(tiles, decode="offset")
+    blocks = pair_blocks(idx, weights, w1[0].shape[0])
+    n_blocks = blocks.experts.shape[0]
+    act = jnp.take(x, blocks.rows, axis=0).reshape(n_blocks, BLOCK_ROWS, d)
+    out = _gate_up_down(act, blocks.experts, blocks.weights.reshape(n_blocks, BLOCK_ROWS, 1), w1, w3, w2,
+                        fmt, limit, interpret, tiles, skip=True).reshape(n_blocks * BLOCK_ROWS, d)
+    total = jnp.zeros((r, d), jnp.float32)
+    for j in range(idx.shape[1]):  # a dropped pair's position is past the end: it reads 0
+        total = total + jnp.take(out, blocks.at[:, j], axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+    return total
 
 
 def _activations(fmt: str, a: jax.Array) -> tuple[jax.Array, ...]:
@@ -364,11 +457,13 @@ def _loop_k(e, n: int, body, init, skip: bool):
     return jax.lax.cond(e >= 0, lambda acc: jax.lax.fori_loop(0, n, body, acc), lambda acc: acc, init)
 
 
-def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles, skip=False):
+def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles, skip=False, per_slot=False):
     n_act = 2 if fmt == "fp4" else 1
     n_w = (len(refs) - n_act - 1) // 2
     act_refs, w1_refs, w3_refs, h_ref = refs[:n_act], refs[n_act:n_act + n_w], refs[n_act + n_w:-1], refs[-1]
     slot, tile = pl.program_id(0), pl.program_id(1)
+    if per_slot:  # [M, Rp, K]: this slot's own rows (the grouped form's block)
+        act_refs = [_SlotRef(ref, slot) for ref in act_refs]
     e = experts_ref[slot]
     row0 = pl.multiple_of(tile * tiles.out, tiles.out)
     rp = h_ref.shape[1]

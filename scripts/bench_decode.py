@@ -29,7 +29,8 @@ every expert decoded and run on every row), `dequant_linear` (FP8 linears but `w
 bfloat16 weight per call), `fp8_scaled_x` (FP8 linears but `wo_a` of <= 16 rows as one batched dot
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
 former MoE and linears), `pallas` (the routed experts through the in-place kernel
-`pallas_kernels.moe`), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
+`pallas_kernels.moe`), `grouped` (that kernel's grouped form at every row count: the model
+takes it from `moe.GROUPED_MIN_ROWS` rows), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
 faster alone, but a decode then rounds differently from the verify of the same row), `per_layer`
 (every block traced and lowered on its own, not once per kind: `block.shared_extend`; compile time
 and run time beside `current`).
@@ -64,6 +65,7 @@ from flax import nnx
 from jdspark.config import CSA_RATIO, EngineConfig, QuantConfig, flash_config, pro_config, tiny_config
 from jdspark.engine.packed import SMALL_BYTES, PackedParams
 from jdspark.model import dsv4
+from jdspark.model import moe as moe_module
 from jdspark.model import state as state_lib
 from jdspark.model.dequant import (E2M1_VALUES, FP4_BLOCK, FP8_BLOCK, fp8_block_dequant, fp8_block_matmul,
                                    fp8_scaled_x_matmul)
@@ -265,6 +267,9 @@ PATCHES["pallas"] = PATCHES["xla"] = []
 # "pallas_gemv": one row in the kernel's gemv form (faster alone, not batch-invariant with the dot form).
 PATCHES["pallas_gemv"] = [(moe_kernels, "TILES", dataclasses.replace(moe_kernels.TILES, gemv_rows=1, gemv_out=16))]
 EXPERTS_IMPLEMENTATION["pallas_gemv"] = "pallas"
+# "grouped": the kernel's grouped form at every row count (the model takes it from GROUPED_MIN_ROWS rows).
+PATCHES["grouped"] = [(moe_module, "GROUPED_MIN_ROWS", 1)]
+EXPERTS_IMPLEMENTATION["grouped"] = "pallas"
 
 
 def with_experts_implementation(graphdef, params, name: str):
@@ -401,7 +406,9 @@ def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, r
 
 def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[dict]:
     """One routed-expert layer alone (layer 0 of a 1-layer `config`), per implementation:
-    ms per call of Experts(x [R, D], weights, idx) with R rows choosing K experts at random."""
+    ms per call of Experts(x [R, D], weights, idx) with R rows choosing K experts at random.
+    "pallas" is what the model runs (the kernel's slot form, its grouped form from GROUPED_MIN_ROWS
+    rows), "grouped" the grouped form below that too."""
     graphdef, params = random_params(config, dtype, storage)
     experts = nnx.merge(graphdef, params).layers[0].ffn.experts
     per_expert = sum(nbytes(a) for a in jax.tree.leaves(nnx.state(experts))) / config.n_routed_experts
@@ -413,12 +420,15 @@ def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[d
         w = jnp.asarray(rng.uniform(0.1, 1, idx.shape), jnp.float32)
         x = jnp.asarray(rng.standard_normal((rows, config.hidden_size)), dtype)
         distinct = len(np.unique(np.asarray(idx)))
-        for impl in ("xla", "pallas", "every_expert"):
-            experts.implementation = "xla" if impl == "every_expert" else impl
+        for impl in ("xla", "pallas", "grouped", "every_expert"):
+            if impl == "grouped" and rows >= moe_module.GROUPED_MIN_ROWS:
+                continue  # "pallas" is the grouped form already
+            experts.implementation = {"every_expert": "xla", "grouped": "pallas"}.get(impl, impl)
             fn = _ref_experts if impl == "every_expert" else (lambda m, x, w, i: m(x, w, i))
             try:
                 start = time.perf_counter()
-                compiled = jax.jit(fn).lower(experts, x, w, idx).compile()
+                with variant("grouped" if impl == "grouped" else "current"):
+                    compiled = jax.jit(fn).lower(experts, x, w, idx).compile()
                 compile_s = time.perf_counter() - start
                 for _ in range(3):
                     compiled(experts, x, w, idx).block_until_ready()

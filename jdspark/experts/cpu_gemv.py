@@ -3,7 +3,7 @@
 `moe_forward(bank, x, ids, weights, limit=...)` is the host part of one MoE layer: x [R, D] float32
 (the MoE input after ffn_norm, in the model dtype's values), ids [R, K] global expert ids, weights
 [R, K] routing weights -> [R, D] float32, the sum over k of the experts that live in `bank` (pairs
-whose expert is not in the bank contribute nothing: the GPU computes them). The arithmetic follows
+whose expert is not in the bank, or is -1, contribute nothing: the GPU computes them, or no one). The arithmetic follows
 `jdspark.model.moe.Experts`:
 
     gate, up = x W1^T, x W3^T            fp32 accumulation, rounded to the model dtype
@@ -156,9 +156,10 @@ class Plan:
             raise ValueError(f"ids {list(ids.shape)} and weights {list(np.shape(weights))}: expected both [R, K]")
         r, k = ids.shape
         flat = ids.reshape(-1).astype(np.int64)
-        if flat.size and (flat.min() < 0 or flat.max() >= bank.n_experts):
-            raise ValueError(f"expert ids must lie in [0, {bank.n_experts}), got {flat.min()}..{flat.max()}")
-        slots = bank.slot_of[flat]
+        if flat.size and (flat.min() < -1 or flat.max() >= bank.n_experts):
+            raise ValueError(f"expert ids must lie in [0, {bank.n_experts}) or be -1 (no expert), got "
+                             f"{flat.min()}..{flat.max()}")
+        slots = np.where(flat >= 0, bank.slot_of[flat], -1)
         keep = np.flatnonzero(slots >= 0).astype(np.int32)
         order = keep[np.argsort(slots[keep], kind="stable")]
         s_sorted = slots[order]

@@ -111,13 +111,15 @@ class HybridExperts(Experts):
 
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [N, D], routing weights [N, K], expert ids [N, K] -> float32 [N, D]."""
+        host_idx = jnp.where(weights != 0, idx, -1)  # a pair of weight 0 adds nothing: the host skips it
         if self.via == "callback":
             y = jax.pure_callback(self.host_forward, jax.ShapeDtypeStruct(x.shape, jnp.float32), x,
-                                  idx.astype(jnp.int32), weights.astype(jnp.float32), vmap_method="broadcast_all")
+                                  host_idx.astype(jnp.int32), weights.astype(jnp.float32),
+                                  vmap_method="broadcast_all")
             return y if self.w1 is None else self._device_part(x, weights, idx) + y
         split = pcie_split(self.slot_of[...], idx, self.pcie_share, len(self.bank.expert_ids)) \
             if self.host_mapped is not None else None
-        cpu_idx = idx if split is None else jnp.where(split.on_cpu, idx, -1)
+        cpu_idx = host_idx if split is None else jnp.where(split.on_cpu, host_idx, -1)
         pending = None
         if self.pcie_share < 1.0:
             pending = host_ffi.start(self.bank_key, x, cpu_idx, weights, limit=self.limit,
@@ -137,7 +139,11 @@ class HybridExperts(Experts):
         return total + host_ffi.finish(self.bank_key, pending)
 
     def _device_part(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
-        """The device experts' part: host experts' slots gather a device expert with weight 0."""
+        """The device experts' part: host experts' slots gather a device expert with weight 0 (in the
+        grouped form, their pairs are dropped)."""
+        if self._grouped(x):
+            on_host = self.on_host[...][idx]
+            return self._grouped_call(x, jnp.where(on_host, 0.0, weights), jnp.where(on_host, -1, self.local[...][idx]))
         experts, slot = expert_slots(idx, self.n_experts)
         dense = jnp.where(self.on_host[...][experts][None], 0.0, routing_matrix(weights, slot, experts.shape[0]))
         return self._selected(x, self.local[...][experts], dense, slot)
@@ -205,7 +211,8 @@ class _Timed:
     def __call__(self, x, ids, weights):
         start = time.perf_counter()
         y = self.call(x, ids, weights)
-        held = self.bank.slot_of[np.asarray(ids).reshape(-1)]
+        ids = np.asarray(ids).reshape(-1)
+        held = np.where(ids >= 0, self.bank.slot_of[ids], -1)
         self.counts["calls"] += 1
         self.counts["seconds"] += time.perf_counter() - start
         self.counts["experts"] += len(np.unique(held[held >= 0]))

@@ -55,7 +55,8 @@ class Block(nnx.Module):
         """x [B, S, C, D] streams of a chunk after `length` held tokens -> (streams, updated cache)."""
         u, post, comb = self.hc_attn.pre(x)
         out, cache = self.attn.extend(self.attn_norm(u), positions, cache, length, n_valid)
-        return self._ffn(HyperConnection.post(out, x, post, comb), ids), cache
+        kept = jnp.arange(ids.shape[1]) < n_valid[:, None]
+        return self._ffn(HyperConnection.post(out, x, post, comb), ids, kept), cache
 
     def draft(self, x: jax.Array, positions: jax.Array, ids: jax.Array, ring: jax.Array,
               length: jax.Array) -> jax.Array:
@@ -64,9 +65,9 @@ class Block(nnx.Module):
         out = self.attn.draft(self.attn_norm(u), positions, ring, length)
         return self._ffn(HyperConnection.post(out, x, post, comb), ids)
 
-    def _ffn(self, x: jax.Array, ids: jax.Array) -> jax.Array:
+    def _ffn(self, x: jax.Array, ids: jax.Array, kept: jax.Array | None = None) -> jax.Array:
         u, post, comb = self.hc_ffn.pre(x)
-        return HyperConnection.post(self.ffn(self.ffn_norm(u), ids), x, post, comb)
+        return HyperConnection.post(self.ffn(self.ffn_norm(u), ids, kept), x, post, comb)
 
 
 def shared_extend():

@@ -112,6 +112,20 @@ class Experts(nnx.Module):
             return False
         return moe_kernels.supported(fmt, d, f, rows, n_experts=self.n_experts)
 
+    def _grouped(self, x: jax.Array) -> bool:
+        """Whether a call of x [N, D] runs the kernel's grouped form (`pallas_kernels.moe.grouped_moe`):
+        where the kernel would run but N is past the slot form's GROUPED_MIN_ROWS - 1 rows."""
+        fmt, (w1, *_) = self.w1.stored()
+        n, d, f = x.shape[0], x.shape[-1], w1.shape[1]
+        return n >= GROUPED_MIN_ROWS and self._kernel(fmt, 1, d, f) and \
+            moe_kernels.grouped_supported(fmt, d, f, n_experts=self.n_experts)
+
+    def _grouped_call(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
+        """The grouped form over idx [N, K] (-1: no expert) and its routing weights: fp32 [N, D]."""
+        (fmt, w1), (_, w3), (_, w2) = self.w1.stored(), self.w3.stored(), self.w2.stored()
+        return moe_kernels.grouped_moe(x, idx, weights, w1, w3, w2, fmt=fmt, limit=self.limit,
+                                       interpret=interpret_mode())
+
     def __call__(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """x [N, D], routing weights [N, K] and expert indices [N, K] -> fp32 [N, D].
 
@@ -119,9 +133,13 @@ class Experts(nnx.Module):
         slots, static). Every row is computed against the M gathered experts and weighted by a dense
         [N, M] routing matrix, exactly zero where a row did not select the slot's expert: the same
         arithmetic as running every expert with a dense [N, E] matrix (the test oracle), restricted
-        to the experts some row selected. On a mesh, `_sharded`."""
+        to the experts some row selected. Calls of GROUPED_MIN_ROWS rows or more, where the kernel
+        runs, take its grouped form, which computes each row against its own K experts only. On a
+        mesh, `_sharded`."""
         if self.mesh is not None:
             return self._sharded(x, weights, idx)
+        if self._grouped(x):
+            return self._grouped_call(x, weights, idx)
         experts, slot = expert_slots(idx, self.n_experts)
         return self._selected(x, experts, routing_matrix(weights, slot, experts.shape[0]), slot)
 
@@ -183,6 +201,14 @@ def sum_expert_outputs(out: jax.Array, dtype) -> jax.Array:
 # docs/BENCHMARKS.md, "Decode at Flash dimensions".
 KERNEL_MIN_WEIGHTS = 1 << 20
 
+# Calls of this many rows or more run the kernel's grouped form (`pallas_kernels.moe.grouped_moe`):
+# the slot form takes at most 64 rows, and past them the XLA gather decoded up to every expert of the
+# layer to bf16 (4 GiB a layer at Flash dims: a verify of 16 x 6 rows, a prefill bucket). Below, both
+# forms read each distinct expert about once (a slot, or a block of up to 16 pairs, per expert) and
+# decoding its tiles bounds them (docs/BENCHMARKS.md, the routed-expert kernel alone), so the slot
+# form, the one measured there, keeps them.
+GROUPED_MIN_ROWS = 65
+
 
 def expert_slots(idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
     """The distinct experts of a call, with static shapes: idx [N, K] -> (experts [M] int32, sorted
@@ -219,6 +245,16 @@ def routed_slots(weights: jax.Array, idx: jax.Array, n_experts: int) -> tuple[ja
     return experts, routing_matrix(weights, slot, experts.shape[0])
 
 
+def route_kept_rows_only(weights: jax.Array, idx: jax.Array, kept: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Routing [N, K] in which a row the call does not keep (kept [N] false: past a slot's n_valid, a
+    padding row of a batch bucket) takes the first kept row's experts with weight 0: it adds no
+    expert to the call's reads (a verify of mixed widths or a part-full bucket reads the experts of
+    its kept rows only, on the device and on the host) and, weighted 0, nothing to any output. The
+    kept rows' routing is untouched."""
+    first = jnp.argmax(kept)  # 0 when no row is kept: that call's reads do not matter
+    return jnp.where(kept[:, None], weights, 0.0), jnp.where(kept[:, None], idx, idx[first][None])
+
+
 class SharedExpert(nnx.Module):
     def __init__(self, config: DSV4Config, *, dtype, rngs: Keys, qat_sim: bool = False):
         d, f, qat = config.hidden_size, config.moe_intermediate_size, qat_sim
@@ -237,10 +273,13 @@ class MoE(nnx.Module):
         self.experts = Experts(config, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
         self.shared_experts = SharedExpert(config, dtype=dtype, rngs=rngs, qat_sim=qat_sim)
 
-    def __call__(self, x: jax.Array, ids: jax.Array) -> jax.Array:
-        """x [B, S, D] (after ffn_norm), ids [B, S] -> [B, S, D] in x.dtype."""
+    def __call__(self, x: jax.Array, ids: jax.Array, kept: jax.Array | None = None) -> jax.Array:
+        """x [B, S, D] (after ffn_norm), ids [B, S] -> [B, S, D] in x.dtype. kept [B, S] bool: the
+        rows the call keeps (None: all); the others read no expert (`route_kept_rows_only`)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat, ids.reshape(-1))
+        if kept is not None:
+            weights, idx = route_kept_rows_only(weights, idx, kept.reshape(-1))
         y = self.experts(flat, weights, idx) + self.shared_experts(flat).astype(jnp.float32)
         return y.astype(x.dtype).reshape(shape)

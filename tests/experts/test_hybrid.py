@@ -114,6 +114,35 @@ def bf16_valued_experts(ex):
     return ex
 
 
+@pytest.mark.parametrize("rows", [6, 70], ids=["slots", "grouped"])
+def test_device_part_through_the_kernel_equals_device_experts(rows):
+    """The device part of a hybrid layer through the routed-expert kernel (interpret mode here), in
+    its slot form and its grouped form (host pairs dropped), computes the all-device layer."""
+    ex = random_experts(FLASH, jnp.float32, seed=6, width=256)
+    ex.implementation = "pallas"
+    hybrid = HybridExperts(ex, [0, 3, 4, 9], dtype=jnp.float32)
+    rng = np.random.default_rng(7)
+    idx, w = routing(rng, rows, 12, 3, 12)
+    args = (jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32), jnp.asarray(w), jnp.asarray(idx))
+    assert rel(CALL(hybrid, *args), CALL(ex, *args)) <= F32_BOUND
+
+
+@pytest.mark.parametrize("via", ["ffi", "callback"])
+def test_pairs_of_weight_zero_read_no_host_expert(via):
+    """Rows a call does not keep route with weight 0 (`moe.route_kept_rows_only`): the host computes
+    none of their pairs, so their experts are not read there, and the output is the device layer's."""
+    ex = random_experts(FLASH, jnp.float32, seed=1)
+    hybrid = HybridExperts(ex, list(range(12)), dtype=jnp.float32, via=via)
+    idx = np.array([[0, 1, 2], [3, 4, 5], [6, 7, 8]], np.int32)
+    w = np.array([[0.5, 0.3, 0.2], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], np.float32)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 256)), jnp.float32)
+    hybrid.host_stats(reset=True)
+    got = CALL(hybrid, x, jnp.asarray(w), jnp.asarray(idx))
+    assert hybrid.host_stats()["experts"] == 3
+    assert rel(got, CALL(ex, x, jnp.asarray(w), jnp.asarray(idx))) <= F32_BOUND
+    np.testing.assert_array_equal(np.asarray(got)[1:], 0.0)
+
+
 def test_vmap_is_one_batched_call():
     ex = random_experts(FLASH, jnp.float32, seed=1)
     hybrid = HybridExperts(ex, [2, 7], dtype=jnp.float32)

@@ -164,12 +164,16 @@ def test_routed_slots_hold_each_selected_expert_once():
 
 
 @pytest.mark.parametrize("storage", [Storage(), FLASH, BASE], ids=["float", "fp4", "fp8_f32"])
-def test_routed_expert_kernel_in_the_model_equals_the_gather_path(storage):
-    """implementation="pallas" (interpret mode here) computes what the XLA gather path does."""
+@pytest.mark.parametrize("rows", [6, 70], ids=["slots", "grouped"])
+def test_routed_expert_kernel_in_the_model_equals_the_gather_path(storage, rows):
+    """implementation="pallas" (interpret mode here) computes what the XLA gather path does, in the
+    kernel's slot form and, from GROUPED_MIN_ROWS rows, its grouped form."""
+    from jdspark.model.moe import GROUPED_MIN_ROWS
+    assert (rows >= GROUPED_MIN_ROWS) == (rows == 70)
     ex = random_experts(storage, jnp.bfloat16, seed=5, width=256)
     rng = np.random.default_rng(12)
-    idx, w = routing(rng, 6, 12, 3, 5)
-    x = jnp.asarray(rng.standard_normal((6, 256)), jnp.bfloat16)
+    idx, w = routing(rng, rows, 12, 3, 5)
+    x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
     want = jax.jit(lambda m, x, w, i: m(x, w, i))(ex, x, jnp.asarray(w), jnp.asarray(idx))
     ex.implementation = "pallas"
     got = jax.jit(lambda m, x, w, i: m(x, w, i))(ex, x, jnp.asarray(w), jnp.asarray(idx))

@@ -232,3 +232,98 @@ def test_skip_missing_compiled(fmt, scale_dtype, rows):
         pytest.skip("needs a GPU")
     check_skip_missing(fmt, scale_dtype, rows, jnp.bfloat16, interpret=False)
     check_skip_missing(fmt, scale_dtype, rows, jnp.float32, interpret=False, tiles=GEMV_TILES)
+
+
+# ---- the grouped form ------------------------------------------------------------------------------
+
+def grouped_inputs(fmt, rows, seed, dtype, scale_dtype="e8m0"):
+    """(x, idx, weights, w1, w3, w2) with experts repeated across rows and some pairs dropped (weight 0,
+    or expert -1 in `dropped_idx`), and the slot-form arguments of the same call for `ref_moe`."""
+    x, _, _, _, *ws = inputs(fmt, rows, seed, dtype, scale_dtype)
+    rng = np.random.default_rng(seed + 100)
+    pool = rng.permutation(E)[:max(K, min(E, rows))]
+    idx = np.stack([rng.choice(pool, K, replace=False) for _ in range(rows)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (rows, K)).astype(np.float32)
+    weights[rng.random((rows, K)) < 0.2] = 0.0
+    experts, dense = routed_slots(jnp.asarray(weights), jnp.asarray(idx), E)
+    slot_args = (x, experts, dense, expert_slots(jnp.asarray(idx), E)[1], *ws)
+    dropped_idx = np.where(weights == 0, -1, idx)
+    return (x, jnp.asarray(dropped_idx), jnp.asarray(weights), *ws), slot_args
+
+
+def check_grouped(fmt, scale_dtype, rows, dtype, interpret):
+    from pallas_kernels.moe import grouped_moe
+    args, slot_args = grouped_inputs(fmt, rows, seed=rows, dtype=dtype, scale_dtype=scale_dtype)
+    got = np.asarray(jax.jit(lambda *a: grouped_moe(*a, fmt=fmt, limit=4.0, interpret=interpret))(*args))
+    want = np.asarray(jax.jit(lambda *a: ref_moe(*a, fmt=fmt, limit=4.0))(*slot_args))
+    scale = np.abs(want).max()
+    assert got.shape == (rows, D) and scale > 0
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(got, want, atol=tol * scale, rtol=0)
+
+
+@pytest.mark.parametrize("fmt,scale_dtype", CASES, ids=[f"{f}-{s}" for f, s in CASES])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_grouped_equals_ref_interpret(fmt, scale_dtype, rows):
+    check_grouped(fmt, scale_dtype, rows, jnp.float32 if rows == 1 else jnp.bfloat16, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,scale_dtype", CASES, ids=[f"{f}-{s}" for f, s in CASES])
+@pytest.mark.parametrize("rows,dtype", [(6, jnp.bfloat16), (100, jnp.bfloat16), (384, jnp.bfloat16),
+                                        (40, jnp.float32)], ids=["6", "100", "384", "40-f32"])
+def test_grouped_equals_ref_compiled(fmt, scale_dtype, rows, dtype):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    check_grouped(fmt, scale_dtype, rows, dtype, interpret=False)
+
+
+@pytest.mark.gpu
+def test_grouped_rows_equal_the_slot_form_bitwise():
+    """Batch invariance across the forms: a row's output from the grouped form of a 100-row call is
+    bitwise the slot form's for that row alone (both run 16-row tiles of the same kernels)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    from pallas_kernels.moe import grouped_moe
+    (x, idx, weights, *ws), _ = grouped_inputs("fp4", 100, seed=5, dtype=jnp.bfloat16)
+    full = np.asarray(jax.jit(lambda *a: grouped_moe(*a, fmt="fp4", limit=4.0))(x, idx, weights, *ws))
+    slot_form = jax.jit(lambda *a: moe(*a, fmt="fp4", limit=4.0))
+    for r in (0, 17, 99):
+        keep = np.asarray(weights[r]) != 0
+        i, w = np.asarray(idx[r])[keep][None], np.asarray(weights[r])[keep][None]
+        experts, dense = routed_slots(jnp.asarray(w), jnp.asarray(i), E)
+        one = np.asarray(slot_form(x[r:r + 1], experts, dense, expert_slots(jnp.asarray(i), E)[1], *ws))
+        np.testing.assert_array_equal(one[0].view(np.uint32), full[r].view(np.uint32))
+
+
+@pytest.mark.parametrize("rows,k,n_experts,shape", [(7, 3, 10, "random"), (40, 2, 64, "one expert"),
+                                                    (34, 1, 2, "17 each"), (5, 4, 300, "distinct")])
+def test_pair_blocks_place_every_kept_pair_once_within_the_bound(rows, k, n_experts, shape):
+    """Each kept pair sits at one position of a block of its expert, with its row and weight; blocks
+    are one expert's; dropped pairs (expert -1, weight 0) sit nowhere; the static block count holds
+    even when every expert overflows a block by one pair."""
+    from pallas_kernels.moe import BLOCK_ROWS, pair_blocks
+    rng = np.random.default_rng(rows)
+    if shape == "one expert":
+        idx = np.zeros((rows, k), np.int32) + np.arange(k)
+    elif shape == "17 each":
+        idx = (np.arange(rows * k) % n_experts).reshape(rows, k).astype(np.int32)
+    else:
+        idx = np.stack([rng.choice(n_experts, k, replace=False) for _ in range(rows)]).astype(np.int32)
+    weights = rng.uniform(0.1, 1.0, (rows, k)).astype(np.float32)
+    weights[0, 0] = 0.0
+    idx[-1, -1] = -1
+    b = jax.jit(pair_blocks, static_argnums=2)(jnp.asarray(idx), jnp.asarray(weights), n_experts)
+    experts, prow, pw, at = (np.asarray(a) for a in b)
+    size = experts.size * BLOCK_ROWS
+    kept = (idx >= 0) & (weights != 0)
+    assert (at[~kept] == size).all()
+    places = at[kept]
+    assert len(set(places.tolist())) == places.size and (places < size).all()
+    np.testing.assert_array_equal(experts[places // BLOCK_ROWS], idx[kept])
+    np.testing.assert_array_equal(prow[places], np.nonzero(kept)[0])
+    np.testing.assert_array_equal(pw[places], weights[kept])
+    unused = np.setdiff1d(np.arange(size), places)
+    assert (pw[unused] == 0).all()
+    used_blocks = np.unique(places // BLOCK_ROWS)
+    assert (experts[np.setdiff1d(np.arange(experts.size), used_blocks)] == -1).all()
