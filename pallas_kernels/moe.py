@@ -5,8 +5,8 @@ equals `ref_moe` (plain jnp: gather the selected experts' stored arrays, decode 
 float32 summation order. Inputs:
 - x [R, D] in the compute dtype (bfloat16 or float32);
 - experts [M] int32, the distinct experts of the call (`jdspark.model.moe.routed_slots`: sorted,
-  padded with a repeated expert) and dense [R, M] float32, each row's routing weight on each slot
-  (0 where the row did not select it);
+  padded with -1, a missing expert that no program reads) and dense [R, M] float32, each row's
+  routing weight on each slot (0 where the row did not select it);
 - slot [R, K] int32, the slot of each row's k-th choice (for the combine);
 - each projection as stored (`fmt`): "bf16" (weight [E, out, in] in any float dtype), "fp8" (e4m3
   [E, out, in] + block scales [E, out/128, in/128], e8m0 bytes or float32) or "fp4" (ds_fp4: int8
@@ -124,6 +124,7 @@ def ref_moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, inte
     sum_k (swiglu(x w1^T, x w3^T) * w_k) w2^T of each row's slots. Returns float32 [R, D]."""
     del interpret
     dtype = x.dtype
+    experts = jnp.maximum(experts, 0)  # a missing slot (-1) has routing weight 0: any expert stands in
     take = lambda stored: decode(fmt, tuple(jnp.take(a, experts, axis=0) for a in stored), dtype)
     gate = jnp.einsum("nd,efd->nef", x, take(w1), preferred_element_type=jnp.float32)
     up = jnp.einsum("nd,efd->nef", x, take(w3), preferred_element_type=jnp.float32)
@@ -156,11 +157,11 @@ def supported(fmt: str, d: int, f: int, rows: int, tiles: Tiles | None = None, n
 
 
 def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpret: bool = False,
-        tiles: Tiles | None = None, skip_missing: bool = False) -> jax.Array:
+        tiles: Tiles | None = None) -> jax.Array:
     """`ref_moe` as two Pallas kernels reading each distinct expert in place once. float32 [R, D].
-    `skip_missing`: a slot whose expert is negative reads nothing and outputs zeros (its routing
-    weights must be 0): for experts read over PCIe (`jdspark.experts.hybrid`), where a padding slot
-    that re-read an expert would cost what a real one does."""
+    A slot whose expert is negative (a padding slot of `jdspark.model.moe.expert_slots`, a host
+    expert the PCIe share does not take) reads nothing and outputs zeros: re-reading an expert in
+    its place would cost the decode of its tiles, which bounds the kernel."""
     tiles = tiles or TILES
     r, d = x.shape
     m = experts.shape[0]
@@ -171,15 +172,15 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
     if interpret and tiles.decode == "prmt":  # inline PTX has no interpreter; "offset" gives the same values
         tiles = dataclasses.replace(tiles, decode="offset")
     if tiles.gemv_rows:
-        return _combine(_moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles, skip_missing), slot)
+        return _combine(_moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles), slot)
     rp = max(16, 1 << (r - 1).bit_length())
     xp = jnp.zeros((rp, d), x.dtype).at[:r].set(x)
     dense_t = jnp.zeros((m, rp, 1), jnp.float32).at[:, :r, 0].set(dense.T)
-    out = _gate_up_down(xp, experts, dense_t, w1, w3, w2, fmt, limit, interpret, tiles, skip_missing)
+    out = _gate_up_down(xp, experts, dense_t, w1, w3, w2, fmt, limit, interpret, tiles)
     return _combine(out, slot)
 
 
-def _gate_up_down(act, experts, dense_t, w1, w3, w2, fmt, limit, interpret, tiles, skip) -> jax.Array:
+def _gate_up_down(act, experts, dense_t, w1, w3, w2, fmt, limit, interpret, tiles) -> jax.Array:
     """The two dot-form kernels over M slots: act [Rp, D] (every slot's rows) or [M, Rp, D] (each
     slot its own rows), dense_t [M, Rp, 1] each row's routing weight on the slot's expert ->
     per-slot outputs [M, Rp, D] in act's dtype."""
@@ -188,14 +189,14 @@ def _gate_up_down(act, experts, dense_t, w1, w3, w2, fmt, limit, interpret, tile
     params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     experts = experts.astype(jnp.int32)
     h = pl.pallas_call(
-        functools.partial(_gate_up_kernel, fmt=fmt, k=d, limit=limit, dtype=dtype, tiles=tiles, skip=skip,
+        functools.partial(_gate_up_kernel, fmt=fmt, k=d, limit=limit, dtype=dtype, tiles=tiles,
                           per_slot=act.ndim == 3),
         out_shape=jax.ShapeDtypeStruct((m, rp, f), dtype),
         grid=(m, f // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
     )(experts, dense_t, *_activations(fmt, act), *w1, *w3)
     return pl.pallas_call(
-        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(w2), tiles=tiles, skip=skip),
+        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(w2), tiles=tiles),
         out_shape=jax.ShapeDtypeStruct((m, rp, d), dtype),
         grid=(m, d // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_down",
@@ -273,7 +274,7 @@ def grouped_moe(x, idx, weights, w1, w3, w2, *, fmt: str, limit: float, interpre
     n_blocks = blocks.experts.shape[0]
     act = jnp.take(x, blocks.rows, axis=0).reshape(n_blocks, BLOCK_ROWS, d)
     out = _gate_up_down(act, blocks.experts, blocks.weights.reshape(n_blocks, BLOCK_ROWS, 1), w1, w3, w2,
-                        fmt, limit, interpret, tiles, skip=True).reshape(n_blocks * BLOCK_ROWS, d)
+                        fmt, limit, interpret, tiles).reshape(n_blocks * BLOCK_ROWS, d)
     total = jnp.zeros((r, d), jnp.float32)
     for j in range(idx.shape[1]):  # a dropped pair's position is past the end: it reads 0
         total = total + jnp.take(out, blocks.at[:, j], axis=0, mode="fill", fill_value=0).astype(jnp.float32)
@@ -448,16 +449,14 @@ def _tile_dot(act: jax.Array, w: jax.Array, tiles: Tiles) -> jax.Array:
     return _dot_t(w, act) if tiles.swap else _dot_t(act, w)
 
 
-def _loop_k(e, n: int, body, init, skip: bool):
-    """fori_loop(0, n, body, init) over K's steps; under `skip`, a missing expert (e < 0) runs no
-    step and returns `init`. A branch around a static loop: Triton's scf.for took no traced bound
-    (its lowering gave the bounds different types)."""
-    if not skip:
-        return jax.lax.fori_loop(0, n, body, init)
+def _loop_k(e, n: int, body, init):
+    """fori_loop(0, n, body, init) over K's steps; a missing expert (e < 0) runs no step and returns
+    `init`. A branch around a static loop: Triton's scf.for took no traced bound (its lowering gave
+    the bounds different types)."""
     return jax.lax.cond(e >= 0, lambda acc: jax.lax.fori_loop(0, n, body, acc), lambda acc: acc, init)
 
 
-def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles, skip=False, per_slot=False):
+def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles, per_slot=False):
     n_act = 2 if fmt == "fp4" else 1
     n_w = (len(refs) - n_act - 1) // 2
     act_refs, w1_refs, w3_refs, h_ref = refs[:n_act], refs[n_act:n_act + n_w], refs[n_act + n_w:-1], refs[-1]
@@ -474,14 +473,14 @@ def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles, 
                 up + _partial(fmt, e, row0, c, act_refs, w3_refs, dtype, tiles))
 
     zero = jnp.zeros((tiles.out, rp) if tiles.swap else (rp, tiles.out), jnp.float32)
-    gate, up = _loop_k(e, k // tiles.step(fmt), step, (zero, zero), skip)
+    gate, up = _loop_k(e, k // tiles.step(fmt), step, (zero, zero))
     if tiles.swap:
         gate, up = gate.T, up.T
     h = swiglu(gate.astype(dtype), up.astype(dtype), limit) * dense_ref[slot, :, :]
     h_ref[slot, :, pl.ds(row0, tiles.out)] = h.astype(dtype)
 
 
-def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles, skip=False):
+def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles):
     act_refs, w_refs, out_ref = refs[:-n_w - 1], refs[-n_w - 1:-1], refs[-1]
     slot, tile = pl.program_id(0), pl.program_id(1)
     e = experts_ref[slot]
@@ -494,7 +493,7 @@ def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles, skip=False):
         return acc + _partial(fmt, e, row0, c, slot_acts, w_refs, dtype, tiles)
 
     zero = jnp.zeros((tiles.out, rp) if tiles.swap else (rp, tiles.out), jnp.float32)
-    acc = _loop_k(e, k // tiles.step(fmt), step, zero, skip)
+    acc = _loop_k(e, k // tiles.step(fmt), step, zero)
     out_ref[slot, :, pl.ds(row0, tiles.out)] = (acc.T if tiles.swap else acc).astype(dtype)
 
 
@@ -511,7 +510,7 @@ class _SlotRef:
 
 # ---- the gemv form: no tl.dot, no row padding -----------------------------------------------------
 
-def _moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles, skip=False) -> jax.Array:
+def _moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles) -> jax.Array:
     """Both kernels as per-row products and sums: each program decodes its weight tile once per
     loop step and multiplies it with each of the R rows (unrolled), so no MMA operand layout and
     no padded rows. Under `tiles.skip_rows`, a row that did not select the program's expert (its
@@ -521,7 +520,7 @@ def _moe_gemv(x, experts, dense, w1, w3, w2, fmt, limit, interpret, tiles, skip=
     m, f, dtype = experts.shape[0], w1[0].shape[1], x.dtype
     params = pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     experts, dense_t = experts.astype(jnp.int32), dense.T.astype(jnp.float32)
-    kernel = functools.partial(_gemv_kernel, fmt=fmt, rows=r, limit=limit, dtype=dtype, tiles=tiles, skip=skip)
+    kernel = functools.partial(_gemv_kernel, fmt=fmt, rows=r, limit=limit, dtype=dtype, tiles=tiles)
     h = pl.pallas_call(
         functools.partial(kernel, k=d, n_w=2 * len(w1), per_slot=False),
         out_shape=jax.ShapeDtypeStruct((m, r, f), dtype), grid=(m, f // tiles.out),
@@ -576,7 +575,7 @@ def _gemv_product(fmt, w: tuple, act: tuple) -> jax.Array:
     return jnp.sum(w[0] * act[0].astype(jnp.float32)[None], axis=1)
 
 
-def _gemv_kernel(experts_ref, dense_ref, *refs, fmt, k, rows, limit, dtype, tiles, n_w, per_slot, skip=False):
+def _gemv_kernel(experts_ref, dense_ref, *refs, fmt, k, rows, limit, dtype, tiles, n_w, per_slot):
     """gate/up (refs: x, w1, w3; h = swiglu * dense) or down (per_slot: the slot's own rows of h,
     then w2) for one slot and `out` output features; dense [M, R] is each row's routing weight."""
     n_act = 2 if fmt == "fp4" else 1
@@ -607,8 +606,7 @@ def _gemv_kernel(experts_ref, dense_ref, *refs, fmt, k, rows, limit, dtype, tile
         return tuple(new)
 
     shape = (tiles.out, step_k // FP4_BLOCK) if fmt == "fp4" else (tiles.out,)
-    acc = _loop_k(e, k // step_k, step, tuple(jnp.zeros(shape, jnp.float32) for _ in range(rows * len(groups))),
-                  skip)
+    acc = _loop_k(e, k // step_k, step, tuple(jnp.zeros(shape, jnp.float32) for _ in range(rows * len(groups))))
     sums = [jnp.sum(a, axis=1) if fmt == "fp4" else a for a in acc]
     cols = pl.ds(row0, tiles.out)
     for i in range(rows):

@@ -30,7 +30,8 @@ bfloat16 weight per call), `fp8_scaled_x` (FP8 linears but `wo_a` of <= 16 rows 
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
 former MoE and linears), `pallas` (the routed experts through the in-place kernel
 `pallas_kernels.moe`), `grouped` (that kernel's grouped form at every row count: the model
-takes it from `moe.GROUPED_MIN_ROWS` rows), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
+takes it from `moe.GROUPED_MIN_ROWS` rows), `padding_read` (the kernel's unused slots re-reading
+expert E-1, as before they were missing), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
 faster alone, but a decode then rounds differently from the verify of the same row), `per_layer`
 (every block traced and lowered on its own, not once per kind: `block.shared_extend`; compile time
 and run time beside `current`).
@@ -267,6 +268,18 @@ PATCHES["pallas"] = PATCHES["xla"] = []
 # "pallas_gemv": one row in the kernel's gemv form (faster alone, not batch-invariant with the dot form).
 PATCHES["pallas_gemv"] = [(moe_kernels, "TILES", dataclasses.replace(moe_kernels.TILES, gemv_rows=1, gemv_out=16))]
 EXPERTS_IMPLEMENTATION["pallas_gemv"] = "pallas"
+
+
+def _slots_padded_with_last_expert(idx, n_experts):
+    """`expert_slots` before unused slots were missing (-1): they repeated expert E-1, which the
+    kernel decoded once per unused slot."""
+    experts, slot = _EXPERT_SLOTS(idx, n_experts)
+    return jnp.where(experts >= 0, experts, n_experts - 1), slot
+
+
+_EXPERT_SLOTS = moe_module.expert_slots
+# "padding_read": the routed experts' unused slots re-read expert E-1 (the kernel before this session).
+PATCHES["padding_read"] = [(moe_module, "expert_slots", _slots_padded_with_last_expert)]
 # "grouped": the kernel's grouped form at every row count (the model takes it from GROUPED_MIN_ROWS rows).
 PATCHES["grouped"] = [(moe_module, "GROUPED_MIN_ROWS", 1)]
 EXPERTS_IMPLEMENTATION["grouped"] = "pallas"

@@ -19,6 +19,8 @@
 #       SERVE_SECONDS, MODES; the 2026-12-02 runs: SERVE_ARGS="--max-running 16 --buckets 1 16"
 #       CONCURRENCY="1 16" MODES="none fixed5 per_request" ROUNDS=2)
 #   bash scripts/device_bench.sh sweep            (issue 23: routed-expert kernel tilings, then the model)
+#   bash scripts/device_bench.sh kernel-tests many-rows   (the kernel's grouped form and missing slots compiled,
+#       then timed against the slot form and the former padding)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jdspark-out}; WORK=${WORK:-/tmp/jdspark-work}; mkdir -p "$OUT" "$WORK"
@@ -121,6 +123,13 @@ for part in "$@"; do
       timeout ${KERNEL_TEST_SECONDS:-240} python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu \
         tests/pallas_kernels/test_fp8_linear.py tests/pallas_kernels/test_moe.py ${KERNEL_TEST_K:+-k "$KERNEL_TEST_K"} 2>&1 | tail -12 \
         | tee "$OUT/kernel_gpu_tests.log" ;;
+    many-rows)  # issues 23 / 26: one routed-expert layer per row count (xla, the model's kernel form, the grouped
+      # form below 65 rows, every expert), then the 8-layer model at batch 1 / 4 / 16 with unused expert slots
+      # missing (current) and re-read (padding_read)
+      timeout ${MANY_ROWS_SECONDS:-420} python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 \
+        --storage fp8+fp4 --moe-layer 6 16 32 64 96 384 --rows 1 6 --batch 1 4 16 --runs 10 \
+        --variants current padding_read --json "$OUT/bench_decode_many_rows.json" 2>&1 | grep -v Warning \
+        | tee "$OUT/bench_decode_many_rows.log" ;;
     sweep)  # issue 23: the routed-expert kernel's tilings alone (R = 1, 2, 6), then the 8-layer model with the
       # default tiling at S = 1, 2, 6 with the per-sublayer split
       timeout ${SWEEP_SECONDS:-330} python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 \

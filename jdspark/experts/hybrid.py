@@ -46,7 +46,7 @@ from jdspark.experts.banks import ExpertBank
 from jdspark.experts.cpu_gemv import default_threads, host_callback
 from jdspark.experts.placement import Placement, plan_placement
 from jdspark.model.model import Model
-from jdspark.model.moe import Experts, ExpertWeights, MoE, expert_slots, routing_matrix
+from jdspark.model.moe import MISSING, Experts, ExpertWeights, MoE, expert_slots, routing_matrix
 
 
 # The GPU's share of a call's host experts where none is given, on a CUDA GPU (0 elsewhere: a CPU has
@@ -65,8 +65,8 @@ class HybridExperts(Experts):
     """The routed experts of one layer split by `host_ids`: the others stay on the device in their
     stored format (`w1`, `w3`, `w2` over the device experts only; None when all are on the host),
     `bank` holds the host ones, `host_mapped` views it for the GPU's PCIe share (None without one).
-    `local[e]` is global expert e's device index (host experts point at a neighbouring device expert,
-    which they gather with weight 0), `on_host[e]` where it lives, `slot_of[e]` its bank slot or -1."""
+    `local[e]` is global expert e's device index (for a host expert, a neighbouring device expert's:
+    an index in range), `on_host[e]` where it lives, `slot_of[e]` its bank slot or -1."""
 
     def __init__(self, experts: Experts, host_ids: Sequence[int], *, dtype, threads: int | None = None,
                  bank: ExpertBank | None = None, via: str = "ffi", pcie_share: float = 0.0):
@@ -139,14 +139,15 @@ class HybridExperts(Experts):
         return total + host_ffi.finish(self.bank_key, pending)
 
     def _device_part(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
-        """The device experts' part: host experts' slots gather a device expert with weight 0 (in the
-        grouped form, their pairs are dropped)."""
+        """The device experts' part: host experts' slots are missing (-1: the kernel reads nothing for
+        them, the gather a device expert at weight 0); in the grouped form their pairs are dropped."""
         if self._grouped(x):
             on_host = self.on_host[...][idx]
-            return self._grouped_call(x, jnp.where(on_host, 0.0, weights), jnp.where(on_host, -1, self.local[...][idx]))
+            return self._grouped_call(x, jnp.where(on_host, 0.0, weights), jnp.where(on_host, MISSING, self.local[...][idx]))
         experts, slot = expert_slots(idx, self.n_experts)
-        dense = jnp.where(self.on_host[...][experts][None], 0.0, routing_matrix(weights, slot, experts.shape[0]))
-        return self._selected(x, self.local[...][experts], dense, slot)
+        elsewhere = (experts < 0) | self.on_host[...][experts]  # unused slots and host experts: read nothing
+        dense = jnp.where(elsewhere[None], 0.0, routing_matrix(weights, slot, experts.shape[0]))
+        return self._selected(x, jnp.where(elsewhere, MISSING, self.local[...][experts]), dense, slot)
 
     def host_stats(self, *, reset: bool = False) -> dict:
         """{"calls", "seconds", "experts"}: the CPU calls of this layer, the seconds inside them (plan +
@@ -159,9 +160,7 @@ class HybridExperts(Experts):
 class MappedExperts(Experts):
     """A host bank as routed experts the GPU reads in place: w1, w3, w2 over the bank's slots, their
     arrays views of its pinned memory (`jdspark.experts.mapped`; plain copies on a CPU backend). Its
-    experts are bank slots; a negative one is a padding slot that reads nothing (`skip_missing`)."""
-
-    skip_missing = True
+    experts are bank slots; a negative one is a padding slot that reads nothing."""
 
     def __init__(self, experts: Experts, bank: ExpertBank):
         names = {"w1": ("w1", "s1"), "w3": ("w3", "s3"), "w2": ("w2", "s2")}

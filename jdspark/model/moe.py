@@ -100,10 +100,6 @@ class Experts(nnx.Module):
         # are not measured with it and keep the gather).
         self.implementation = "auto"
 
-    # Whether a negative expert index names a missing expert (a padding slot: zero routing weight)
-    # that the kernel must not read: experts read over PCIe (`jdspark.experts.hybrid.MappedExperts`).
-    skip_missing = False
-
     def _kernel(self, fmt: str, rows: int, d: int, f: int) -> bool:
         """Whether this call runs the in-place kernel (`implementation`, sizes, no QAT rounding of h)."""
         if self.qat_sim or resolve_implementation(self.implementation) != "pallas":
@@ -150,14 +146,13 @@ class Experts(nnx.Module):
         (_, w3), (_, w2) = self.w3.stored(), self.w2.stored()
         if self._kernel(fmt, x.shape[0], x.shape[-1], w1[0].shape[1]):
             return moe_kernels.moe(x, experts, dense, slot, w1, w3, w2, fmt=fmt, limit=self.limit,
-                                   interpret=interpret_mode(), skip_missing=self.skip_missing)
+                                   interpret=interpret_mode())
         return sum_expert_outputs(self._outputs(x, experts, dense), x.dtype)
 
     def _outputs(self, x: jax.Array, experts: jax.Array, dense: jax.Array) -> jax.Array:
         """Each gathered expert's weighted output, fp32 [N, M, D] (before the rounding to x.dtype)."""
         dtype = x.dtype
-        if self.skip_missing:  # a missing expert's slot has routing weight 0: any expert stands in
-            experts = jnp.maximum(experts, 0)
+        experts = jnp.maximum(experts, 0)  # a missing slot (-1) has routing weight 0: any expert stands in
         if self.qat_sim:
             x = fp8_sim(x, 128)
         gate = jnp.einsum("nd,efd->nef", x, self.w1.take(experts, dtype), preferred_element_type=jnp.float32)
@@ -214,11 +209,13 @@ def expert_slots(idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
     """The distinct experts of a call, with static shapes: idx [N, K] -> (experts [M] int32, sorted
     ascending for N > 1, slot [N, K] int32 with experts[slot] == idx), M = min(N*K, E).
 
-    Unused slots repeat the last expert E-1 (a valid index, so gathers stay in bounds, and the
-    order stays sorted); every choice maps to the first slot holding its expert, so padding slots
-    are never chosen. jnp.unique (a sort) and jnp.searchsorted (all pairs compared). One row
-    (decode) needs neither: its K choices are distinct already (top-k, or a row of the hash table),
-    so they are the slots, in router order (~12 fewer kernels per MoE layer). A pairwise count over all choices
+    Unused slots hold MISSING (-1): no row chooses them, the kernel reads nothing for them and the
+    gather takes any expert at routing weight 0. (They had repeated expert E-1, which the kernel
+    decoded once per padding slot: a verify block whose rows share experts has many.) jnp.unique
+    (a sort, padded past every expert so it stays sorted) and jnp.searchsorted (all pairs
+    compared). One row (decode) needs neither: its K choices are distinct already (top-k, or a row
+    of the hash table), so they are the slots, in router order (~12 fewer kernels per MoE layer). A
+    pairwise count over all choices
     (5aa3aae) gives the same slots in fewer kernels (standalone on the H200: 2 / 5 kernels, 0.10 ms,
     against 22 / 35 and 0.18 / 0.34 ms at N = 1 / 6), yet made the whole step slower there (one run
     at 57cf0e2, Flash dims, 8 layers, ds_fp4, context 4K): extend S=1 7.09 against 5.78 ms with the
@@ -227,11 +224,14 @@ def expert_slots(idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
     if n == 1:
         return idx[0].astype(jnp.int32), jnp.arange(k, dtype=jnp.int32)[None]
     m = min(n * k, n_experts)
-    experts = jnp.unique(idx.reshape(-1).astype(jnp.int32), size=m, fill_value=n_experts - 1)
+    experts = jnp.unique(idx.reshape(-1).astype(jnp.int32), size=m, fill_value=n_experts)
     # compare_all, not the default binary search: that one is a while loop, which XLA runs outside the
     # step's CUDA graph with a device-to-host sync per iteration (~0.15 ms a layer on the H200)
     slot = jnp.searchsorted(experts, idx.astype(jnp.int32), side="left", method="compare_all")
-    return experts, slot.astype(jnp.int32)
+    return jnp.where(experts < n_experts, experts, MISSING), slot.astype(jnp.int32)
+
+
+MISSING = -1  # an unused slot's expert: read by no one
 
 
 def routing_matrix(weights: jax.Array, slot: jax.Array, m: int) -> jax.Array:

@@ -155,12 +155,12 @@ def test_routed_slots_hold_each_selected_expert_once():
     idx = jnp.asarray([[5, 2], [2, 7], [5, 2]], jnp.int32)
     w = jnp.asarray([[0.25, 0.5], [1.0, 2.0], [4.0, 8.0]], jnp.float32)
     experts, dense = routed_slots(w, idx, n_experts=9)
-    assert experts.tolist() == [2, 5, 7, 8, 8, 8]  # M = min(6, 9); padding repeats E-1 with weight 0
+    assert experts.tolist() == [2, 5, 7, -1, -1, -1]  # M = min(6, 9); padding slots are missing, weight 0
     np.testing.assert_array_equal(np.asarray(dense), [[0.5, 0.25, 0, 0, 0, 0], [1.0, 0, 2.0, 0, 0, 0],
                                                       [8.0, 4.0, 0, 0, 0, 0]])
     experts, dense = routed_slots(w, jnp.asarray([[8, 2], [2, 7], [8, 2]], jnp.int32), n_experts=9)
-    assert experts.tolist() == [2, 7, 8, 8, 8, 8]
-    np.testing.assert_array_equal(np.asarray(dense)[:, 2:].sum(0), [0.25 + 4.0, 0, 0, 0])  # first slot of 8 only
+    assert experts.tolist() == [2, 7, 8, -1, -1, -1]
+    np.testing.assert_array_equal(np.asarray(dense)[:, 2:].sum(0), [0.25 + 4.0, 0, 0, 0])  # expert 8's slot only
 
 
 @pytest.mark.parametrize("storage", [Storage(), FLASH, BASE], ids=["float", "fp4", "fp8_f32"])
@@ -182,8 +182,8 @@ def test_routed_expert_kernel_in_the_model_equals_the_gather_path(storage, rows)
 
 @pytest.mark.parametrize("rows,k,n_experts", [(1, 6, 256), (6, 6, 256), (64, 6, 256), (7, 3, 12), (100, 6, 256)])
 def test_expert_slots_equal_numpy_unique(rows, k, n_experts):
-    """The distinct experts, sorted and padded with E-1, and each choice's first slot, at decode, verify
-    and prefill sizes."""
+    """The distinct experts, sorted and padded with -1 (missing: read by no one), and each choice's
+    slot, at decode, verify and prefill sizes."""
     from jdspark.model.moe import expert_slots
     rng = np.random.default_rng(rows)
     pool = rng.permutation(n_experts)[:max(k, rows // 2)]
@@ -195,9 +195,9 @@ def test_expert_slots_equal_numpy_unique(rows, k, n_experts):
         return
     m = min(rows * k, n_experts)
     distinct = np.unique(idx)
-    want = np.concatenate([distinct, np.full(m - len(distinct), n_experts - 1)])
+    want = np.concatenate([distinct, np.full(m - len(distinct), -1)])
     np.testing.assert_array_equal(np.asarray(experts), want)
-    np.testing.assert_array_equal(np.asarray(slot), np.searchsorted(want, idx))
+    np.testing.assert_array_equal(np.asarray(slot), np.searchsorted(distinct, idx))
 
 
 @pytest.mark.parametrize("scale_dtype", ["e8m0", "float32"])

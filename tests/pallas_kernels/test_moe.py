@@ -200,15 +200,15 @@ def test_prmt_decoder_on_every_code_and_scale():
 
 
 
-def check_skip_missing(fmt, scale_dtype, rows, dtype, interpret, tiles=None):
-    """`skip_missing`: slots whose expert is -1 read nothing and add nothing; the result equals the
-    reference with those slots at routing weight 0. The kernel gets their weights left non-zero, so
-    a kernel that ran a missing slot (reading any expert in its place) would add to the rows."""
+def check_missing_slots(fmt, scale_dtype, rows, dtype, interpret, tiles=None):
+    """Slots whose expert is -1 read nothing and add nothing; the result equals the reference with
+    those slots at routing weight 0. The kernel gets their weights left non-zero, so a kernel that
+    ran a missing slot (reading any expert in its place) would add to the rows."""
     x, experts, dense, slot, *ws = inputs(fmt, rows, seed=rows + 7, dtype=dtype, scale_dtype=scale_dtype)
     used = np.unique(np.asarray(slot))
     missing = jnp.asarray(used[::2])  # every other used slot, the first among them
     experts = experts.at[missing].set(-1)
-    run = jax.jit(lambda *a: moe(*a, fmt=fmt, limit=4.0, interpret=interpret, tiles=tiles, skip_missing=True))
+    run = jax.jit(lambda *a: moe(*a, fmt=fmt, limit=4.0, interpret=interpret, tiles=tiles))
     got = np.asarray(run(x, experts, dense, slot, *ws))
     want = np.asarray(jax.jit(lambda *a: ref_moe(*a, fmt=fmt, limit=4.0))(
         x, jnp.maximum(experts, 0), dense.at[:, missing].set(0.0), slot, *ws))
@@ -219,19 +219,19 @@ def check_skip_missing(fmt, scale_dtype, rows, dtype, interpret, tiles=None):
 
 
 @pytest.mark.parametrize("fmt,scale_dtype", CASES, ids=[f"{f}-{s}" for f, s in CASES])
-def test_skip_missing_interpret(fmt, scale_dtype):
-    check_skip_missing(fmt, scale_dtype, 6, jnp.float32, interpret=True)
-    check_skip_missing(fmt, scale_dtype, 2, jnp.float32, interpret=True, tiles=GEMV_TILES)
+def test_missing_slots_interpret(fmt, scale_dtype):
+    check_missing_slots(fmt, scale_dtype, 6, jnp.float32, interpret=True)
+    check_missing_slots(fmt, scale_dtype, 2, jnp.float32, interpret=True, tiles=GEMV_TILES)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,scale_dtype", CASES, ids=[f"{f}-{s}" for f, s in CASES])
 @pytest.mark.parametrize("rows", [1, 6])
-def test_skip_missing_compiled(fmt, scale_dtype, rows):
+def test_missing_slots_compiled(fmt, scale_dtype, rows):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    check_skip_missing(fmt, scale_dtype, rows, jnp.bfloat16, interpret=False)
-    check_skip_missing(fmt, scale_dtype, rows, jnp.float32, interpret=False, tiles=GEMV_TILES)
+    check_missing_slots(fmt, scale_dtype, rows, jnp.bfloat16, interpret=False)
+    check_missing_slots(fmt, scale_dtype, rows, jnp.float32, interpret=False, tiles=GEMV_TILES)
 
 
 # ---- the grouped form ------------------------------------------------------------------------------
@@ -327,3 +327,32 @@ def test_pair_blocks_place_every_kept_pair_once_within_the_bound(rows, k, n_expe
     assert (pw[unused] == 0).all()
     used_blocks = np.unique(places // BLOCK_ROWS)
     assert (experts[np.setdiff1d(np.arange(experts.size), used_blocks)] == -1).all()
+
+
+def flash_stored(fmt):
+    """Abstract stored projections (w1, w3, w2) of 256 experts at Flash dims, D 4096 / F 2048."""
+    e, d, f = 256, 4096, 2048
+    if fmt == "fp4":
+        make = lambda o, i: (jax.ShapeDtypeStruct((e, o, i // 2), jnp.int8), jax.ShapeDtypeStruct((e, o, i // 32), jnp.uint8))
+    elif fmt == "fp8":
+        make = lambda o, i: (jax.ShapeDtypeStruct((e, o, i), jnp.float8_e4m3fn),
+                             jax.ShapeDtypeStruct((e, o // 128, i // 128), jnp.uint8))
+    else:
+        make = lambda o, i: (jax.ShapeDtypeStruct((e, o, i), jnp.bfloat16),)
+    return make(f, d), make(f, d), make(d, f)
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8", "bf16"])
+def test_both_forms_lower_to_triton_ir(fmt):
+    """Lowering for CUDA (no GPU needed) builds both forms' Triton IR at Flash dims (the slot form at
+    6 rows, missing slots branching around the loop; the grouped form at 384 rows, per-block
+    activations): on every CI run, not only on the GPU machine."""
+    from pallas_kernels.moe import grouped_moe
+    w1, w3, w2 = flash_stored(fmt)
+    s = jax.ShapeDtypeStruct
+    slot_form = jax.jit(lambda *a: moe(*a, fmt=fmt, limit=10.0, interpret=False)).trace(
+        s((6, 4096), jnp.bfloat16), s((36,), jnp.int32), s((6, 36), jnp.float32), s((6, 6), jnp.int32), w1, w3, w2)
+    grouped = jax.jit(lambda *a: grouped_moe(*a, fmt=fmt, limit=10.0, interpret=False)).trace(
+        s((384, 4096), jnp.bfloat16), s((384, 6), jnp.int32), s((384, 6), jnp.float32), w1, w3, w2)
+    for traced in (slot_form, grouped):
+        assert traced.lower(lowering_platforms=("cuda",)).as_text().count("xla.gpu.triton") == 2
