@@ -138,6 +138,10 @@ class HybridExperts(Experts):
         total, pending = jax.lax.optimization_barrier((sum(parts), pending))  # ... and before the finish
         return total + host_ffi.finish(self.bank_key, pending)
 
+    def reads_per_expert(self, d: int) -> bool:
+        """The host pool reads each distinct host expert once a call (and skips pairs of weight 0)."""
+        return True
+
     def _device_part(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """The device experts' part: host experts' slots are missing (-1: the kernel reads nothing for
         them, the gather a device expert at weight 0); in the grouped form their pairs are dropped."""

@@ -108,6 +108,13 @@ class Experts(nnx.Module):
             return False
         return moe_kernels.supported(fmt, d, f, rows, n_experts=self.n_experts)
 
+    def reads_per_expert(self, d: int) -> bool:
+        """Whether calls (of inputs of width d) read only their distinct experts (the kernel's slot or
+        grouped form), so that routing rows to fewer experts reads fewer bytes; the XLA gather reads
+        its min(N K, E) slots whatever they hold."""
+        fmt, (w1, *_) = self.w1.stored()
+        return self.mesh is None and self._kernel(fmt, 1, d, w1.shape[1])
+
     def _grouped(self, x: jax.Array) -> bool:
         """Whether a call of x [N, D] runs the kernel's grouped form (`pallas_kernels.moe.grouped_moe`):
         where the kernel would run but N is past the slot form's GROUPED_MIN_ROWS - 1 rows."""
@@ -206,8 +213,9 @@ GROUPED_MIN_ROWS = 65
 
 
 def expert_slots(idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
-    """The distinct experts of a call, with static shapes: idx [N, K] -> (experts [M] int32, sorted
-    ascending for N > 1, slot [N, K] int32 with experts[slot] == idx), M = min(N*K, E).
+    """The distinct experts of a call, with static shapes: idx [N, K] -> (experts [M] int32, for N > 1
+    the distinct ones ascending and then the unused slots, slot [N, K] int32 with experts[slot] ==
+    idx), M = min(N*K, E).
 
     Unused slots hold MISSING (-1): no row chooses them, the kernel reads nothing for them and the
     gather takes any expert at routing weight 0. (They had repeated expert E-1, which the kernel
@@ -275,11 +283,12 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, ids: jax.Array, kept: jax.Array | None = None) -> jax.Array:
         """x [B, S, D] (after ffn_norm), ids [B, S] -> [B, S, D] in x.dtype. kept [B, S] bool: the
-        rows the call keeps (None: all); the others read no expert (`route_kept_rows_only`)."""
+        rows the call keeps (None: all); where the experts read per expert, the others read none
+        (`route_kept_rows_only`; elsewhere it would only add operations to the step)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, idx = self.gate(flat, ids.reshape(-1))
-        if kept is not None:
+        if kept is not None and self.experts.reads_per_expert(shape[-1]):
             weights, idx = route_kept_rows_only(weights, idx, kept.reshape(-1))
         y = self.experts(flat, weights, idx) + self.shared_experts(flat).astype(jnp.float32)
         return y.astype(x.dtype).reshape(shape)
