@@ -129,14 +129,23 @@ class HybridExperts(Experts):
         if self.w1 is not None:
             parts.append(self._device_part(x, weights, idx))
         if split is not None:
-            dense = routing_matrix(jnp.where(split.on_gpu, weights, 0.0), split.slot, split.experts.shape[0])
-            parts.append(self.host_mapped._selected(x, split.experts, dense, split.slot))
+            parts.append(self._pcie_part(x, weights, idx, split))
         if pending is None:
             return sum(parts)
         if not parts:
             return host_ffi.finish(self.bank_key, pending)
         total, pending = jax.lax.optimization_barrier((sum(parts), pending))  # ... and before the finish
         return total + host_ffi.finish(self.bank_key, pending)
+
+    def _pcie_part(self, x: jax.Array, weights: jax.Array, idx: jax.Array, split: PcieSplit) -> jax.Array:
+        """The GPU's PCIe share: the kernel reads its host experts in place (`host_mapped`); a call of
+        many rows in the kernel's grouped form, over the share's pairs (bank slots, the rest dropped)."""
+        mapped = self.host_mapped
+        if mapped._grouped(x):
+            return mapped._grouped_call(x, jnp.where(split.on_gpu, weights, 0.0),
+                                        jnp.where(split.on_gpu, self.slot_of[...][idx], MISSING))
+        dense = routing_matrix(jnp.where(split.on_gpu, weights, 0.0), split.slot, split.experts.shape[0])
+        return mapped._selected(x, split.experts, dense, split.slot)
 
     def reads_per_expert(self, d: int) -> bool:
         """The host pool reads each distinct host expert once a call (and skips pairs of weight 0)."""

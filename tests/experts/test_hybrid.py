@@ -114,13 +114,15 @@ def bf16_valued_experts(ex):
     return ex
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5], ids=["cpu", "pcie"])
 @pytest.mark.parametrize("rows", [6, 70], ids=["slots", "grouped"])
-def test_device_part_through_the_kernel_equals_device_experts(rows):
-    """The device part of a hybrid layer through the routed-expert kernel (interpret mode here), in
-    its slot form and its grouped form (host pairs dropped), computes the all-device layer."""
+def test_device_parts_through_the_kernel_equal_device_experts(rows, share):
+    """The device part of a hybrid layer and its PCIe share through the routed-expert kernel
+    (interpret mode here), in its slot form and its grouped form (the other pairs dropped), compute
+    the all-device layer."""
     ex = random_experts(FLASH, jnp.float32, seed=6, width=256)
     ex.implementation = "pallas"
-    hybrid = HybridExperts(ex, [0, 3, 4, 9], dtype=jnp.float32)
+    hybrid = HybridExperts(ex, [0, 3, 4, 9], dtype=jnp.float32, pcie_share=share)
     rng = np.random.default_rng(7)
     idx, w = routing(rng, rows, 12, 3, 12)
     args = (jnp.asarray(rng.standard_normal((rows, 256)), jnp.float32), jnp.asarray(w), jnp.asarray(idx))
