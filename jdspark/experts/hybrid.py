@@ -195,22 +195,33 @@ class PcieSplit(NamedTuple):
 
 def pcie_split(slot_of: jax.Array, idx: jax.Array, share: float, n_slots: int) -> PcieSplit:
     """The first round(share * n) of the call's n distinct host experts, by bank slot, go to the GPU;
-    the rest of the host pairs to the CPU. Pairwise comparisons over the N*K choices (N*K <= a few
-    hundred), so no sort: a few fused kernels."""
+    the rest of the host pairs to the CPU. Up to PAIRWISE_MAX pairs by pairwise comparisons (no sort:
+    a few fused kernels, for decode and verify); past that (a prefill) by a sort, where [P, P]
+    comparisons would take P^2 bytes (9.7 GB for a 64-row bucket of 256-token chunks)."""
     n, k = idx.shape
     bank_slot = slot_of[idx].reshape(-1)
     held = bank_slot >= 0
     pairs = n * k
-    earlier = jnp.tril(jnp.ones((pairs, pairs), bool), -1)
-    same = bank_slot[:, None] == bank_slot[None, :]
-    first = held & ~jnp.any(same & earlier, axis=1)  # the first pair of each distinct host expert
-    rank = jnp.sum(first[None, :] & (bank_slot[None, :] < bank_slot[:, None]), axis=1)
-    take = jnp.floor(share * jnp.sum(first) + 0.5).astype(jnp.int32)
-    on_gpu = held & (rank < take)
-    g = int(np.floor(share * min(pairs, n_slots) + 0.5))
-    experts = jnp.full((g + 2,), -1, jnp.int32).at[jnp.where(first & on_gpu, rank, g + 1)].set(bank_slot)[:g + 1]
+    g = int(np.floor(share * min(pairs, n_slots) + 0.5))  # the most distinct experts the share can take
+    if pairs <= PAIRWISE_MAX:
+        earlier = jnp.tril(jnp.ones((pairs, pairs), bool), -1)
+        same = bank_slot[:, None] == bank_slot[None, :]
+        first = held & ~jnp.any(same & earlier, axis=1)  # the first pair of each distinct host expert
+        rank = jnp.sum(first[None, :] & (bank_slot[None, :] < bank_slot[:, None]), axis=1)
+        take = jnp.floor(share * jnp.sum(first) + 0.5).astype(jnp.int32)
+        on_gpu = held & (rank < take)
+        experts = jnp.full((g + 2,), -1, jnp.int32).at[jnp.where(first & on_gpu, rank, g + 1)].set(bank_slot)[:g + 1]
+    else:
+        distinct = jnp.unique(jnp.where(held, bank_slot, n_slots), size=min(pairs, n_slots) + 1, fill_value=n_slots)
+        rank = jnp.searchsorted(distinct, bank_slot, side="left", method="sort")
+        take = jnp.floor(share * jnp.sum(distinct < n_slots) + 0.5).astype(jnp.int32)
+        on_gpu = held & (rank < take)
+        experts = jnp.where(jnp.arange(g + 1) < take, distinct[:g + 1], -1)
     slot = jnp.where(on_gpu, rank, g).astype(jnp.int32)
     return PcieSplit(experts, slot.reshape(n, k), on_gpu.reshape(n, k), (held & ~on_gpu).reshape(n, k))
+
+
+PAIRWISE_MAX = 2048  # pairs pcie_split compares pairwise ([P, P] bools: 4 MB at the bound)
 
 
 class _Timed:

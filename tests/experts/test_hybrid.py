@@ -80,10 +80,14 @@ def test_pcie_share_equals_device_experts(storage, dtype, share):
             assert rel(got, want) <= (F32_BOUND if dtype == jnp.float32 else 2 ** -7), (host, rows, rel(got, want))
 
 
-def test_pcie_split_gives_each_distinct_host_expert_to_one_share():
+@pytest.mark.parametrize("pairwise_max", [2048, 0], ids=["pairwise", "sorted"])
+def test_pcie_split_gives_each_distinct_host_expert_to_one_share(pairwise_max, monkeypatch):
     """The GPU takes the first round(q * n) of a call's n distinct host experts in bank order, every
     pair of an expert goes where its expert goes, the pairs of device experts go to neither, and the
-    share's slots hold the GPU's experts, then -1."""
+    share's slots hold the GPU's experts, then -1: by pairwise comparisons (decode, verify) and by a
+    sort (calls past PAIRWISE_MAX pairs)."""
+    from jdspark.experts import hybrid
+    monkeypatch.setattr(hybrid, "PAIRWISE_MAX", pairwise_max)
     rng = np.random.default_rng(0)
     slot_of = np.full(16, -1, np.int32)
     held = np.sort(rng.choice(16, 9, replace=False))
