@@ -35,6 +35,9 @@ expert E-1, as before they were missing), `pallas_gemv` (that kernel with one ro
 faster alone, but a decode then rounds differently from the verify of the same row), `per_layer`
 (every block traced and lowered on its own, not once per kind: `block.shared_extend`; compile time
 and run time beside `current`).
+`--kept 1 3` also times each S-row call with every row keeping only that many tokens (n_valid): a
+narrower verify run in a wider executable (per-request widths), through the same compiled program;
+its dropped rows read no routed expert, so this measures what per-width executables still save.
 `--params packed separate` times both ways of passing the parameters (packed: as the engine does on
 the GPU). `--fp8-linears 1 6` and `--moe-layer 1 2 6 --sweep` first time the kernels alone, in
 device time (the kernels of a `jax.profiler` trace). JSON with every row: `--json PATH`.
@@ -343,6 +346,7 @@ class Stepper:
         self.room = engine.max_seq_len - context  # tokens the calls may append
         self.ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (batch, rows)), jnp.int32)
         self.n_valid, self.zero = jnp.full((batch,), rows, jnp.int32), jnp.zeros((batch,), jnp.int32)
+        self.context = context
         self.params = pack.arrays
         # donated: the logits are written into the previous call's logits (a donated argument of their shape), so
         # every buffer the call's CUDA graph touches keeps its address. keep_unused: extend reads neither that
@@ -356,6 +360,12 @@ class Stepper:
         self.commit = jax.jit(state_lib.commit, donate_argnums=0)
         self.dispatch_s: list[float] = []  # per call: until the call returned (enqueued), before the sync
         self.addresses: list[tuple[int, ...]] = []  # per call: the state's device buffer addresses
+
+    def keep(self, kept: int) -> None:
+        """From now on every row keeps `kept` of its tokens (n_valid: a narrower verify in this call's
+        executable), from the starting context again (`queued` leaves it grown)."""
+        self.n_valid = jnp.full_like(self.n_valid, kept)
+        self.decode = self.decode.replace(length=jnp.full_like(self.decode.length, self.context))
 
     def __call__(self) -> float:
         """Seconds of one extend call (dispatch to logits ready); the rollback after it is not timed."""
@@ -409,12 +419,18 @@ def buffer_addresses(tree) -> tuple[int, ...]:
     return tuple(x.unsafe_buffer_pointer() for x in jax.tree.leaves(tree))
 
 
-def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2, mode="packed"):
-    """(median ms, queued ms, compile s) of extend at [batch, rows] after `context` tokens, rolled back each
-    time: one call at a time (dispatch to logits ready), and the rate of calls issued back to back."""
+def time_extend(graphdef, params, config, engine, dtype, batch, rows, context, runs, warmup=2, mode="packed",
+                kept=(None,)) -> list[tuple[float, float, float]]:
+    """[(median ms, queued ms, compile s)] of extend at [batch, rows] after `context` tokens, rolled back
+    each time: one call at a time (dispatch to logits ready), and the rate of calls issued back to back;
+    one entry per `kept` (n_valid of every row; None: all `rows`), all through one compiled executable."""
     step = Stepper(graphdef, params, config, engine, dtype, batch, rows, context, mode)
-    times = [step() for _ in range(warmup + runs)][warmup:]
-    return statistics.median(times) * 1e3, step.queued(runs) * 1e3, step.compile_s
+    out = []
+    for k in kept:
+        step.keep(rows if k is None else k)
+        times = [step() for _ in range(warmup + runs)][warmup:]
+        out.append((statistics.median(times) * 1e3, step.queued(runs) * 1e3, step.compile_s))
+    return out
 
 
 def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[dict]:
@@ -728,27 +744,34 @@ def _seq_len(context: int) -> int:
     return -(-(context + 128) // 128) * 128
 
 
-def time_row(graphdef, params, config, sizes, dtype, bandwidth, label, mode, context, batch, rows, args) -> dict:
-    """One timed (variant, params mode, context, batch, rows) row, printed; a failure is recorded."""
+def time_row(graphdef, params, config, sizes, dtype, bandwidth, label, mode, context, batch, rows, args,
+             kept=(None,)) -> list[dict]:
+    """The timed rows of (variant, params mode, context, batch, rows), one per `kept` (n_valid of every
+    row; None: all, the floor counting the kept rows), printed; a failure is recorded."""
     engine = EngineConfig(max_seq_len=_seq_len(context), max_batch=batch)
-    key = {"variant": label, "params": mode, "context": context, "batch": batch, "rows": rows}
+    keys = [{"variant": label, "params": mode, "context": context, "batch": batch, "rows": rows, "kept": k or rows}
+            for k in kept]
     try:
-        ms, queued_ms, compile_s = time_extend(graphdef, params, config, engine, dtype, batch, rows, context,
-                                               args.runs, mode=mode)
+        timed = time_extend(graphdef, params, config, engine, dtype, batch, rows, context, args.runs, mode=mode,
+                            kept=kept)
     except Exception as err:  # a variant that fails to build: recorded, the rest still run
         print(f"{label:>14} {context:>6} {batch:>3} {rows:>2} failed: {type(err).__name__}: {str(err)[:300]}",
               flush=True)
-        return {**key, "error": f"{type(err).__name__}: {err}"[:2000]}
-    moved = call_bytes(config, sizes, context, batch, rows, dtype)
-    floor_ms = moved["total"] / bandwidth * 1e3
-    gbps = moved["total"] / (ms / 1e3) / 1e9
-    row = {**key, "ms": ms, "bytes": moved, "floor_ms": floor_ms, "GBps": gbps,
-           "bandwidth_achieved": gbps * 1e9 / bandwidth, "queued_ms": queued_ms,
-           "queued_bandwidth_achieved": floor_ms / queued_ms, "compile_s": compile_s}
-    print(f"{label:>14} {context:>6} {batch:>3} {rows:>2} {ms:>9.3f} {moved['total'] / 1e6:>9.1f} "
-          f"{floor_ms:>8.3f} {gbps:>7.1f} {row['bandwidth_achieved']:>17.1%} {queued_ms:>9.3f} "
-          f"{row['queued_bandwidth_achieved']:>9.1%} {compile_s:>9.1f}", flush=True)
-    return row
+        return [{**keys[0], "error": f"{type(err).__name__}: {err}"[:2000]}]
+    out = []
+    for key, (ms, queued_ms, compile_s) in zip(keys, timed):
+        moved = call_bytes(config, sizes, context, batch, key["kept"], dtype)
+        floor_ms = moved["total"] / bandwidth * 1e3
+        gbps = moved["total"] / (ms / 1e3) / 1e9
+        row = {**key, "ms": ms, "bytes": moved, "floor_ms": floor_ms, "GBps": gbps,
+               "bandwidth_achieved": gbps * 1e9 / bandwidth, "queued_ms": queued_ms,
+               "queued_bandwidth_achieved": floor_ms / queued_ms, "compile_s": compile_s}
+        name = label if key["kept"] == rows else f"{label} kept {key['kept']}"
+        print(f"{name:>14} {context:>6} {batch:>3} {rows:>2} {ms:>9.3f} {moved['total'] / 1e6:>9.1f} "
+              f"{floor_ms:>8.3f} {gbps:>7.1f} {row['bandwidth_achieved']:>17.1%} {queued_ms:>9.3f} "
+              f"{row['queued_bandwidth_achieved']:>9.1%} {compile_s:>9.1f}", flush=True)
+        out.append(row)
+    return out
 
 
 def main(argv=None) -> dict:
@@ -757,6 +780,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--context", type=int, nargs="+", default=[4096])
     ap.add_argument("--variants", nargs="+", default=["current"])
+    ap.add_argument("--kept", type=int, nargs="*", default=[],
+                    help="also time each S-row call keeping only this many rows a slot (n_valid): a narrower verify "
+                         "run in a wider executable, whose dropped rows read no routed expert")
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--params", nargs="+", choices=["packed", "separate", "donated", "scales-apart"],
                     default=["packed"],
@@ -817,9 +843,10 @@ def main(argv=None) -> dict:
                 for context in args.context:
                     for batch in args.batch:
                         for rows in args.rows:
-                            row = time_row(graphdef_v, params, config, sizes, dtype, bandwidth, label, mode, context,
-                                           batch, rows, args)
-                            report["rows"].append(row)
+                            timed = time_row(graphdef_v, params, config, sizes, dtype, bandwidth, label, mode,
+                                             context, batch, rows, args, (None, *(k for k in args.kept if k < rows)))
+                            report["rows"] += timed
+                            row = timed[0]
                             if args.profile and gpu and name == args.variants[0] and "error" not in row:
                                 engine = EngineConfig(max_seq_len=_seq_len(context), max_batch=batch)
                                 row["profile"] = profile_row(graphdef_v, params, config, engine, dtype, batch, rows,

@@ -98,15 +98,15 @@ def measure(args) -> dict:
                           storage=args.storage, host_experts=args.host_experts, host_layers=n_host,
                           context=args.context, threads=threads, device=str(jax.devices()[0].device_kind)),
            "host_read_GBps": read["GBps"], "empty_callback_ms": callback_round_trip_ms(), "rows": []}
-    device = {rows: time_extend(graphdef, params, config, engine, dtype, 1, rows, args.context, args.runs)[:2]
+    device = {rows: time_extend(graphdef, params, config, engine, dtype, 1, rows, args.context, args.runs)[0][:2]
               for rows in args.rows}
     for via in args.via:
         h_graphdef, h_params, layers = hybrid_params(Model(graphdef, params), args.host_experts, n_host, args.seed, via)
         expert_bytes = layers[0].bank.weight_nbytes
         for rows in args.rows:
             host_seconds(layers)
-            hybrid_ms, queued_ms, _ = time_extend(h_graphdef, h_params, config, engine, dtype, 1, rows, args.context,
-                                                  args.runs)
+            (hybrid_ms, queued_ms, _), = time_extend(h_graphdef, h_params, config, engine, dtype, 1, rows,
+                                                     args.context, args.runs)
             per_call, experts = host_seconds(layers)
             host_ms, host_bytes = per_call * 1e3 * n_host, experts * expert_bytes * n_host
             floor_ms = host_bytes / (read["GBps"] * 1e9) * 1e3
