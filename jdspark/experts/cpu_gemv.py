@@ -3,8 +3,8 @@
 `moe_forward(bank, x, ids, weights, limit=...)` is the host part of one MoE layer: x [R, D] float32
 (the MoE input after ffn_norm, in the model dtype's values), ids [R, K] global expert ids, weights
 [R, K] routing weights -> [R, D] float32, the sum over k of the experts that live in `bank` (pairs
-whose expert is not in the bank, or is -1, contribute nothing: the GPU computes them, or no one). The arithmetic follows
-`jdspark.model.moe.Experts`:
+whose expert is not in the bank contribute nothing: the GPU computes them; nor do pairs of expert
+-1, which no one computes). The arithmetic follows `jdspark.model.moe.Experts`:
 
     gate, up = x W1^T, x W3^T            fp32 accumulation, rounded to the model dtype
     h        = swiglu(gate, up, limit) * routing weight   (fp32), rounded to the model dtype

@@ -156,7 +156,8 @@ class HybridExperts(Experts):
         them, the gather a device expert at weight 0); in the grouped form their pairs are dropped."""
         if self._grouped(x):
             on_host = self.on_host[...][idx]
-            return self._grouped_call(x, jnp.where(on_host, 0.0, weights), jnp.where(on_host, MISSING, self.local[...][idx]))
+            return self._grouped_call(x, jnp.where(on_host, 0.0, weights),
+                                      jnp.where(on_host, MISSING, self.local[...][idx]))
         experts, slot = expert_slots(idx, self.n_experts)
         elsewhere = (experts < 0) | self.on_host[...][experts]  # unused slots and host experts: read nothing
         dense = jnp.where(elsewhere[None], 0.0, routing_matrix(weights, slot, experts.shape[0]))
@@ -212,7 +213,8 @@ def pcie_split(slot_of: jax.Array, idx: jax.Array, share: float, n_slots: int) -
         on_gpu = held & (rank < take)
         experts = jnp.full((g + 2,), -1, jnp.int32).at[jnp.where(first & on_gpu, rank, g + 1)].set(bank_slot)[:g + 1]
     else:
-        distinct = jnp.unique(jnp.where(held, bank_slot, n_slots), size=min(pairs, n_slots) + 1, fill_value=n_slots)
+        distinct = jnp.unique(jnp.where(held, bank_slot, n_slots), size=min(pairs, n_slots) + 1,
+                              fill_value=n_slots)
         rank = jnp.searchsorted(distinct, bank_slot, side="left", method="sort")
         take = jnp.floor(share * jnp.sum(distinct < n_slots) + 0.5).astype(jnp.int32)
         on_gpu = held & (rank < take)

@@ -222,12 +222,12 @@ def expert_slots(idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
     decoded once per padding slot: a verify block whose rows share experts has many.) jnp.unique
     (a sort, padded past every expert so it stays sorted) and jnp.searchsorted (all pairs
     compared). One row (decode) needs neither: its K choices are distinct already (top-k, or a row
-    of the hash table), so they are the slots, in router order (~12 fewer kernels per MoE layer). A
-    pairwise count over all choices
-    (5aa3aae) gives the same slots in fewer kernels (standalone on the H200: 2 / 5 kernels, 0.10 ms,
-    against 22 / 35 and 0.18 / 0.34 ms at N = 1 / 6), yet made the whole step slower there (one run
-    at 57cf0e2, Flash dims, 8 layers, ds_fp4, context 4K): extend S=1 7.09 against 5.78 ms with the
-    kernel, 11.33 against 9.20 with the XLA gather; S=6 18.60 against 16.43 and 39.20 against 36.25."""
+    of the hash table), so they are the slots, in router order (~12 fewer kernels per MoE layer).
+    A pairwise count over all choices (5aa3aae) gives the same slots in fewer kernels (standalone on
+    the H200: 2 / 5 kernels, 0.10 ms, against 22 / 35 and 0.18 / 0.34 ms at N = 1 / 6), yet made the
+    whole step slower there (one run at 57cf0e2, Flash dims, 8 layers, ds_fp4, context 4K): extend
+    S=1 7.09 against 5.78 ms with the kernel, 11.33 against 9.20 with the XLA gather; S=6 18.60
+    against 16.43 and 39.20 against 36.25."""
     n, k = idx.shape
     if n == 1:
         return idx[0].astype(jnp.int32), jnp.arange(k, dtype=jnp.int32)[None]

@@ -333,7 +333,8 @@ def flash_stored(fmt):
     """Abstract stored projections (w1, w3, w2) of 256 experts at Flash dims, D 4096 / F 2048."""
     e, d, f = 256, 4096, 2048
     if fmt == "fp4":
-        make = lambda o, i: (jax.ShapeDtypeStruct((e, o, i // 2), jnp.int8), jax.ShapeDtypeStruct((e, o, i // 32), jnp.uint8))
+        make = lambda o, i: (jax.ShapeDtypeStruct((e, o, i // 2), jnp.int8),
+                             jax.ShapeDtypeStruct((e, o, i // 32), jnp.uint8))
     elif fmt == "fp8":
         make = lambda o, i: (jax.ShapeDtypeStruct((e, o, i), jnp.float8_e4m3fn),
                              jax.ShapeDtypeStruct((e, o // 128, i // 128), jnp.uint8))
