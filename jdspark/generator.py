@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jdspark.assets import default_model_dir
-from jdspark.checkpoint.loader import load_model
+from jdspark.checkpoint.loader import decode_at_load_by_default, load_model
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.engine.errors import EngineError
@@ -47,17 +47,23 @@ class Generator:
     def from_pretrained(cls, path: str | Path | None = None, *, speculative: bool = True, gamma: int | None = None,
                         dtype: str = "bfloat16", max_seq_len: int = 4096, tensor_parallel_size: int = 1,
                         expert_parallel_size: int = 1, gpu_memory: float | None = None,
-                        pcie_share: float | None = None, **engine_options) -> "Generator":
+                        pcie_share: float | None = None, dequantize: bool | None = None,
+                        **engine_options) -> "Generator":
         """Load a checkpoint directory (config.json, safetensors, optional tokenizer.json); without
         a path, the embedded default model (`jdspark.assets`). With tensor_parallel_size x
         expert_parallel_size > 1 the model is sharded over that many devices (`jdspark.parallel`:
         heads, groups, vocabulary and expert width over tensor, routed experts over expert).
         `gpu_memory` (bytes of weights on the one GPU): the routed experts beyond it live in host
         banks, a share `pcie_share` of a call's host experts read by the GPU over PCIe, the rest
-        computed by the CPU (`load_model`)."""
+        computed by the CPU (`load_model`). `dequantize`: decode FP8 / FP4 weights at load (None: on a
+        CPU backend for checkpoints of up to 1 GiB, where decoding them in every call costs more,
+        `decode_at_load_by_default`; a GPU reads them in place)."""
         mesh = make_mesh(tensor_parallel_size, expert_parallel_size)
         path = default_model_dir() if path is None else path
-        model = load_model(path, dtype=dtype, mesh=mesh, gpu_memory=gpu_memory, pcie_share=pcie_share)
+        if dequantize is None:
+            dequantize = decode_at_load_by_default(path, mesh, gpu_memory)
+        model = load_model(path, dtype=dtype, mesh=mesh, gpu_memory=gpu_memory, pcie_share=pcie_share,
+                           dequantize=dequantize)
         tokenizer_file = Path(path) / "tokenizer.json"
         tokenizer = None
         if tokenizer_file.exists():

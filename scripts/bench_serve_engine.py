@@ -87,10 +87,11 @@ def build(args, max_running: int | None = None, buckets: tuple[int, ...] | None 
 def checkpoint_model(args):
     """(model, tokenizer, prompts as ids) of `--model` or the embedded checkpoint."""
     from jdspark.assets import default_model_dir
-    from jdspark.checkpoint.loader import load_model
+    from jdspark.checkpoint.loader import decode_at_load_by_default, load_model
     from jdspark.tokenizer.tokenizer import Tokenizer
     path = Path(args.model or default_model_dir())
-    model = load_model(path, dtype=args.dtype)
+    dequantize = decode_at_load_by_default(path) if args.dequantize == "auto" else args.dequantize == "on"
+    model = load_model(path, dtype=args.dtype, dequantize=dequantize)
     tokenizer = Tokenizer(path / "tokenizer.json", model.config.bos_token_id, model.config.eos_token_id)
     return model, tokenizer, [np.asarray(tokenizer.encode(t), np.int32) for t in PROMPT_TEXTS]
 
@@ -299,6 +300,8 @@ def main(argv=None) -> int:
     p.add_argument("--acceptance", type=float,
                    help="scripted acceptance per draft position (benchmarks: EngineConfig.scripted_acceptance)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dequantize", default="auto", choices=["auto", "on", "off"],
+                   help="decode FP8 / FP4 weights at load (auto: as `jdspark serve` does, on a CPU backend only)")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--max-running", type=int, help="engine slots (default: the largest concurrency)")
     p.add_argument("--prefill-chunk", type=int, default=64)

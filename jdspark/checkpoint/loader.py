@@ -107,6 +107,23 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
     return Model(graphdef, state) if mesh is None else on_mesh(Model(graphdef, state), mesh)
 
 
+# On a CPU backend the quantized weights decoded inside every call cost the embedded model's extend
+# 1.4-2.5x a copy decoded at load (bf16, B 1 / 16, S 1 / 6; docs/BENCHMARKS.md, "Weights decoded at
+# load on the CPU"): the faces decode safetensors checkpoints up to this size on disk at load (at most
+# ~7.5x it decoded, ds_fp4 to float32).
+CPU_DECODE_AT_LOAD_MAX_BYTES = 1 << 30
+
+
+def decode_at_load_by_default(path: str | Path, mesh: Mesh | None = None, gpu_memory: float | None = None) -> bool:
+    """Whether `Generator.from_pretrained` decodes quantized weights at load when not told: on a CPU
+    backend, for a safetensors checkpoint of at most CPU_DECODE_AT_LOAD_MAX_BYTES, unsharded and with
+    no host experts (a GPU reads them in place through its kernels)."""
+    path = Path(path)
+    if jax.default_backend() != "cpu" or mesh is not None or gpu_memory is not None or orbax_io.is_converted(path):
+        return False
+    return sum(f.stat().st_size for f in path.glob("*.safetensors")) <= CPU_DECODE_AT_LOAD_MAX_BYTES
+
+
 def _splits(leaves: dict, config: DSV4Config, gpu_memory: float, routing_counts, progress: bool, meshed: bool,
             dequantize: bool) -> dict[int, SplitLayer]:
     """The placement under `gpu_memory` (logged) as a `SplitLayer` per layer with host experts."""

@@ -80,3 +80,20 @@ def test_cli_info_and_logits(source, tmp_path, capsys):
     assert len(capsys.readouterr().out.splitlines()) == 3
     assert main(["logits", str(path), "1,999"]) == 2
     assert "outside the vocabulary" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("jax").default_backend() != "cpu", reason="the CPU backend's default")
+def test_faces_decode_small_checkpoints_at_load_on_a_cpu(tmp_path):
+    """`Generator.from_pretrained` decodes quantized weights at load on a CPU backend (decoding them
+    in every call costs more there), but not a checkpoint over the size bound, a sharded one or one
+    with host experts."""
+    from jdspark.assets import default_model_dir
+    from jdspark.checkpoint.loader import CPU_DECODE_AT_LOAD_MAX_BYTES, decode_at_load_by_default
+    assert decode_at_load_by_default(default_model_dir())
+    assert not decode_at_load_by_default(default_model_dir(), gpu_memory=1e9)
+    assert not decode_at_load_by_default(default_model_dir(), mesh=object())
+    big = tmp_path / "big"
+    big.mkdir()
+    with open(big / "model.safetensors", "wb") as f:  # sparse: no disk written
+        f.truncate(CPU_DECODE_AT_LOAD_MAX_BYTES + 1)
+    assert not decode_at_load_by_default(big)
