@@ -53,6 +53,14 @@ def cost_key(model_config: dict, dtype: str, engine_config: dict) -> str:
     return f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
+def params_signature(model) -> str:
+    """A hash of the parameters' paths, shapes and dtypes: one config loaded as stored or decoded at
+    load, or with some experts in host banks, runs other executables at other costs."""
+    leaves = jax.tree_util.tree_flatten_with_path(model.params)[0]
+    blob = repr([(jax.tree_util.keystr(path), leaf.shape, str(leaf.dtype)) for path, leaf in leaves])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 WARM_S = 0.5  # warm-up rounds run at least this long (clocks up, caches filled)
 QUEUED = 4  # calls per timed sample of the "queued" profile
 
@@ -129,7 +137,8 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
 
     mesh = {"mesh": dict(engine.model.mesh.shape)} if engine.model.mesh is not None else {}  # other executables
     key = cost_key(engine.model.config.to_dict(), str(engine.model.dtype), {**dataclasses.asdict(config), "bucket": n,
-                                                                           "profile": profile, **mesh})
+                                                                           "profile": profile, **mesh,
+                                                                           "params": params_signature(engine.model)})
     options = engine.options
     cache_dir = Path(options.cost_cache_dir) if options.cost_cache_dir else None
     measured = load_or_measure(key, run, list(calls), options.profile_runs, cache_dir, options.reprofile, reset,

@@ -191,3 +191,15 @@ def test_widths_seen_often_enough_take_their_own_windows():
     assert steps[4] == pytest.approx(0.0021) and steps[5] == pytest.approx(0.0021)
     kind = live.offsets[1]["verify"]  # the median over both widths' excesses (0.0003 and 0.0001)
     assert steps[3] == pytest.approx(base.step_costs[3] + kind) and 0.0001 <= kind <= 0.0003
+
+
+def test_cost_cache_keys_tell_stored_and_decoded_weights_apart():
+    """One checkpoint loaded as stored and decoded at load runs other executables: their measured
+    costs must not share a cache entry (the config alone is the same)."""
+    from jdspark.assets import default_model_dir
+    from jdspark.checkpoint.loader import load_model
+    from jdspark.engine.costs import params_signature
+    stored, again = (load_model(default_model_dir(), "float32", progress=False) for _ in range(2))
+    decoded = load_model(default_model_dir(), "float32", dequantize=True, progress=False)
+    assert stored.config.to_dict() == decoded.config.to_dict()
+    assert params_signature(stored) == params_signature(again) != params_signature(decoded)
