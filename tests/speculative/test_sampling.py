@@ -127,6 +127,22 @@ def test_top_k_at_or_above_vocab_and_top_p_one_are_off():
     np.testing.assert_allclose(plain, np.asarray(jax.nn.softmax(logits / np.float32(0.9))), rtol=1e-6)
 
 
+@pytest.mark.parametrize("filtering", [False, True], ids=["none-filters", "one-filters"])
+def test_the_sort_is_skipped_only_where_no_row_filters(filtering):
+    """On the CPU the threshold's sort runs only when some row filters (top-k or top-p); either way the
+    thresholds are those of the sorted computation, bit for bit."""
+    from jdspark.speculative.sampling import _filter_threshold, _sorted_threshold
+    rng = np.random.default_rng(3)
+    z = jnp.asarray(rng.normal(size=(4, 300)) * 2, jnp.float32)
+    z_max = jnp.max(z, axis=-1)
+    top_k = jnp.asarray([0, 300, 0, 7 if filtering else 0], jnp.int32)
+    top_p = jnp.asarray([1.0, 1.0, 0.8 if filtering else 1.0, 1.0], jnp.float32)
+    got = np.asarray(jax.jit(_filter_threshold)(z, z_max, top_k, top_p))
+    want = np.asarray(jax.jit(_sorted_threshold)(z, z_max, top_k, top_p))
+    np.testing.assert_array_equal(got, want)
+    assert np.isfinite(want).any() == filtering
+
+
 def test_masked_vocabulary_entries_get_zero():
     logits = np.array([[0.5, -np.inf, 1.0, -np.inf]], np.float32)
     got = np.asarray(warp(logits, 1.0, 0, 0.999))[0]
