@@ -121,7 +121,7 @@ def decode_at_load_by_default(path: str | Path, mesh: Mesh | None = None, gpu_me
     path = Path(path)
     if jax.default_backend() != "cpu" or mesh is not None or gpu_memory is not None or orbax_io.is_converted(path):
         return False
-    return sum(f.stat().st_size for f in path.glob("*.safetensors")) <= CPU_DECODE_AT_LOAD_MAX_BYTES
+    return sum(f.stat().st_size for f in path.rglob("*.safetensors")) <= CPU_DECODE_AT_LOAD_MAX_BYTES
 
 
 def _splits(leaves: dict, config: DSV4Config, gpu_memory: float, routing_counts, progress: bool, meshed: bool,

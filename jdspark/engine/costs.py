@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from jdspark.drafter import dspark
+from jdspark.engine import exe_cache
 from jdspark.engine.calls import slot_inputs
 from jdspark.engine.widths import executable_width
 from jdspark.model import state
@@ -59,6 +60,14 @@ def params_signature(model) -> str:
     leaves = jax.tree_util.tree_flatten_with_path(model.params)[0]
     blob = repr([(jax.tree_util.keystr(path), leaf.shape, str(leaf.dtype)) for path, leaf in leaves])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def programs_key(exe) -> str:
+    """A hash of what the executables are (`Executables.static_key`: the model graph, e.g. a hybrid
+    layer's PCIe share, the parameters' layout, the engine's settings) and of what they run on
+    (`exe_cache.environment`: versions, devices, flags, the sources): costs measured before a code
+    change or on another setting are not reused."""
+    return hashlib.sha256((exe_cache.environment() + exe.static_key()).encode()).hexdigest()[:16]
 
 
 WARM_S = 0.5  # warm-up rounds run at least this long (clocks up, caches filled)
@@ -138,7 +147,8 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     mesh = {"mesh": dict(engine.model.mesh.shape)} if engine.model.mesh is not None else {}  # other executables
     key = cost_key(engine.model.config.to_dict(), str(engine.model.dtype), {**dataclasses.asdict(config), "bucket": n,
                                                                            "profile": profile, **mesh,
-                                                                           "params": params_signature(engine.model)})
+                                                                           "params": params_signature(engine.model),
+                                                                           "programs": programs_key(engine.exe)})
     options = engine.options
     cache_dir = Path(options.cost_cache_dir) if options.cost_cache_dir else None
     measured = load_or_measure(key, run, list(calls), options.profile_runs, cache_dir, options.reprofile, reset,
