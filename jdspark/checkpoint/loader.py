@@ -108,8 +108,8 @@ def load_model(path: str | Path, dtype: str = "bfloat16", qat_sim: bool = False,
 
 
 # On a CPU backend the quantized weights decoded inside every call cost the embedded model's extend
-# 1.4-2.5x a copy decoded at load (bf16, B 1 / 16, S 1 / 6; docs/BENCHMARKS.md, "Weights decoded at
-# load on the CPU"): the faces decode safetensors checkpoints up to this size on disk at load (at most
+# 1.4-2.5x a copy decoded at load (bf16, B 1 / 16, S 1 / 6; docs/BENCHMARKS.md, "The embedded model on
+# the CPU"): the faces decode safetensors checkpoints up to this size on disk at load (at most
 # ~7.5x it decoded, ds_fp4 to float32).
 CPU_DECODE_AT_LOAD_MAX_BYTES = 1 << 30
 

@@ -1,5 +1,5 @@
 """Measured costs of the engine's executables, cached on disk per (device kind, model config,
-engine config).
+engine config, the executables themselves and what they run on: `programs_key`).
 
 A cost is, per call, the fastest of N samples of `QUEUED` calls of one compiled executable issued back
 to back on the engine's state and synchronised once (`SpecOptions(profile="queued")`, the default):
@@ -54,19 +54,12 @@ def cost_key(model_config: dict, dtype: str, engine_config: dict) -> str:
     return f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}"
 
 
-def params_signature(model) -> str:
-    """A hash of the parameters' paths, shapes and dtypes: one config loaded as stored or decoded at
-    load, or with some experts in host banks, runs other executables at other costs."""
-    leaves = jax.tree_util.tree_flatten_with_path(model.params)[0]
-    blob = repr([(jax.tree_util.keystr(path), leaf.shape, str(leaf.dtype)) for path, leaf in leaves])
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
 def programs_key(exe) -> str:
-    """A hash of what the executables are (`Executables.static_key`: the model graph, e.g. a hybrid
-    layer's PCIe share, the parameters' layout, the engine's settings) and of what they run on
-    (`exe_cache.environment`: versions, devices, flags, the sources): costs measured before a code
-    change or on another setting are not reused."""
+    """A hash of what the executables are (`Executables.static_key`: the model graph, so a checkpoint
+    loaded as stored or decoded at load and a hybrid layer's experts and PCIe share; the parameters'
+    layout; the engine's settings) and of what they run on (`exe_cache.environment`: versions,
+    devices, flags, the sources): costs measured for other programs are not reused (one config once
+    shared a key stored and decoded, so one run read the other's costs)."""
     return hashlib.sha256((exe_cache.environment() + exe.static_key()).encode()).hexdigest()[:16]
 
 
@@ -123,7 +116,8 @@ def _fmt(costs: dict[str, float]) -> str:
 def measure_bucket(engine, n: int) -> dict[str, float]:
     """{"decode": s, "step{k}": s} of an engine's batch bucket n: rows 0..n-1 active at full width,
     greedy, on emptied state, one call or `QUEUED` at a time (`SpecOptions.profile`, while the state
-    has room for them); cached per device kind, model, dtype, engine config, bucket and profile."""
+    has room for them); cached per device kind, model, dtype, engine config, bucket, profile and
+    programs (`programs_key`)."""
     config, exe, profile = engine.config, engine.exe.buckets[n], engine.options.profile
     queued = max(1, min(QUEUED, (config.max_seq_len - 1) // (config.gamma + 1))) if profile == "queued" else 1
     active = np.arange(config.max_batch) < n
@@ -147,7 +141,6 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     mesh = {"mesh": dict(engine.model.mesh.shape)} if engine.model.mesh is not None else {}  # other executables
     key = cost_key(engine.model.config.to_dict(), str(engine.model.dtype), {**dataclasses.asdict(config), "bucket": n,
                                                                            "profile": profile, **mesh,
-                                                                           "params": params_signature(engine.model),
                                                                            "programs": programs_key(engine.exe)})
     options = engine.options
     cache_dir = Path(options.cost_cache_dir) if options.cost_cache_dir else None

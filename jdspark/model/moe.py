@@ -108,20 +108,24 @@ class Experts(nnx.Module):
             return False
         return moe_kernels.supported(fmt, d, f, rows, n_experts=self.n_experts)
 
+    def _kernel_runs(self, d: int) -> bool:
+        """Whether calls of inputs of width d run the kernel in some form (`_kernel` at one row)."""
+        fmt, (w1, *_) = self.w1.stored()
+        return self._kernel(fmt, 1, d, w1.shape[1])
+
     def reads_per_expert(self, d: int) -> bool:
         """Whether calls (of inputs of width d) read only their distinct experts (the kernel's slot or
         grouped form), so that routing rows to fewer experts reads fewer bytes; the XLA gather reads
         its min(N K, E) slots whatever they hold."""
-        fmt, (w1, *_) = self.w1.stored()
-        return self.mesh is None and self._kernel(fmt, 1, d, w1.shape[1])
+        return self.mesh is None and self._kernel_runs(d)
 
     def _grouped(self, x: jax.Array) -> bool:
         """Whether a call of x [N, D] runs the kernel's grouped form (`pallas_kernels.moe.grouped_moe`):
         where the kernel would run but N is past the slot form's GROUPED_MIN_ROWS - 1 rows."""
+        if x.shape[0] < GROUPED_MIN_ROWS or not self._kernel_runs(x.shape[-1]):
+            return False
         fmt, (w1, *_) = self.w1.stored()
-        n, d, f = x.shape[0], x.shape[-1], w1.shape[1]
-        return n >= GROUPED_MIN_ROWS and self._kernel(fmt, 1, d, f) and \
-            moe_kernels.grouped_supported(fmt, d, f, n_experts=self.n_experts)
+        return moe_kernels.grouped_supported(fmt, x.shape[-1], w1.shape[1], n_experts=self.n_experts)
 
     def _grouped_call(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """The grouped form over idx [N, K] (-1: no expert) and its routing weights: fp32 [N, D]."""

@@ -195,11 +195,18 @@ def test_widths_seen_often_enough_take_their_own_windows():
 
 def test_cost_cache_keys_tell_stored_and_decoded_weights_apart():
     """One checkpoint loaded as stored and decoded at load runs other executables: their measured
-    costs must not share a cache entry (the config alone is the same)."""
+    costs must not share a cache entry (the config alone is the same); a second load keys the same."""
     from jdspark.assets import default_model_dir
     from jdspark.checkpoint.loader import load_model
-    from jdspark.engine.costs import params_signature
-    stored, again = (load_model(default_model_dir(), "float32", progress=False) for _ in range(2))
-    decoded = load_model(default_model_dir(), "float32", dequantize=True, progress=False)
-    assert stored.config.to_dict() == decoded.config.to_dict()
-    assert params_signature(stored) == params_signature(again) != params_signature(decoded)
+    from jdspark.config import EngineConfig
+    from jdspark.engine.costs import programs_key
+    from jdspark.engine.executables import Executables
+
+    def key(dequantize):
+        model = load_model(default_model_dir(), "float32", dequantize=dequantize, progress=False)
+        exe = Executables(model, EngineConfig(max_seq_len=64, max_batch=2), 16, "auto", widths=(0, 5),
+                          pack_params=False)  # nothing compiles: the key is known before
+        return model.config.to_dict(), programs_key(exe)
+    (stored_config, stored), (_, again), (decoded_config, decoded) = key(False), key(False), key(True)
+    assert stored_config == decoded_config
+    assert stored == again != decoded
