@@ -18,7 +18,9 @@ compute dtype (e4m3 has fewer mantissa bits than bf16), multiplies it with the r
 weights on the MMA's M side, the rows padded to 16 on its N side) and adds the float32 partial
 times the tile's block scale. Chunks of K run in separate programs when the output features alone
 give too few programs to fill the GPU; their float32 partials are summed after the call in a fixed
-order.
+order: element by element, part 0 first (a `jnp.sum` over the parts, fused with the row slice, let
+XLA pick its reduction order by the call's row count, and a 1-row call's bits differed from a 6-row
+call's on the H100).
 
 Batch invariance: rows are padded to 16 for every call of at most 16 rows, so such calls run the
 same compiled kernel and a row's output does not depend on the other rows (the MMA computes each
@@ -105,7 +107,7 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, *, interpret: 
         interpret=interpret, name="fp8_linear",
         compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
     )(xp, weight, scale)
-    return jnp.sum(partial, axis=0)[:r] if split > 1 else partial[0, :r]
+    return functools.reduce(jnp.add, [partial[i, :r] for i in range(split)])  # one order for every shape
 
 
 def _kernel(x_ref, w_ref, s_ref, o_ref, *, steps: int, out: int, group_rows: int):

@@ -209,11 +209,12 @@ KERNEL_MIN_WEIGHTS = 1 << 20
 
 # Calls of this many rows or more run the kernel's grouped form (`pallas_kernels.moe.grouped_moe`):
 # the slot form takes at most 64 rows, and past them the XLA gather decoded up to every expert of the
-# layer to bf16 (4 GiB a layer at Flash dims: a verify of 16 x 6 rows, a prefill bucket). Below, both
-# forms read each distinct expert about once (a slot, or a block of up to 16 pairs, per expert) and
-# decoding its tiles bounds them (docs/BENCHMARKS.md, the routed-expert kernel alone), so the slot
-# form, the one measured there, keeps them.
-GROUPED_MIN_ROWS = 65
+# layer to bf16 (4 GiB a layer at Flash dims: a verify of 16 x 6 rows, a prefill bucket). Measured on
+# the H100 (bench_decode --moe-layer, 2026-12-05, one Flash-dims ds_fp4 layer): the two forms tie at
+# 6 and 16 rows (0.65 / 1.06 ms), the grouped one is 1.07x faster at 32 rows and 1.77x at 64 (2.23
+# against 3.95 ms). Calls of at most 31 rows keep the slot form, so a 1..6-row verify's rows stay
+# bitwise those of one-row decoding (batch invariance).
+GROUPED_MIN_ROWS = 32
 
 
 def expert_slots(idx: jax.Array, n_experts: int) -> tuple[jax.Array, jax.Array]:
