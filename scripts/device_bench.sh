@@ -124,7 +124,7 @@ for part in "$@"; do
         tests/pallas_kernels/test_fp8_linear.py tests/pallas_kernels/test_moe.py ${KERNEL_TEST_K:+-k "$KERNEL_TEST_K"} 2>&1 | tail -12 \
         | tee "$OUT/kernel_gpu_tests.log" ;;
     many-rows)  # issues 23 / 26: one routed-expert layer per row count (xla, the model's kernel form, the grouped
-      # form below 65 rows, every expert), then the 8-layer model at batch 1 / 4 / 16 with unused expert slots
+      # form below GROUPED_MIN_ROWS, every expert), then the 8-layer model at batch 1 / 4 / 16 with unused expert slots
       # missing (current) and re-read (padding_read), S = 6 also keeping 1 and 3 rows (a narrower verify)
       timeout ${MANY_ROWS_SECONDS:-420} python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 \
         --storage fp8+fp4 --moe-layer 6 16 32 64 96 384 --rows 1 6 --kept 1 3 --batch 1 4 16 --runs 10 \

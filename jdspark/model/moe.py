@@ -121,7 +121,7 @@ class Experts(nnx.Module):
 
     def _grouped(self, x: jax.Array) -> bool:
         """Whether a call of x [N, D] runs the kernel's grouped form (`pallas_kernels.moe.grouped_moe`):
-        where the kernel would run but N is past the slot form's GROUPED_MIN_ROWS - 1 rows."""
+        where the kernel would run and N >= GROUPED_MIN_ROWS (see there)."""
         if x.shape[0] < GROUPED_MIN_ROWS or not self._kernel_runs(x.shape[-1]):
             return False
         fmt, (w1, *_) = self.w1.stored()
