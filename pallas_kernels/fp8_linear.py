@@ -18,9 +18,9 @@ compute dtype (e4m3 has fewer mantissa bits than bf16), multiplies it with the r
 weights on the MMA's M side, the rows padded to 16 on its N side) and adds the float32 partial
 times the tile's block scale. Chunks of K run in separate programs when the output features alone
 give too few programs to fill the GPU; their float32 partials are summed after the call in a fixed
-order: element by element, part 0 first (a `jnp.sum` over the parts, fused with the row slice, let
-XLA pick its reduction order by the call's row count, and a 1-row call's bits differed from a 6-row
-call's on the H100).
+order: element by element, part 0 first. (A `jnp.sum` over the parts, fused with the row slice, was
+the one step whose shape depended on the call's row count, and on the H100 a row's bits then
+differed between calls of 1 and 6 rows: XLA may reduce in another order for another shape.)
 
 Batch invariance: rows are padded to 16 for every call of at most 16 rows, so such calls run the
 same compiled kernel and a row's output does not depend on the other rows (the MMA computes each
