@@ -289,7 +289,8 @@ def print_medians(results: list[dict]) -> None:
               f"{median / best:.2f} |")
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line (also what `eval_calibration.py` builds its engine from)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
     p.add_argument("--synthetic", choices=("tiny", "flash", "pro"),
@@ -322,6 +323,11 @@ def main(argv=None) -> int:
     p.add_argument("--versus-slots", type=int,
                    help="instead of the concurrency levels: a lone request here and on an engine of this many slots")
     p.add_argument("--out", help="write the results as JSON here")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     args.max_running = args.max_running or max(args.concurrency)
     if args.synthetic and (args.model or args.acceptance is None):

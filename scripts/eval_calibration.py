@@ -127,6 +127,12 @@ def evaluate(engine, prompts, temperature: float, costs: np.ndarray, batch_costs
     return out
 
 
+def engine_args() -> argparse.Namespace:
+    """The embedded model's 1-slot engine at width 5, float32, as `bench_serve_engine.py` builds it."""
+    return bench_serve_engine.parser().parse_args(["--dtype", "float32", "--max-running", "1", "--buckets", "1",
+                                                   "--widths", str(GAMMA), "--modes", "fixed5"])
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--costs-ms", type=float, nargs=GAMMA + 1, default=[1.67, 1.82, 1.99, 1.88, 1.97, 1.95],
@@ -136,10 +142,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    engine_args = argparse.Namespace(model=None, synthetic=None, dtype="float32", max_seq_len=512, max_running=1,
-                                     prefill_chunk=64, prefill_budget=None, buckets=[1], widths=[GAMMA],
-                                     acceptance=None, single_executables=False, modes=["fixed5"])
-    engine, prompts, _ = bench_serve_engine.build(engine_args)
+    engine, prompts, _ = bench_serve_engine.build(engine_args())
     costs = np.array(args.costs_ms)
     results = [evaluate(engine, prompts, t, costs, np.array(args.batch_costs_ms), args.max_tokens) for t in (0.0, 1.0)]
     print("| T | steps (learned on) | tokens / step | E(5) stated (abs err) | E(5) calibrated (abs err) | "

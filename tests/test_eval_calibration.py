@@ -1,0 +1,35 @@
+"""scripts/eval_calibration.py: its engine is the serving bench's, and its replay prices widths."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from jdspark.engine.stats import RowRecord
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+spec = importlib.util.spec_from_file_location("eval_calibration", SCRIPTS / "eval_calibration.py")
+eval_calibration = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(eval_calibration)
+
+
+def test_engine_args_are_every_option_of_the_serving_bench():
+    """Built by the bench's own parser, so an option added there is never missing here (a hand-made
+    namespace had lost `--dequantize`, and the script failed before measuring anything)."""
+    import bench_serve_engine
+    args = eval_calibration.engine_args()
+    defaults = vars(bench_serve_engine.parser().parse_args([]))
+    assert set(vars(args)) == set(defaults)
+    assert (args.dtype, args.max_running, args.buckets, args.widths) == ("float32", 1, [1], [5])
+
+
+def test_replay_counts_tokens_up_to_each_chosen_width():
+    rows = [RowRecord(0, np.full(5, 0.9, np.float32), n_accepted=4, emitted=(1,) * 5, width=5),
+            RowRecord(0, np.full(5, 0.1, np.float32), n_accepted=0, emitted=(1,), width=5)]
+    costs = np.array([1.0, 1.0, 1.0, 2.0, 2.0, 2.0])
+    # width 2 for both: min(4, 2) + 1 and min(0, 2) + 1 tokens over two steps of cost 1
+    assert eval_calibration.replay(rows, lambda c: 2, costs) == (3 + 1) / 2.0
+    # width 5 for the first, 0 for the second: 5 + 1 tokens over costs 2 + 1
+    assert eval_calibration.replay(rows, lambda c: 5 if c[0] > 0.5 else 0, costs) == 6 / 3.0
