@@ -32,10 +32,14 @@ class PendingPrompt:
 def prompts_to_prefill(pending: int, budget_rows: int, buckets, running: bool) -> int:
     """Prompts a step prefills: `budget_rows` (the prefill budget) beside running requests; with none
     running no one waits on the call, so as many as fill the largest batch bucket they can fill (no
-    padded row: a wave of 16 prompts is one call, not 16)."""
-    if running:
-        return budget_rows
-    return max([budget_rows, *(b for b in buckets if b <= pending)])
+    padded row: a wave of 16 prompts is one call, not 16). Either way, pending prompts also fill the
+    padding of the bucket the call runs in: its padded rows cost the call's dense work whatever they
+    hold (one prompt at a time in a smallest bucket of 16 had left finished requests' slots empty for
+    up to 15 steps)."""
+    fill = next((b for b in buckets if b >= budget_rows), budget_rows)  # the bucket the budget's call runs in
+    if not running:
+        fill = max([fill, *(b for b in buckets if b <= pending)])
+    return max(budget_rows, min(pending, fill))
 
 
 def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:
