@@ -213,6 +213,9 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             # what the engine learnt a switch of executables adds to a step, per bucket (`costs.LiveCosts`)
             "learnt_switch_ms": {str(b): cost * 1e3 for b, cost in engine.live.switch.items()},
             "tokens_per_step": tokens / max(len(records), 1),
+            # running requests a step ran for (against the concurrency: slots left empty while
+            # admissions wait for their prefill)
+            "rows_per_step": sum(len(r.rows) for r in records) / max(len(records), 1),
             # where the level's wall went besides the verify reads: steps that read only a prefill (or
             # nothing), the garbage collector's pauses, and the slowest steps (stalls)
             "other_steps": {"steps": sum(call is None for *_, call in timeline),
@@ -361,7 +364,8 @@ def main(argv=None) -> int:
                 print(f"round {round_} c={concurrency:3d} {mode:12s} {level['tokens_per_s']:9.1f} tok/s  "
                       f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "
                       f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms  "
-                      f"drafting steps {level['drafting_steps']}/{level['steps']}  call ms (profiled): "
+                      f"drafting steps {level['drafting_steps']}/{level['steps']}  "
+                      f"rows a step {level['rows_per_step']:.1f}  call ms (profiled): "
                       + " ".join(f"{k} {v:.2f} ({level['profiled_ms'][k]:.2f})"
                                  for k, v in level["call_ms"].items() if v)
                       + "  by width: " + " ".join(f"k{k} x{w['steps']} {w['ms']:.2f} ({w['profiled_ms']:.2f})"
