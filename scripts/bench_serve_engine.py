@@ -155,6 +155,7 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
     begin = clock()
     admit(min(concurrency, args.requests))
     tokens = 0
+    steady = None  # (seconds, tokens) when the last request was admitted: until then `concurrency` were in flight
     timeline = []  # every step: [ms since the level began, its wall ms, rows of the call it read, that call:
     # its width, "decode", or None (it read no decode / verify call)]
     with engine.record_steps() as records, collections_timed() as gc_pauses:
@@ -174,6 +175,8 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
                     done.append(rid)
                     finished += 1
             admit(min(finished, args.requests - next_index))
+            if steady is None and next_index >= args.requests:
+                steady = (now - begin, tokens)
     wall = clock() - begin
     ttft = [times[r][0] - started[r] for r in done]
     itl = [gap for r in done for gap in np.diff(times[r]).tolist()]
@@ -197,6 +200,10 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             same = before.drafted_call and before.width == r.width and before.bucket == r.bucket
             switch["same" if same else "switched"].append(r.seconds)
     return {"concurrency": concurrency, "requests": len(done), "tokens_per_s": tokens / wall,
+            # until the last request was admitted (every client had one in flight): without the tail in
+            # which the last requests finish with the batch part empty (longer for modes whose requests
+            # finish at different steps); None when the first admission held them all
+            "steady_tokens_per_s": steady[1] / steady[0] if steady and steady[0] > 0 and steady[1] else None,
             "ttft_ms": pct(ttft), "itl_ms": pct(itl), "steps": len(records), "wall_s": wall,
             "drafting_steps": len(calls["verify"]),
             "call_ms": {kind: mean_ms([r.seconds for r in rs]) for kind, rs in calls.items()},
@@ -280,16 +287,24 @@ def lone_request(args, engine, prompts) -> list[dict]:
 
 def print_medians(results: list[dict]) -> None:
     """Per (concurrency, mode): the median tok/s over the rounds, every round's, and the ratio to the
-    better of none and fixed5 at that concurrency."""
+    better of none and fixed5 at that concurrency; the same for the steady part (until the last
+    request was admitted)."""
     runs: dict[tuple[int, str], list[float]] = {}
+    steady: dict[tuple[int, str], list[float]] = {}
     for level in results:
         runs.setdefault((level["concurrency"], level["mode"]), []).append(level["tokens_per_s"])
-    print("| concurrency | mode | median tok/s | rounds | / max(none, fixed5) |\n|---:|---|---:|---|---:|")
+        steady.setdefault((level["concurrency"], level["mode"]), []).append(level["steady_tokens_per_s"] or np.nan)
+
+    def ratio(table, concurrency, median):
+        return median / max(float(np.median(table.get((concurrency, m), [np.nan]))) for m in ("none", "fixed5"))
+
+    print("| concurrency | mode | median tok/s | rounds | / max(none, fixed5) | steady tok/s | / max(none, fixed5) |\n"
+          "|---:|---|---:|---|---:|---:|---:|")
     for (concurrency, mode), values in runs.items():
-        best = max(float(np.median(runs.get((concurrency, m), [np.nan]))) for m in ("none", "fixed5"))
-        median = float(np.median(values))
+        median, median_steady = float(np.median(values)), float(np.median(steady[concurrency, mode]))
         print(f"| {concurrency} | {mode} | {median:.1f} | {', '.join(f'{v:.0f}' for v in values)} | "
-              f"{median / best:.2f} |")
+              f"{ratio(runs, concurrency, median):.2f} | {median_steady:.1f} | "
+              f"{ratio(steady, concurrency, median_steady):.2f} |")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -362,6 +377,7 @@ def main(argv=None) -> int:
                 level = {"mode": mode, "round": round_, **run_level(engine, prompts, concurrency, level_args)}
                 results.append(level)
                 print(f"round {round_} c={concurrency:3d} {mode:12s} {level['tokens_per_s']:9.1f} tok/s  "
+                      f"(steady {level['steady_tokens_per_s'] or float('nan'):.1f})  "
                       f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "
                       f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms  "
                       f"drafting steps {level['drafting_steps']}/{level['steps']}  "
