@@ -1,7 +1,6 @@
 """scripts/eval_calibration.py: its engine is the serving bench's, and its replay prices widths."""
 
 import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,7 +8,6 @@ import numpy as np
 from jdspark.engine.stats import RowRecord
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
 spec = importlib.util.spec_from_file_location("eval_calibration", SCRIPTS / "eval_calibration.py")
 eval_calibration = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(eval_calibration)
@@ -18,7 +16,7 @@ spec.loader.exec_module(eval_calibration)
 def test_engine_args_are_every_option_of_the_serving_bench():
     """Built by the bench's own parser, so an option added there is never missing here (a hand-made
     namespace had lost `--dequantize`, and the script failed before measuring anything)."""
-    import bench_serve_engine
+    import bench_serve_engine  # on the path: eval_calibration puts its folder there
     args = eval_calibration.engine_args()
     defaults = vars(bench_serve_engine.parser().parse_args([]))
     assert set(vars(args)) == set(defaults)

@@ -39,7 +39,7 @@ def prompts_to_prefill(pending: int, budget_rows: int, buckets, running: bool) -
     fill = next((b for b in buckets if b >= budget_rows), budget_rows)  # the bucket the budget's call runs in
     if not running:
         fill = max([fill, *(b for b in buckets if b <= pending)])
-    return max(budget_rows, min(pending, fill))
+    return min(pending, fill)
 
 
 def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:

@@ -10,7 +10,8 @@ def test_beside_running_requests_the_budget_and_the_padding_of_its_bucket():
     assert prompts_to_prefill(pending=9, budget_rows=1, buckets=(16, 64), running=True) == 9
     assert prompts_to_prefill(pending=40, budget_rows=1, buckets=(16, 64), running=True) == 16
     assert prompts_to_prefill(pending=3, budget_rows=2, buckets=(1, 4, 16), running=True) == 3
-    assert prompts_to_prefill(pending=1, budget_rows=2, buckets=(1, 4, 16), running=True) == 2  # capped by pending later
+    assert prompts_to_prefill(pending=1, budget_rows=2, buckets=(1, 4, 16), running=True) == 1
+    assert prompts_to_prefill(pending=6, budget_rows=5, buckets=(1, 4, 16), running=True) == 6  # bucket 16's padding
 
 
 def test_with_nothing_running_as_many_as_fill_the_largest_bucket_they_fill():
