@@ -80,6 +80,7 @@ class Engine:
         self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
         start = time.perf_counter()
         self.exe.compile(self.state, self.draft_cache)
+        self.state, self.draft_cache = self.exe.warm_up(self.state, self.draft_cache)
         self.selector, self.selectors, self.live = None, {}, costs.LiveCosts({})  # the measured selectors: the
         # largest bucket's, every bucket's, and as the steps take them (`costs.LiveCosts`), once measured
         self._measured: dict[str, tuple] = {}  # profile -> (selectors, selector, live) measured under it

@@ -4,6 +4,7 @@ the invalid flag; the kernel setting is validated before compiling; a float32
 model's executables compute every dot product at full float32 precision whatever the ambient
 default; every call leaves the donated state in the buffers it came in."""
 
+import collections
 import itertools
 import re
 
@@ -268,3 +269,39 @@ def test_on_the_gpu_twins_are_two_instances_and_change_no_token(dspark_model):
         return [engine.complete([engine.add(np.array([5, 9, 2, 14], np.int32), SamplingParams(
             max_tokens=24, temperature=t, seed=4, ignore_eos=True))])[0].token_ids for t in (0.0, 1.0)]
     assert tokens(True) == tokens(False)
+
+
+def test_warm_up_calls_every_executable_and_leaves_every_slot_empty(dspark_engine, monkeypatch):
+    """`Executables.warm_up` (the engine runs it before it is ready): every program is called twice
+    (each instance of a twin once), so no served step pays a first call, and the state it leaves
+    holds no request; the engine then generates what it generated before."""
+    engine = dspark_engine
+    engine.set_policy(speculative=True, width_policy=lambda confidence: 3)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    before = engine.complete([engine.add(np.array([5, 9, 2, 14], np.int32), params)])[0].token_ids
+    calls_of = collections.Counter()
+
+    def counted(key, program):
+        def call(*args):
+            calls_of[key] += 1
+            return program(*args)
+        return call
+
+    for n, bucket in engine.exe.buckets.items():
+        monkeypatch.setattr(bucket, "prefill", counted((n, "prefill"), bucket.prefill))
+        monkeypatch.setattr(bucket, "decode", counted((n, "decode"), bucket.decode))
+        monkeypatch.setattr(bucket, "step", {k: counted((n, k), c) for k, c in bucket.step.items()})
+    engine.state, engine.draft_cache = engine.exe.warm_up(engine.state, engine.draft_cache)
+    programs = {(n, name) for n, b in engine.exe.buckets.items() for name in ("prefill", "decode", *b.step)}
+    assert calls_of == {key: 2 for key in programs}
+    assert not np.asarray(engine.state.length).any() and not np.asarray(engine.state.written).any()
+    assert engine.complete([engine.add(np.array([5, 9, 2, 14], np.int32), params)])[0].token_ids == before
+
+
+def test_the_engine_warms_its_executables_before_it_is_ready(dspark_model, monkeypatch):
+    warmed = []
+    real = executables.Executables.warm_up
+    monkeypatch.setattr(executables.Executables, "warm_up",
+                        lambda self, *state: warmed.append(self.count) or real(self, *state))
+    Engine(dspark_model, EngineConfig(max_seq_len=32, gamma=5, max_batch=1), prefill_chunk=8, speculative=False)
+    assert warmed == [2]  # prefill and decode of its one bucket
