@@ -215,14 +215,14 @@ class Executables:
                  time.perf_counter() - start, self.loaded, self.from_workers, self.worker_seconds, self.lower_seconds)
 
     def warm_up(self, decode, draft_cache):
-        """Every executable called twice (each instance of a twin once) on the example inputs it was
+        """Every executable called once (a twin twice: each instance once) on the example inputs it was
         compiled for, so that no served step pays an executable's first call: on the CPU a bucket-1
         prefill's first call took 169 ms against 16 after it (a 190 ms inter-token stall the first time
         a prompt was admitted beside running requests), on the GPU XLA records the call's CUDA graph.
         Returns the state and draft cache with every slot emptied, as at start."""
         for (b, name), (_, arguments) in self.programs(decode, draft_cache).items():
             program = getattr(self.buckets[b], name) if name in ("prefill", "decode") else self.buckets[b].step[name]
-            for _ in range(2):
+            for _ in range(2 if isinstance(program, Twins) else 1):
                 _, decode, draft_cache = program(self.params.arrays, decode, draft_cache, *arguments[3:])
         every = jnp.ones(decode.batch, bool)
         decode = state.reset_slots(decode, every)
