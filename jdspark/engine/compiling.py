@@ -49,9 +49,10 @@ def thread_pool(jobs: int, most: int | None = None) -> ThreadPoolExecutor:
 def concurrent_compiles(free_bytes: float, largest_operand: int) -> int:
     """How many programs may compile at once in worker processes beside this one on its GPU, with
     `free_bytes` outside its pool (`device_memory_outside_this_process`). XLA's autotuner allocates
-    a fusion's operands on the device, and the largest are stacked parameters: at Flash dims (8 layers, 64 slots) on an H100, three of four workers ran out
-    of memory allocating 4.02 GiB beside the engine's 41 GB of weights (docs/BENCHMARKS.md). Each
-    compile is given twice the largest operand and `AUTOTUNE_SLACK_BYTES`."""
+    a fusion's operands on the device, and the largest are stacked parameters: at Flash dims (8
+    layers, 64 slots) on an H100, three of four workers ran out of memory allocating 4.02 GiB beside
+    the engine's 41 GB of weights (docs/BENCHMARKS.md). Each compile is given twice the largest
+    operand and `AUTOTUNE_SLACK_BYTES`."""
     return max(1, int(free_bytes // (2 * largest_operand + AUTOTUNE_SLACK_BYTES)))
 
 

@@ -145,6 +145,16 @@ class Bucket:
     decode: jax.stages.Compiled | None = None
     step: dict[int, jax.stages.Compiled] = dataclasses.field(default_factory=dict)
 
+    def program(self, name):
+        """The executable named as `Executables.programs` keys it: "prefill", "decode" or a width."""
+        return getattr(self, name) if name in ("prefill", "decode") else self.step[name]
+
+    def put(self, name, program) -> None:
+        if name in ("prefill", "decode"):
+            setattr(self, name, program)
+        else:
+            self.step[name] = program
+
 
 class Executables:
     """AOT-compiled prefill, decode and step[k] per batch bucket, for one model, engine config and
@@ -221,7 +231,7 @@ class Executables:
         a prompt was admitted beside running requests), on the GPU XLA records the call's CUDA graph.
         Returns the state and draft cache with every slot emptied, as at start."""
         for (b, name), (_, arguments) in self.programs(decode, draft_cache).items():
-            program = getattr(self.buckets[b], name) if name in ("prefill", "decode") else self.buckets[b].step[name]
+            program = self.buckets[b].program(name)
             for _ in range(2 if isinstance(program, Twins) else 1):
                 _, decode, draft_cache = program(self.params.arrays, decode, draft_cache, *arguments[3:])
         every = jnp.ones(decode.batch, bool)
@@ -287,10 +297,7 @@ class Executables:
         compiled |= fresh
         self.lower_seconds = loading + lowering  # loading, tracing and lowering in this process: serial, in Python
         for (b, name), program in (twins_of(compiled) if self.twins else compiled).items():
-            if name in ("prefill", "decode"):
-                setattr(self.buckets[b], name, program)
-            else:
-                self.buckets[b].step[name] = program
+            self.buckets[b].put(name, program)
 
     def static_key(self) -> str:
         """Everything the traced programs depend on besides their arguments (`exe_cache`)."""
