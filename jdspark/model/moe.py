@@ -116,8 +116,9 @@ class Experts(nnx.Module):
     def reads_per_expert(self, d: int) -> bool:
         """Whether calls (of inputs of width d) read only their distinct experts (the kernel's slot or
         grouped form), so that routing rows to fewer experts reads fewer bytes; the XLA gather reads
-        its min(N K, E) slots whatever they hold."""
-        return self.mesh is None and self._kernel_runs(d)
+        its min(N K, E) slots whatever they hold. On a mesh, the kernel runs where each device holds
+        whole experts (`_sharded`)."""
+        return (self.mesh is None or self.mesh.shape[TENSOR] == 1) and self._kernel_runs(d)
 
     def _grouped(self, x: jax.Array) -> bool:
         """Whether a call of x [N, D] runs the kernel's grouped form (`pallas_kernels.moe.grouped_moe`):
@@ -175,25 +176,38 @@ class Experts(nnx.Module):
 
     def _sharded(self, x: jax.Array, weights: jax.Array, idx: jax.Array) -> jax.Array:
         """Expert parallelism (shard_map): tokens and routing are replicated; each device holds
-        E / ep experts (and F / tp of their width), computes its experts' contributions through the
-        gather path (routing weights of other devices' experts zeroed), sums the width pieces over `tensor`
-        (fp32, before the rounding to x.dtype, as unsharded) and its experts over `expert`."""
+        E / ep experts (and F / tp of their width) and computes its own experts' part of every row
+        (the other devices' experts routed nowhere), then the parts are summed in fp32 over `expert`.
+        Whole experts on each device (tp 1) run the in-place kernel as unsharded calls do (the slot
+        or grouped form, over the device's distinct experts only); split ones (tp > 1) the gather,
+        whose width pieces are summed over `tensor` in fp32 before each expert's rounding to x.dtype,
+        as unsharded (the kernel rounds inside)."""
         graphdef, params = nnx.split(self)
         n_local = self.n_experts // self.mesh.shape[EXPERT]
+        in_place = self.reads_per_expert(x.shape[-1])
 
         def local(params, x, weights, idx):
             module = nnx.merge(graphdef, params)
             own = idx - jax.lax.axis_index(EXPERT) * n_local
             mine = (own >= 0) & (own < n_local)
-            experts, slot = expert_slots(jnp.where(mine, own, 0), n_local)
-            dense = routing_matrix(jnp.where(mine, weights, 0.0), slot, experts.shape[0])
-            out = jax.lax.psum(module._outputs(x, experts, dense), TENSOR)
-            return jax.lax.psum(sum_expert_outputs(out, x.dtype), EXPERT)
+            weights = jnp.where(mine, weights, 0.0)
+            if in_place:
+                own = jnp.where(mine, own, MISSING)  # another device's expert: no read here
+                if module._grouped(x):
+                    out = module._grouped_call(x, weights, own)
+                else:
+                    experts, slot = expert_slots(own, n_local + 1)  # + 1: room for MISSING beside all n_local
+                    out = module._selected(x, experts, routing_matrix(weights, slot, experts.shape[0]), slot)
+            else:
+                experts, slot = expert_slots(jnp.where(mine, own, 0), n_local)
+                dense = routing_matrix(weights, slot, experts.shape[0])
+                out = sum_expert_outputs(jax.lax.psum(module._outputs(x, experts, dense), TENSOR), x.dtype)
+            return jax.lax.psum(out, EXPERT)
 
         replicated = PartitionSpec()
         return jax.shard_map(local, mesh=self.mesh, in_specs=(rules.specs(params, ("experts",)), replicated,
                                                               replicated, replicated),
-                             out_specs=replicated)(params, x, weights, idx)
+                             out_specs=replicated, check_vma=not in_place)(params, x, weights, idx)
 
 
 def sum_expert_outputs(out: jax.Array, dtype) -> jax.Array:

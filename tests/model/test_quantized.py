@@ -100,10 +100,10 @@ def ref_experts(ex, x, weights, idx):
     return jnp.sum(out.astype(dtype).astype(jnp.float32), axis=1)
 
 
-def random_experts(storage: Storage, dtype, seed: int, width: int = 160):
+def random_experts(storage: Storage, dtype, seed: int, width: int = 160, n_experts: int = 12):
     """Experts of a small config in `storage`, filled with random stored values (every code)."""
     from jdspark.model.moe import Experts
-    cfg = tiny_config(hidden_size=256, moe_intermediate_size=width, n_routed_experts=12, num_experts_per_tok=3,
+    cfg = tiny_config(hidden_size=256, moe_intermediate_size=width, n_routed_experts=n_experts, num_experts_per_tok=3,
                       swiglu_limit=4.0)
     ex = Experts(cfg, dtype=dtype, rngs=Keys(seed, concrete=True))
     rng = np.random.default_rng(seed)
