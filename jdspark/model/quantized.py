@@ -90,7 +90,7 @@ class FP8Linear(Linear):
         self.fp8_input = fp8_input
         self.compute_dtype = compute_dtype
         self.implementation = "auto"  # the FP8 linear kernel's choice; set with `hyper.with_implementation`
-        self.sharded = False  # on a mesh (`jdspark.parallel.shard`): the XLA form, which XLA partitions
+        self.sharded = False  # split over a mesh (`jdspark.parallel.shard`): the XLA form, which XLA partitions
 
     def dense_weight(self, dtype) -> jax.Array:
         return fp8_block_dequant(self.weight[...], self.scale[...], dtype)

@@ -44,12 +44,14 @@ def on_mesh(model: Model, mesh: Mesh) -> Model:
 def with_mesh(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh) -> nnx.GraphDef:
     """The graph with `mesh` set in every routed-expert module (a static field, like the kernel
     choice of `hyper.with_implementation`): traced calls then take the expert-parallel path. FP8
-    linears are marked sharded: they take their XLA form, which XLA partitions from the weights'
-    shardings (the linear kernel is a custom call that XLA would run replicated)."""
+    linears split over `tensor` are marked sharded: they take their XLA form, which XLA partitions
+    from the weights' shardings (the linear kernel is a custom call, which XLA would run on whole
+    operands, gathering the weight's pieces). Replicated ones (the K=V head, compressors, indexer,
+    `wq_a`; every linear at TP 1) keep the kernel: each device computes them whole anyway."""
     module = nnx.merge(graphdef, params)
     for _, node in nnx.iter_graph(module):
         if isinstance(node, Experts):
             node.mesh = mesh
         elif isinstance(node, FP8Linear):
-            node.sharded = True
+            node.sharded = not node.weight[...].sharding.is_fully_replicated
     return nnx.split(module)[0]

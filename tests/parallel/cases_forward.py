@@ -75,3 +75,27 @@ def test_sharding_a_loaded_model_equals_loading_onto_the_mesh(checkpoint, unshar
 def test_more_devices_than_present_is_a_clear_error():
     with pytest.raises(ValueError, match="only 8 are present"):
         make_mesh(4, 4)
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 4), (1, 8)])
+def test_replicated_fp8_linears_keep_the_kernel(checkpoint, unsharded, tp, ep, monkeypatch):
+    """Under implementation="pallas" (interpret mode here) the FP8 linears replicated on the mesh (the
+    K=V head, compressors, indexer, wq_a; all of them at TP 1) run the FP8 linear kernel, those split
+    over `tensor` the XLA form; the forward equals the unsharded one."""
+    from jdspark.model.hyper import with_implementation
+    from jdspark.model.model import Model
+    from pallas_kernels import fp8_linear
+    from flax import nnx
+
+    from jdspark.model.quantized import FP8Linear
+    if not any(isinstance(node, FP8Linear) for _, node in nnx.iter_graph(unsharded[0].module())):
+        pytest.skip("no FP8 linears in the bf16 checkpoint")
+    sharded = load_model(checkpoint, "float32", progress=False, mesh=make_mesh(tp, ep))
+    model = Model(with_implementation(sharded.graphdef, sharded.params, "pallas"), sharded.params, mesh=sharded.mesh)
+    weights = []
+    kernel = fp8_linear.fp8_linear
+    monkeypatch.setattr(fp8_linear, "fp8_linear", lambda x, w, s, **k: (weights.append(w.shape), kernel(x, w, s, **k))[1])
+    out = model.forward(IDS[:, :4], FEATURES)
+    ref = unsharded[0].forward(IDS[:, :4], FEATURES)
+    assert weights and (tp == 1 or not any(shape[0] == 8 * 128 for shape in weights))  # wq_b (1024 rows) split at TP 2
+    assert np.abs(np.asarray(out.logits) - np.asarray(ref.logits)).max() <= 1e-5
