@@ -295,16 +295,17 @@ def print_medians(results: list[dict]) -> None:
         runs.setdefault((level["concurrency"], level["mode"]), []).append(level["tokens_per_s"])
         steady.setdefault((level["concurrency"], level["mode"]), []).append(level["steady_tokens_per_s"] or np.nan)
 
-    def ratio(table, concurrency, median):
-        return median / max(float(np.median(table.get((concurrency, m), [np.nan]))) for m in ("none", "fixed5"))
+    def ratio(table, concurrency, label, median):  # against none and fixed5 under the same prefill budget
+        suffix = label[label.index(" "):] if " " in label else ""
+        return median / max(float(np.median(table.get((concurrency, m + suffix), [np.nan]))) for m in ("none", "fixed5"))
 
     print("| concurrency | mode | median tok/s | rounds | / max(none, fixed5) | steady tok/s | / max(none, fixed5) |\n"
           "|---:|---|---:|---|---:|---:|---:|")
     for (concurrency, mode), values in runs.items():
         median, median_steady = float(np.median(values)), float(np.median(steady[concurrency, mode]))
         print(f"| {concurrency} | {mode} | {median:.1f} | {', '.join(f'{v:.0f}' for v in values)} | "
-              f"{ratio(runs, concurrency, median):.2f} | {median_steady:.1f} | "
-              f"{ratio(steady, concurrency, median_steady):.2f} |")
+              f"{ratio(runs, concurrency, mode, median):.2f} | {median_steady:.1f} | "
+              f"{ratio(steady, concurrency, mode, median_steady):.2f} |")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -325,6 +326,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, help="engine slots (default: the largest concurrency)")
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--prefill-budget", type=int, help="prompt tokens a step prefills (default: the engine's)")
+    p.add_argument("--prefill-budgets", type=int, nargs="+",
+                   help="run every mode under each of these prefill budgets (prompt tokens a step prefills beside "
+                   "running requests; 0: --prefill-budget's), interleaved, labelled 'mode bN'")
     p.add_argument("--buckets", type=int, nargs="*", default=[], help="batch buckets (default 1, 2, 4, ... max)")
     p.add_argument("--widths", type=int, nargs="*", default=[],
                    help="compile only these step widths (default 0..gamma; adaptive modes choose among them, a "
@@ -365,18 +369,21 @@ def main(argv=None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps({"startup_s": startup, "lone_request": results}, indent=1))
         return 0
-    results = []
+    results, budgets, default_rows = [], args.prefill_budgets or [0], engine.prefill_rows
     for concurrency in args.concurrency:
         for round_ in range(args.rounds):  # rounds interleave the modes, so drift hits them alike
-            for mode in args.modes:
+            for mode, budget in itertools.product(args.modes, budgets):
                 set_mode(engine, mode)
+                engine.prefill_rows = max(1, budget // engine.exe.prefill_chunk) if budget else default_rows
+                label = f"{mode} b{budget}" if len(budgets) > 1 else mode
                 if round_ == 0:  # a warm-up round first
                     warm_up = argparse.Namespace(**{**vars(args), "requests": concurrency})
                     run_level(engine, prompts, concurrency, warm_up)
                 level_args = argparse.Namespace(**{**vars(args), "requests": max(args.requests, concurrency)})
-                level = {"mode": mode, "round": round_, **run_level(engine, prompts, concurrency, level_args)}
+                level = {"mode": label, "round": round_, "prefill_rows": engine.prefill_rows,
+                         **run_level(engine, prompts, concurrency, level_args)}
                 results.append(level)
-                print(f"round {round_} c={concurrency:3d} {mode:12s} {level['tokens_per_s']:9.1f} tok/s  "
+                print(f"round {round_} c={concurrency:3d} {label:12s} {level['tokens_per_s']:9.1f} tok/s  "
                       f"(steady {level['steady_tokens_per_s'] or float('nan'):.1f})  "
                       f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "
                       f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms  "
