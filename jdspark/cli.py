@@ -153,7 +153,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                                            "(default: powers of 4 below it, and it)")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens one prefill row takes per call")
     p.add_argument("--prefill-budget", type=int,
-                   help="prompt tokens one step prefills, whole chunks (default: one chunk)")
+                   help="prompt tokens one step prefills, whole chunks (default: a chunk of every pending prompt)")
     p.add_argument("--fallback-acceptance", type=float, default=0.0,
                    help="acceptance breaker threshold in (0, 1]; 0 disables (reference starting point: 0.60)")
     p.add_argument("--fallback-min-drafted", type=int, default=32)

@@ -30,12 +30,13 @@ class PendingPrompt:
 
 
 def prompts_to_prefill(pending: int, budget_rows: int, buckets, running: bool) -> int:
-    """Prompts a step prefills: `budget_rows` (the prefill budget) beside running requests; with none
-    running no one waits on the call, so as many as fill the largest batch bucket they can fill (no
-    padded row: a wave of 16 prompts is one call, not 16). Either way, pending prompts also fill the
-    padding of the bucket the call runs in: its padded rows cost the call's dense work whatever they
-    hold (one prompt at a time in a smallest bucket of 16 had left finished requests' slots empty for
-    up to 15 steps)."""
+    """Prompts a step prefills: `budget_rows` (the prefill budget; the engine's default is every slot,
+    so every pending prompt) beside running requests; with none running no one waits on the call, so
+    as many as fill the largest batch bucket they can fill (no padded row: a wave of 16 prompts is one
+    call, not 16). Either way, pending prompts also fill the padding of the bucket the call runs in:
+    its padded rows cost the call's dense work whatever they hold (one prompt at a time in a smallest
+    bucket of 16 had left finished requests' slots empty for up to 15 steps; with a bucket of 1, a
+    budget of one prompt a step left a 64-slot H100 engine at 27 of 64 rows a step, docs/BENCHMARKS.md)."""
     fill = next((b for b in buckets if b >= budget_rows), budget_rows)  # the bucket the budget's call runs in
     if not running:
         fill = max([fill, *(b for b in buckets if b <= pending)])

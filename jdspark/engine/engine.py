@@ -55,7 +55,7 @@ class Engine:
         """`tokenizer` turns tokens into text deltas and enables stop strings; `widths`: the step
         widths to compile (default 0..gamma; only 0 without speculation; a row's width rounds up to
         the next compiled one's executable); `prefill_budget`: prompt tokens a `step` prefills
-        (whole chunks of `prefill_chunk`; default one chunk); `width_policy` overrides
+        (whole chunks of `prefill_chunk`; default: a chunk of every pending prompt); `width_policy` overrides
         the width choice (a function of a request's stale confidences); `implementation` ("auto",
         "pallas", "xla") picks the Pallas kernels or their jnp references (rejection sampler,
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
@@ -71,7 +71,7 @@ class Engine:
         on_gpu = jax.default_backend() == "gpu"
         pack_params = on_gpu if pack_params is None else pack_params
         chunk = min(prefill_chunk, config.max_seq_len)
-        self.prefill_rows = max(1, (prefill_budget or chunk) // chunk)
+        self.prefill_rows = config.max_batch if prefill_budget is None else max(1, prefill_budget // chunk)
         self.exe = Executables(model, config, chunk, implementation, widths if speculative else (), pack_params)
         self.state, self.draft_cache = self._fresh_state()
         self._slots: list[Sequence | None] = [None] * config.max_batch

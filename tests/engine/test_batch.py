@@ -20,3 +20,11 @@ def test_with_nothing_running_as_many_as_fill_the_largest_bucket_they_fill():
     # fewer than the smallest bucket: all of them, in its padding
     assert prompts_to_prefill(pending=3, budget_rows=1, buckets=(16, 64), running=False) == 3
     assert prompts_to_prefill(pending=2, budget_rows=1, buckets=(1, 4, 16), running=False) == 1
+
+
+def test_the_default_budget_takes_every_pending_prompt_up_to_the_largest_bucket():
+    """The engine's default budget is every slot (`Engine(prefill_budget=None)`): beside running
+    requests too, every pending prompt rides in one call, in the bucket that holds them."""
+    assert prompts_to_prefill(pending=8, budget_rows=64, buckets=(1, 4, 16, 64), running=True) == 8
+    assert prompts_to_prefill(pending=1, budget_rows=64, buckets=(1, 4, 16, 64), running=True) == 1
+    assert prompts_to_prefill(pending=5, budget_rows=16, buckets=(1, 4, 16), running=False) == 5

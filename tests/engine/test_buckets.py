@@ -80,26 +80,34 @@ def test_a_new_prompt_is_prefilled_a_chunk_per_step_while_others_decode(engine, 
     assert got[running.request_id] == alone[1] and got[new] == reference
 
 
-def test_a_wave_admitted_with_nothing_running_is_prefilled_in_the_largest_bucket_it_fills(engine, alone):
-    """Five one-chunk prompts admitted to an idle engine: the first step prefills four of them in
-    one bucket-4 call (no padded row, and no running request waits on it), the fifth goes a step
-    later beside their first verify (the budget: one chunk). Each emits what it emits alone.
-    Mutation caught: one prompt a step with nothing running (five first tokens in five steps)."""
-    short = [0, 2, 0, 2, 0]
-    ids = engine.admit([(PROMPTS[i], GREEDY) for i in short])
-    first_step, tokens, step = {}, {rid: [] for rid in ids}, 0
-    while engine.running:
-        step += 1
-        for rid, d in engine.step().items():
-            first_step.setdefault(rid, step)
-            tokens[rid].extend(d.tokens)
-    assert sorted(collections.Counter(first_step.values()).values()) == [1, 4]
+@pytest.mark.parametrize("budget_rows,waves", [(None, [5]), (1, [1, 4])], ids=["default", "one_chunk"])
+def test_a_wave_admitted_with_nothing_running_is_prefilled_in_the_largest_bucket_it_fills(engine, alone,
+                                                                                          budget_rows, waves):
+    """Five one-chunk prompts admitted to an idle engine. Under the default budget (every pending
+    prompt) one call prefills all five. Under a budget of one chunk the first step prefills four of
+    them in one bucket-4 call (no padded row, and no running request waits on it), the fifth goes a
+    step later beside their first verify. Each emits what it emits alone. Mutation caught: one prompt
+    a step with nothing running (five first tokens in five steps)."""
+    default = engine.prefill_rows
+    engine.prefill_rows = budget_rows or default
+    try:
+        short = [0, 2, 0, 2, 0]
+        ids = engine.admit([(PROMPTS[i], GREEDY) for i in short])
+        first_step, tokens, step = {}, {rid: [] for rid in ids}, 0
+        while engine.running:
+            step += 1
+            for rid, d in engine.step().items():
+                first_step.setdefault(rid, step)
+                tokens[rid].extend(d.tokens)
+    finally:
+        engine.prefill_rows = default
+    assert sorted(collections.Counter(first_step.values()).values()) == waves
     assert [tokens[rid] for rid in ids] == [alone[i] for i in short]
 
 
 def test_no_compilation_after_warm_up_as_requests_join_and_leave(engine, alone, compile_counter):
-    """13 requests, then fewer and fewer: steps in buckets 16, 4 and 1, prompts prefilled in
-    bucket 1 (a step prefills one chunk) while the others decode."""
+    """13 requests, then fewer and fewer: steps in buckets 16, 4 and 1, the 12 admitted prompts
+    prefilled together (a chunk of each per bucket-16 call) beside the first one's steps."""
     assert all(bucket.prefill is not None for bucket in engine.exe.buckets.values())
     assert engine.exe.count == 3 + 3 * 3  # 3 prefills; decode, step[2], step[5] per bucket
     before = compile_counter.count
