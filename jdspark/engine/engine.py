@@ -182,7 +182,7 @@ class Engine:
     def _issue_prefill(self, live: list[int]) -> IssuedPrefill:
         """One prefill call: the next chunk of each of these slots' prompts, in the smallest bucket
         that holds them. A prompt whose last chunk it holds is no longer pending: its request runs
-        from the next step on (its first token, the call's sample, is the state's anchor)."""
+        from this step's verify call on (its first token, the call's sample, is the state's anchor)."""
         bucket = self.config.bucket(len(live))
         rows = call_slots(live, bucket, self.config.max_batch)
         ids, n_valid, reset = prefill_inputs(rows, {b: self._pending[b] for b in live}, self.exe.prefill_chunk)
@@ -290,23 +290,26 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> dict[int, Delta]:
         """One step: issue a prefill call for the prompts still coming in (`prefill_budget` tokens)
-        and one draft + verify call for every running request, then read calls: with `overlap` the
+        and one draft + verify call for every running request, those whose prompt that prefill ends
+        included (it leaves their first token as the anchor), then read calls: with `overlap` the
         previous step's (these run meanwhile; a request that ended in them has its extra call's
         tokens dropped), else these. Returns each request's Delta by request id (a request whose
-        prompt ended gets its first); finished requests' slots are then free; `last_step`: the verify
-        call's record (None when only a prefill was read). Widths read the host's confidences."""
+        prompt ended gets its first, with what its first verify emitted); finished requests' slots are
+        then free; `last_step`: the verify call's record (None when only a prefill was read)."""
         self.last_step = None
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
         rows = prompts_to_prefill(len(self._pending), self.prefill_rows, self.config.buckets, bool(running))
         issued = [self._issue_prefill(list(self._pending)[:rows])] if self._pending else []
+        running += [b for call in issued for b, (seq, _, last) in call.prompts.items() if last and seq.may_issue()]
         if running:
-            issued.append(self._issue_verify(running))
+            issued.append(self._issue_verify(sorted(running)))
         if self.overlap:
             issued, self._unread = self._unread, issued
         deltas: dict[int, Delta] = {}
         for call in issued:
-            deltas.update(self._read_prefill(call) if isinstance(call, IssuedPrefill) else self._read_verify(call))
+            read = self._read_prefill(call) if isinstance(call, IssuedPrefill) else self._read_verify(call)
+            deltas.update({rid: deltas[rid].then(d) if rid in deltas else d for rid, d in read.items()})
         return deltas
 
     def _issue_verify(self, active: list[int]) -> IssuedVerify:

@@ -77,6 +77,10 @@ class Delta:
     def final(self) -> bool:
         return self.finish_reason is not None
 
+    def then(self, later: "Delta") -> "Delta":
+        """This delta and the request's next one as one (two calls read in one step)."""
+        return dataclasses.replace(later, tokens=self.tokens + later.tokens, text=self.text + later.text)
+
 
 def room(config: EngineConfig, prompt_len: int) -> int:
     """The most tokens a request with a prompt of `prompt_len` tokens may generate under `config`."""

@@ -62,6 +62,9 @@ def test_greedy_rows_in_a_full_batch_of_mixed_widths_and_sampling_emit_what_they
 
 
 def test_a_new_prompt_is_prefilled_a_chunk_per_step_while_others_decode(engine, alone):
+    """... and its first verify runs in the step of its last chunk, so the step that reads its first
+    token also reads that verify's tokens (one Delta: 1 + 1..6 tokens). Mutation caught: the
+    request verifying only from the step after (a first Delta of one token)."""
     reference = engine.complete([engine.add(LONG, GREEDY)])[0].token_ids
     running = engine.add(PROMPTS[1], GREEDY)
     got = {running.request_id: list(running.tokens)}
@@ -74,6 +77,7 @@ def test_a_new_prompt_is_prefilled_a_chunk_per_step_while_others_decode(engine, 
         for rid, d in deltas.items():
             got.setdefault(rid, []).extend(d.tokens)
     assert steps_to_first == len(LONG) // 8 + 1  # overlapped: each step reads the calls of the step before
+    assert len(got[new]) >= 2
     while engine.running:
         for rid, d in engine.step().items():
             got[rid].extend(d.tokens)
