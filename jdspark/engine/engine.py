@@ -32,7 +32,7 @@ from jdspark.engine.options import SpecOptions, WidthPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
 from jdspark.engine.sequence import NON_FINITE, ConfidencePrior, Sequence
 from jdspark.engine.stats import RowRecord, StepReaders, StepRecord
-from jdspark.engine.widths import choose, compiled_widths
+from jdspark.engine.widths import choose, compiled_widths, judged
 from jdspark.model.model import Model
 from jdspark.speculative.calibration import Calibration
 from jdspark.speculative.selector import AdaptiveWidth
@@ -364,11 +364,10 @@ class Engine:
         """(executable width, {slot: width}, executable) for this step (`widths.choose`)."""
         speculating = {b: self._slots[b].speculates() for b in stale}
         calls, adaptive = self.exe.buckets[bucket], self._adaptive()
-        if adaptive and self.options.calibrate:
-            stale = self.calibration.apply(stale, {b: self._slots[b].greedy for b in stale})
+        stale, typical = judged(stale, self._slots, self.calibration, self.options, adaptive)
         switch = self.live.switch_price(bucket) if adaptive and self.options.price_switches else (None, 0.0)
         width, widths = choose(stale, speculating, self._policy_at(bucket) if self.speculative else None, adaptive,
-                               calls.step, self._slots, self.options, self._first_confidence(), switch)
+                               calls.step, self._slots, self.options, self._first_confidence(), switch, typical)
         return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
 
     def _adaptive(self) -> bool:

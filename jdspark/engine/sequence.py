@@ -19,6 +19,13 @@ from jdspark.speculative.selector import FallbackBreaker
 from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
 
 MAX_BACKOFF = 5  # a pause is at most 2**5 times `SpecOptions.pause_steps` long
+# The weight of a request's newest proposal in `Sequence.typical`, what pauses and the decode call's
+# price judge. A pause lasts 32+ steps, and one step's stale proposal predicts the next step's
+# acceptance weakly: judged on it, a lone request on an H100 paused a third of its steps (0.92 of
+# fixed width 5); replayed on the embedded model's recorded steps at those costs, an average at 0.25
+# kept 0.99-1.00 of fixed width 5 (one step: 0.91-0.98), pausing as quickly where drafting never
+# pays (docs/BENCHMARKS.md, serving).
+TYPICAL_WEIGHT = 0.25
 
 NON_FINITE = ("the model produced non-finite logits or draft probabilities for this request (NaN or inf); "
               "it was stopped instead of emitting a token drawn from them")
@@ -52,6 +59,9 @@ class Sequence:
         self.tokens: list[int] = []  # generated so far
         # the previous proposal's (stale on purpose); a new request starts at `confidence` (ones if None)
         self.confidence = np.ones(gamma, np.float32) if confidence is None else np.array(confidence, np.float32)
+        # its proposals averaged since the first one read after its start or last pause (None until
+        # then; `TYPICAL_WEIGHT` on the newest)
+        self.typical: np.ndarray | None = None
         self.calls = 0  # verify calls issued for it: the counter of the request's own noise
         self.unread = 0  # tokens its issued calls not yet read may emit (each at most its width + 1)
         self.stats = CompletionStats.empty(prompt_len, gamma)
@@ -76,7 +86,7 @@ class Sequence:
     def pause(self, steps: int) -> None:
         """Decode without drafting for `steps` steps, doubled for each pause since drafting last paid
         (at most 32x): a request whose drafts never pay probes ever more rarely."""
-        self.paused_left, self.pausing = steps << self.pauses_in_a_row, True
+        self.paused_left, self.pausing, self.typical = steps << self.pauses_in_a_row, True, None
         self.pauses_in_a_row = min(self.pauses_in_a_row + 1, MAX_BACKOFF)
         self.stats.pauses += 1
 
@@ -117,6 +127,8 @@ class Sequence:
             self.stats.fallback_trips = self.breaker.trips
         if confidence is not None:
             self.confidence = confidence
+            self.typical = confidence if self.typical is None else (
+                TYPICAL_WEIGHT * confidence + (1 - TYPICAL_WEIGHT) * self.typical).astype(np.float32)
 
     def emit(self, new: list[int]) -> Delta:
         """Append a call's tokens up to the first stop condition; the Delta the request receives."""

@@ -53,7 +53,8 @@ def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, b
 def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled, *,
                    may_decode: bool, probing=frozenset(), lifted=frozenset(),
                    probe_confidence: np.ndarray | None = None,
-                   switch: tuple[int | str | None, float] = (None, 0.0)) -> tuple[int | None, dict[int, int]]:
+                   switch: tuple[int | str | None, float] = (None, 0.0),
+                   typical: dict[int, np.ndarray] | None = None) -> tuple[int | None, dict[int, int]]:
     """(executable width or None for the plain decode call, {slot: width}) for the whole batch.
 
     The step's call costs S(K) = D + V(K) for its executable width K, whichever rows use it, and a
@@ -72,7 +73,10 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     decodes (the engine keeps the probe for a later step); otherwise the step drafts.
 
     `switch` = (the call issued last: a width, "decode" or None, the seconds issuing another costs;
-    `costs.LiveCosts.switch_price`): every call but that one is priced that much dearer."""
+    `costs.LiveCosts.switch_price`): every call but that one is priced that much dearer. `typical`
+    (the rows' `Sequence.typical`, as the pauses judge them; default the stale confidences) prices the
+    drafting step against the decode call: a step the pauses let draft is not decoded on one step's
+    proposal (a decode call would bring none to correct it)."""
     rows = list(widths)
     expected = policy.expected_tokens(np.array([stale[b] for b in rows]))
     own = np.array([widths[b] for b in rows])[:, None]
@@ -81,11 +85,11 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     step_costs = np.array([c + (switch_cost if k != stay else 0.0) for k, c in enumerate(policy.step_costs)])
     row_index = np.arange(len(rows))[:, None]
 
-    def tokens_per_second(ks: np.ndarray, probe_tokens: np.ndarray | None = None) -> np.ndarray:
-        """Expected tokens per second of the step at each executable width of `ks`, in one pass;
-        probing rows at `probe_tokens` (E(k) per width) where given. (Plain indexing: the choice is
-        host time in every step, and np.take_along_axis's checks cost more than the lookup.)"""
-        tokens = expected[row_index, np.where(lift, ks[None], np.minimum(own, ks[None]))]
+    def tokens_per_second(ks: np.ndarray, probe_tokens: np.ndarray | None = None, table=expected) -> np.ndarray:
+        """Expected tokens per second of the step at each executable width of `ks`, in one pass, from
+        the rows' E(k) `table`; probing rows at `probe_tokens` (E(k) per width) where given. (Plain
+        indexing: the choice is host time in every step, and np.take_along_axis's checks cost more.)"""
+        tokens = table[row_index, np.where(lift, ks[None], np.minimum(own, ks[None]))]
         if probe_tokens is not None:
             tokens = np.where(probe, probe_tokens[ks][None], tokens)
         return tokens.sum(axis=0) / step_costs[ks]
@@ -98,10 +102,11 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     best_rate = max(rates)
     best = int(ks[rates.index(best_rate)])
     if may_decode and policy.decode_cost is not None:
-        could = best_rate
+        table = expected if typical is None else policy.expected_tokens(np.array([typical[b] for b in rows]))
+        could = best_rate if typical is None else float(tokens_per_second(ks, table=table).max())
         if any(b in probing for b in rows):
             start = np.ones((1, expected.shape[1] - 1)) if probe_confidence is None else probe_confidence[None]
-            could = float(tokens_per_second(np.array(sorted(compiled)), policy.expected_tokens(start)[0]).max())
+            could = float(tokens_per_second(np.array(sorted(compiled)), policy.expected_tokens(start)[0], table).max())
         if len(rows) / (policy.decode_cost + switch_cost * (stay != "decode")) > could:
             return None, {b: 0 for b in rows}
     return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}
@@ -109,7 +114,8 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
 
 def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled,
                         sequences, options, speculating: dict[int, bool], probe_confidence: np.ndarray | None = None,
-                        switch: tuple[int | str | None, float] = (None, 0.0)) -> tuple[int | None, dict[int, int]]:
+                        switch: tuple[int | str | None, float] = (None, 0.0),
+                        typical: dict[int, np.ndarray] | None = None) -> tuple[int | None, dict[int, int]]:
     """`price_the_step` for the engine's rows: their probes read from their sequences, and kept
     (`Sequence.defer_probe`) where the step decodes; the decode call only while pauses are on.
     Under "per_request" every speculating row is lifted to the step's width (the executable is
@@ -121,7 +127,8 @@ def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], po
     lifted = ({b for b in widths if speculating[b] or sequences[b].pausing}
               if options.batch_widths == "per_request" else set())
     width, widths = price_the_step(widths, stale, policy, compiled, may_decode=options.pause_steps > 0,
-                                   probing=probing, lifted=lifted, probe_confidence=probe_confidence, switch=switch)
+                                   probing=probing, lifted=lifted, probe_confidence=probe_confidence, switch=switch,
+                                   typical=typical)
     if width is None:
         for b in probing:
             sequences[b].defer_probe()
@@ -130,7 +137,8 @@ def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], po
 
 def pause_where_drafting_does_not_pay(policy: AdaptiveWidth, stale: dict[int, np.ndarray],
                                       speculating: dict[int, bool], sequences, steps: int) -> None:
-    """Rows whose stale confidences make a plain decode call cheaper per token than any width
+    """Rows whose confidences (`stale`: the engine passes `Sequence.typical` where a request has one)
+    make a plain decode call cheaper per token than any width
     (`AdaptiveWidth.drafting_pays`) stop drafting for `steps` steps: `speculating` turns False and
     the request's `Sequence.pause` counts them down. A row just back from a pause drafts once
     first, whatever the cost, so that the confidences it is judged on are fresh; each pause in a row
@@ -175,20 +183,36 @@ def compiled_widths(model_config, config, speculative: bool, widths, width) -> t
     return tuple(widths)
 
 
+def judged(stale: dict[int, np.ndarray], sequences, calibration, options, adaptive: bool
+           ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None]:
+    """(the rows' stale confidences, what pauses and the decode call's price judge) for a step's
+    choice. Under the engine's adaptive widths both pass through its calibration
+    (`options.calibrate`); with pauses on, the second is each row's `Sequence.typical` (its stale
+    confidences until it has one), else None."""
+    typical = ({b: c if sequences[b].typical is None else sequences[b].typical for b, c in stale.items()}
+               if adaptive and options.pause_steps else None)
+    if adaptive and options.calibrate:
+        greedy = {b: sequences[b].greedy for b in stale}
+        stale = calibration.apply(stale, greedy)
+        typical = None if typical is None else calibration.apply(typical, greedy)
+    return stale, typical
+
+
 def choose(stale: dict[int, np.ndarray], speculating: dict[int, bool], policy, adaptive: bool, compiled,
-           slots, options, first_confidence, switch: tuple[int | str | None, float] = (None, 0.0)
-           ) -> tuple[int | None, dict[int, int]]:
+           slots, options, first_confidence, switch: tuple[int | str | None, float] = (None, 0.0),
+           typical: dict[int, np.ndarray] | None = None) -> tuple[int | None, dict[int, int]]:
     """(executable width, {slot: width}) of a step over these rows' stale confidences; (None, {}):
     a plain decode call. `policy`: the width policy in use (None: not speculating); `adaptive`:
     it is the engine's measured selector; `compiled`: the step executables by width; `switch`: what
-    issuing another call than the last costs (`price_the_step`)."""
+    issuing another call than the last costs (`price_the_step`); `typical`: what pauses and the
+    decode call's price judge (`judged`; default the stale confidences)."""
     if options.pause_steps and isinstance(policy, AdaptiveWidth):
-        pause_where_drafting_does_not_pay(policy, stale, speculating, slots, options.pause_steps)
+        pause_where_drafting_does_not_pay(policy, typical or stale, speculating, slots, options.pause_steps)
     if policy is None or not any(speculating.values()):
         return None, {}
     widths = row_widths(options.batch_widths, stale, speculating, policy, policy if adaptive else None)
     if not isinstance(policy, AdaptiveWidth):
         return executable_width(widths, compiled), widths
     width, widths = price_for_the_batch(widths, stale, policy, compiled, slots, options, speculating,
-                                        first_confidence, switch)
+                                        first_confidence, switch, typical)
     return (None, {}) if width is None else (width, widths)

@@ -193,3 +193,41 @@ def test_a_switch_cost_keeps_the_call_issued_last_unless_another_gains_more():
     assert price(switch=(3, 0.0005)) == (3, {0: 3})
     assert price(switch=("decode", 0.0005)) == (None, {0: 0})
     assert price(switch=(None, 0.0005)) == (3, {0: 3})
+
+
+def test_pauses_and_the_decode_price_judge_the_requests_typical_proposals():
+    """`Sequence.typical` averages a request's proposals (TYPICAL_WEIGHT on the newest) from its first
+    one read after its start or last pause; a pause resets it. One low proposal after high ones
+    leaves a drafting request drafting (`judged` hands the pause and the decode call's price the
+    average), where its stale proposal alone pauses it; steadily low ones pause it. Mutation caught:
+    either judging the stale proposal (a lone request on an H100 paused a third of its steps, 0.92
+    of fixed width 5; priced on it, a step decodes and no proposal comes to correct it)."""
+    from jdspark.engine.sequence import TYPICAL_WEIGHT
+    from jdspark.engine.stats import RowRecord, StepRecord
+    from jdspark.engine.widths import choose, judged
+    seq = Sequence(0, 4, SamplingParams(max_tokens=64), seed=0, gamma=3, eos_token_id=None, tokenizer=None,
+                   breaker=None)
+    assert seq.typical is None
+
+    def read(confidence):
+        step = StepRecord(3, 0.001, (RowRecord(0, seq.confidence, 3, (1, 2, 3, 4), 3),), 0.0, None, 1)
+        seq.record(step, step.rows[0], np.array(confidence, np.float32))
+
+    for _ in range(6):
+        read([0.95] * 3)
+    read([0.1] * 3)
+    np.testing.assert_allclose(seq.typical, TYPICAL_WEIGHT * 0.1 + (1 - TYPICAL_WEIGHT) * 0.95, atol=1e-6)
+    policy = AdaptiveWidth([0.0016] * 4, 0.0, gamma=3, decode_cost=0.0009)  # drafting pays above 1.8 tokens
+    options, compiled = SpecOptions(pause_steps=32, calibrate=False), dict.fromkeys(range(4))
+
+    def step(with_typical=True):
+        stale, typical = judged({0: seq.confidence}, {0: seq}, None, options, True)
+        return choose(stale, {0: seq.speculates()}, policy, True, compiled, {0: seq}, options, None,
+                      typical=typical if with_typical else None)[0]
+
+    assert step() == 3 and not seq.pausing  # drafts (the width from the stale proposal: flat costs, the widest)
+    assert step(with_typical=False) is None and seq.pausing  # the stale proposal alone pauses it
+    seq.paused_left, seq.pauses_in_a_row, seq.pausing, seq.typical = 0, 0, False, seq.confidence * 0 + 0.95
+    for _ in range(6):
+        read([0.1] * 3)
+    assert step() is None and seq.pausing and seq.typical is None  # steadily low: paused, the average reset
