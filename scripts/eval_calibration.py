@@ -14,8 +14,12 @@ steps read the engine's prior, not its own proposals, and are left out):
   every row verifying the step's width, from the calibrated confidences and from those smoothed over
   each request's steps (an exponential average, half on the newest proposal): does one step's noisy
   proposal cost the batch its wide widths?
+- with `--decode-ms`, a lone request's pauses (`replay_pauses`): decoding `pause_steps` steps where
+  drafting does not pay against that decode cost, judged on one step's proposal (the engine before
+  f2d6fb8) or on the request's proposals averaged since its last pause (`Sequence.typical`), against
+  fixed width 5, in tokens per ms.
 
-    python scripts/eval_calibration.py [--costs-ms 1.67 1.82 1.99 1.88 1.97 1.95] [--json out.json]
+    python scripts/eval_calibration.py [--costs-ms 1.67 1.82 1.99 1.88 1.97 1.95] [--decode-ms 0.88] [--json out.json]
 """
 
 from __future__ import annotations
@@ -89,8 +93,44 @@ def replay_batches(rows, choose_width, costs: np.ndarray, batch: int) -> tuple[f
     return tokens / seconds, widths
 
 
+def replay_pauses(rows, conf, selector: AdaptiveWidth, average: float | None, pause_steps: int = 32) -> float:
+    """Tokens per ms of each request's width-5 steps (in order) under the engine's pauses: where the
+    judged confidences (`conf` of one step's proposal, or under `average` their exponential average
+    since the request's last pause, that weight on the newest) make a decode call (`selector.decode_cost`)
+    beat every width, the request decodes `pause_steps` tokens (doubling per pause in a row, at most
+    32x), then drafts once (a probe) whatever the cost; else it verifies its best width for this
+    step's proposal, taking min(n_accepted, k) + 1 of the recorded step's tokens. A decoded stretch
+    skips the recorded steps its tokens cover (the next proposal judged is the first step from there)."""
+    by_request: dict[int, list] = {}
+    for row in rows:
+        by_request.setdefault(row.request_id, []).append(row)
+    tokens, ms = 0, 0.0
+    for steps in by_request.values():
+        start = np.cumsum([0] + [row.n_accepted + 1 for row in steps])
+        t = i = paused = backoff = 0
+        probing, typical = False, None
+        while i < len(steps):
+            if paused:
+                t, ms, paused = t + 1, ms + selector.decode_cost, paused - 1
+                probing = paused == 0
+            else:
+                c = conf(steps[i].stale_confidence)
+                typical = c if (typical is None or average is None) else average * c + (1 - average) * typical
+                if not probing and not selector.drafting_pays(typical[None])[0]:
+                    paused, backoff, typical = (pause_steps << backoff) - 1, min(backoff + 1, 5), None
+                    t, ms = t + 1, ms + selector.decode_cost
+                else:
+                    k, probing = selector(c), False
+                    t, ms = t + min(steps[i].n_accepted, k) + 1, ms + selector.step_costs[k]
+                    i += 1
+            while i < len(steps) and start[i] < t:
+                i += 1
+        tokens += t
+    return tokens / ms
+
+
 def evaluate(engine, prompts, temperature: float, costs: np.ndarray, batch_costs: np.ndarray,
-             max_tokens: int) -> dict:
+             max_tokens: int, decode_cost: float | None = None) -> dict:
     greedy = temperature == 0.0
     train = verified_rows(engine, prompts[:4], temperature, max_tokens)
     test = verified_rows(engine, prompts[4:8], temperature, max_tokens)
@@ -124,6 +164,10 @@ def evaluate(engine, prompts, temperature: float, costs: np.ndarray, batch_costs
     for name, rows in (("batch4_calibrated", calibrated_rows), ("batch4_smoothed", smoothed(calibrated_rows, 0.5))):
         rate, widths = replay_batches(rows, step_width, batch_costs, 4)
         out[name] = {"vs_fixed5": rate / fixed, "widths": np.bincount(widths, minlength=GAMMA + 1).tolist()}
+    if decode_cost is not None:  # a lone request's pauses, judged on one step or on the average
+        paused = AdaptiveWidth(costs, 0.0, GAMMA, decode_cost=decode_cost)
+        out["pauses_vs_fixed5"] = {name: replay_pauses(test, calibrated, paused, weight) / out["fixed5_tokens_per_ms"]
+                                   for name, weight in (("one_step", None), ("average", 0.25))}
     return out
 
 
@@ -139,12 +183,14 @@ def main(argv=None) -> list[dict]:
                     help="S(0..5), a step's cost at each width")
     ap.add_argument("--batch-costs-ms", type=float, nargs=GAMMA + 1, default=[1.70, 1.75, 1.80, 1.85, 1.95, 2.05],
                     help="S(0..5) of a 4-row step (default: the H200's bucket-4 verify windows, thirteenth session)")
+    ap.add_argument("--decode-ms", type=float, help="a decode call's cost: also replay a lone request's pauses")
     ap.add_argument("--max-tokens", type=int, default=200)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     engine, prompts, _ = bench_serve_engine.build(engine_args())
     costs = np.array(args.costs_ms)
-    results = [evaluate(engine, prompts, t, costs, np.array(args.batch_costs_ms), args.max_tokens) for t in (0.0, 1.0)]
+    results = [evaluate(engine, prompts, t, costs, np.array(args.batch_costs_ms), args.max_tokens, args.decode_ms)
+               for t in (0.0, 1.0)]
     print("| T | steps (learned on) | tokens / step | E(5) stated (abs err) | E(5) calibrated (abs err) | "
           "selector on stated / fixed5 | on calibrated / fixed5 | widths stated / calibrated | "
           "batch of 4 / fixed5: calibrated, smoothed (steps at k = 0..5) |")
@@ -157,6 +203,10 @@ def main(argv=None) -> list[dict]:
               f"{s['tokens_per_ms'] / f:.3f} | {c['tokens_per_ms'] / f:.3f} | {s['widths']} / {c['widths']} | "
               + ", ".join(f"{r[k]['vs_fixed5']:.3f} ({r[k]['widths']})"
                           for k in ("batch4_calibrated", "batch4_smoothed")) + " |")
+    for r in results:
+        if "pauses_vs_fixed5" in r:
+            print(f"T = {r['temperature']}: a lone request's pauses at decode {args.decode_ms} ms, / fixed5: "
+                  + ", ".join(f"judged on {k.replace('_', ' ')} {v:.3f}" for k, v in r["pauses_vs_fixed5"].items()))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return results

@@ -31,3 +31,23 @@ def test_replay_counts_tokens_up_to_each_chosen_width():
     assert eval_calibration.replay(rows, lambda c: 2, costs) == (3 + 1) / 2.0
     # width 5 for the first, 0 for the second: 5 + 1 tokens over costs 2 + 1
     assert eval_calibration.replay(rows, lambda c: 5 if c[0] > 0.5 else 0, costs) == 6 / 3.0
+
+
+def test_pause_replay_judged_on_one_step_pauses_where_the_average_does_not():
+    """A request that accepts 4 drafts a step, whose proposals say so except once: judged on one step,
+    that proposal pauses it for 32 decoded tokens; judged on the average it drafts on, as fixed width
+    5 does. Where every proposal and step is poor, both pause alike."""
+    from jdspark.speculative.selector import AdaptiveWidth
+    selector = AdaptiveWidth([1.66] * 6, 0.0, 5, decode_cost=0.88)
+
+    def rows(confidences, accepted):
+        return [RowRecord(0, np.full(5, c, np.float32), n_accepted=accepted, emitted=(), width=5) for c in confidences]
+
+    steady = rows([0.95] * 20 + [0.1] + [0.95] * 40, 4)
+    fixed5 = eval_calibration.replay(steady, lambda c: 5, np.full(6, 1.66))
+    one_step = eval_calibration.replay_pauses(steady, lambda c: c, selector, None)
+    average = eval_calibration.replay_pauses(steady, lambda c: c, selector, 0.25)
+    assert average == fixed5 and one_step < 0.9 * fixed5  # 32 tokens at 0.88 ms against 5 a 1.66 ms step
+    poor = rows([0.1] * 200, 0)
+    assert eval_calibration.replay_pauses(poor, lambda c: c, selector, None) == \
+        eval_calibration.replay_pauses(poor, lambda c: c, selector, 0.25) > 1 / 1.66
