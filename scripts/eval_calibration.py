@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_serve_engine  # noqa: E402
 
 from jdspark.engine.request import SamplingParams  # noqa: E402
+from jdspark.engine.sequence import MAX_BACKOFF, TYPICAL_WEIGHT  # noqa: E402
 from jdspark.speculative.calibration import Calibration  # noqa: E402
 from jdspark.speculative.selector import AdaptiveWidth  # noqa: E402
 
@@ -117,7 +118,7 @@ def replay_pauses(rows, conf, selector: AdaptiveWidth, average: float | None, pa
                 c = conf(steps[i].stale_confidence)
                 typical = c if (typical is None or average is None) else average * c + (1 - average) * typical
                 if not probing and not selector.drafting_pays(typical[None])[0]:
-                    paused, backoff, typical = (pause_steps << backoff) - 1, min(backoff + 1, 5), None
+                    paused, backoff, typical = (pause_steps << backoff) - 1, min(backoff + 1, MAX_BACKOFF), None
                     t, ms = t + 1, ms + selector.decode_cost
                 else:
                     k, probing = selector(c), False
@@ -167,7 +168,7 @@ def evaluate(engine, prompts, temperature: float, costs: np.ndarray, batch_costs
     if decode_cost is not None:  # a lone request's pauses, judged on one step or on the average
         paused = AdaptiveWidth(costs, 0.0, GAMMA, decode_cost=decode_cost)
         out["pauses_vs_fixed5"] = {name: replay_pauses(test, calibrated, paused, weight) / out["fixed5_tokens_per_ms"]
-                                   for name, weight in (("one_step", None), ("average", 0.25))}
+                                   for name, weight in (("one_step", None), ("average", TYPICAL_WEIGHT))}
     return out
 
 

@@ -127,8 +127,9 @@ class Sequence:
             self.stats.fallback_trips = self.breaker.trips
         if confidence is not None:
             self.confidence = confidence
-            self.typical = confidence if self.typical is None else (
-                TYPICAL_WEIGHT * confidence + (1 - TYPICAL_WEIGHT) * self.typical).astype(np.float32)
+            # float32 throughout, in the fewest numpy operations (once per row read: the step's host path)
+            self.typical = (confidence if self.typical is None
+                            else self.typical + TYPICAL_WEIGHT * (confidence - self.typical))
 
     def emit(self, new: list[int]) -> Delta:
         """Append a call's tokens up to the first stop condition; the Delta the request receives."""

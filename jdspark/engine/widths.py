@@ -103,7 +103,7 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     best = int(ks[rates.index(best_rate)])
     if may_decode and policy.decode_cost is not None:
         table = expected if typical is None else policy.expected_tokens(np.array([typical[b] for b in rows]))
-        could = best_rate if typical is None else float(tokens_per_second(ks, table=table).max())
+        could = best_rate if table is expected else float(tokens_per_second(ks, table=table).max())
         if any(b in probing for b in rows):
             start = np.ones((1, expected.shape[1] - 1)) if probe_confidence is None else probe_confidence[None]
             could = float(tokens_per_second(np.array(sorted(compiled)), policy.expected_tokens(start)[0], table).max())

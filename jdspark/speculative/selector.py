@@ -80,7 +80,7 @@ class AdaptiveWidth:
             raise ValueError(f"decode_cost={decode_cost}: must be finite and > 0 (or None)")
         self.draft_cost, self.gamma, self.decode_cost = float(draft_cost), gamma, decode_cost
         self.step_costs = _step_costs(self.draft_cost, self.verify_costs)  # S(k) = D + V(k), k = 0..gamma
-        self._last = None  # (confidences' shape and bytes, E(k)) of the last `expected_tokens`
+        self._last: dict = {}  # confidences' (shape, bytes) -> E(k): the last two `expected_tokens`
 
     def repriced(self, verify_costs, decode_cost: float | None) -> "AdaptiveWidth":
         """The same policy at other costs (`costs.LiveCosts` moves them after every step), keeping the
@@ -113,21 +113,21 @@ class AdaptiveWidth:
 
     def expected_tokens(self, confidences) -> np.ndarray:
         """[R, gamma + 1]: E(k) = 1 + sum_{i<=k} S_i per row and width, of checked [R, gamma] confidences.
-        The last result is kept: an engine step asks for the same rows up to three times (the pause,
-        the rows' widths, the step's price), and on the H200 the choice is host time in every step
-        of a ~2 ms loop (62 -> 48 us for the choice and live costs of a 1-row step, timeit on the
-        2-core CPU)."""
+        The last two results are kept: an engine step asks for the same rows' stale confidences
+        twice (their widths, the step's price) and their averaged ones twice (the pause, the decode
+        call's price), and on the H200 the choice is host time in every step of a ~2 ms loop (62 ->
+        48 us for the choice and live costs of a 1-row step, timeit on the 2-core CPU)."""
         c = np.asarray(confidences, np.float64)
         key = (c.shape, c.tobytes())
-        if self._last is not None and self._last[0] == key:
-            return self._last[1]
+        if key in self._last:
+            return self._last[key]
         if c.ndim != 2 or c.shape[1] != self.gamma:
             raise ValueError(f"confidences of shape {c.shape}; pass [rows, gamma={self.gamma}]")
         if not np.all((c >= 0) & (c <= 1)):  # also false for NaN
             raise ValueError(f"confidences={c.tolist()}: each must be a probability in [0, 1]")
         expected = np.concatenate([np.ones((c.shape[0], 1)), 1.0 + np.cumsum(np.cumprod(c, axis=1), axis=1)], axis=1)
         expected.flags.writeable = False  # shared by the callers of the same rows
-        self._last = key, expected
+        self._last = dict([*list(self._last.items())[-1:], (key, expected)])  # the newest two
         return expected
 
     def _throughputs(self, confidences) -> np.ndarray:

@@ -97,5 +97,6 @@ def test_replicated_fp8_linears_keep_the_kernel(checkpoint, unsharded, tp, ep, m
     monkeypatch.setattr(fp8_linear, "fp8_linear", lambda x, w, s, **k: (weights.append(w.shape), kernel(x, w, s, **k))[1])
     out = model.forward(IDS[:, :4], FEATURES)
     ref = unsharded[0].forward(IDS[:, :4], FEATURES)
-    assert weights and (tp == 1 or not any(shape[0] == 8 * 128 for shape in weights))  # wq_b (1024 rows) split at TP 2
+    split = any(shape[0] == 8 * 128 for shape in weights)  # wq_b (1024 rows): split over tensor at TP 2
+    assert weights and split == (tp == 1)
     assert np.abs(np.asarray(out.logits) - np.asarray(ref.logits)).max() <= 1e-5
