@@ -207,6 +207,8 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             "ttft_ms": pct(ttft), "itl_ms": pct(itl), "steps": len(records), "wall_s": wall,
             "drafting_steps": len(calls["verify"]),
             "call_ms": {kind: mean_ms([r.seconds for r in rs]) for kind, rs in calls.items()},
+            # of call_ms, the read's wait for the device (near zero: the host paces the steps)
+            "waited_ms": {kind: mean_ms([r.waited_s for r in rs]) for kind, rs in calls.items()},
             "profiled_ms": {kind: mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])
                             for kind, rs in calls.items()},
             # the verify calls by executable width: how many, and their wall against the profile's price
@@ -391,6 +393,7 @@ def main(argv=None) -> int:
                       f"rows a step {level['rows_per_step']:.1f}  call ms (profiled): "
                       + " ".join(f"{k} {v:.2f} ({level['profiled_ms'][k]:.2f})"
                                  for k, v in level["call_ms"].items() if v)
+                      + "  waited for the device: " + " ".join(f"{k} {v:.2f}" for k, v in level["waited_ms"].items() if v is not None)
                       + "  by width: " + " ".join(f"k{k} x{w['steps']} {w['ms']:.2f} ({w['profiled_ms']:.2f})"
                                                   for k, w in level["verify_by_width"].items())
                       + "  after the same / another executable: " + " / ".join(

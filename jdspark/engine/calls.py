@@ -13,6 +13,8 @@ builds the output array.
 
 from __future__ import annotations
 
+import time
+
 from typing import NamedTuple
 
 import jax
@@ -57,6 +59,7 @@ class StepOutput(NamedTuple):
     drafts: np.ndarray | None  # [B, gamma] int32: the proposal (its first n_accepted were accepted)
     confidence: np.ndarray | None  # [B, gamma] float32: the proposal's confidences
     invalid: np.ndarray  # [B] bool: non-finite logits, temperature or draft probabilities (verify.Verdict)
+    waited_s: float = 0.0  # how long reading it waited for the device
 
 
 def slot_inputs(**fields) -> np.ndarray:
@@ -95,11 +98,12 @@ def put_rows(tree, part, rows: Rows, batch: int):
 
 def read_output(out, gamma: int) -> StepOutput:
     """A prefill, decode or step[k] result (one device-to-host copy) split into its fields."""
+    start = time.perf_counter()
     out = np.asarray(out)
-    invalid = out[:, 2] != 0
+    waited, invalid = time.perf_counter() - start, out[:, 2] != 0
     if out.shape[1] == 3:
-        return StepOutput(out[:, 0], out[:, 1], None, None, invalid)
-    return StepOutput(out[:, 0], out[:, 1], out[:, 3:3 + gamma], out[:, 3 + gamma:].view(np.float32), invalid)
+        return StepOutput(out[:, 0], out[:, 1], None, None, invalid, waited)
+    return StepOutput(out[:, 0], out[:, 1], out[:, 3:3 + gamma], out[:, 3 + gamma:].view(np.float32), invalid, waited)
 
 
 def with_anchor(decode, verdict: Verdict, where: jax.Array):

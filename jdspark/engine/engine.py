@@ -331,7 +331,7 @@ class Engine:
     def _read_verify(self, call: IssuedVerify) -> dict[int, Delta]:
         """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
         finished, cancelled or failed after the call was issued has them dropped)."""
-        n_acc, token, drafts, confidence, invalid = calls.read_output(call.out, self.config.gamma)
+        n_acc, token, drafts, confidence, invalid, waited = calls.read_output(call.out, self.config.gamma)
         row_of = {b: i for i, b in enumerate(call.rows.tolist())}
         live = {b: seq for b, seq in call.sequences.items() if self._slots[b] is seq}
         if not live:  # every request it ran for ended before it was read: a call wasted, no step to record
@@ -350,7 +350,7 @@ class Engine:
         seconds, self._last_read = now - max(call.started, self._last_read), now
         record = StepRecord(call.width, seconds, records, call.costs["draft_cost_s"],
                             None if call.costs["verify_costs_s"] is None else tuple(call.costs["verify_costs_s"]),
-                            call.bucket, drafted_call=call.drafted)
+                            call.bucket, drafted_call=call.drafted, waited_s=waited)
         for (b, seq), row in zip(live.items(), records):
             seq.record(record, row, None if confidence is None else confidence[row_of[b]])
         if confidence is not None:
@@ -368,6 +368,7 @@ class Engine:
         switch = self.live.switch_price(bucket) if adaptive and self.options.price_switches else (None, 0.0)
         width, widths = choose(stale, speculating, self._policy_at(bucket) if self.speculative else None, adaptive,
                                calls.step, self._slots, self.options, self._first_confidence(), switch, typical)
+        width, widths = self.live.explore(bucket, width, widths, calls.step) if adaptive else (width, widths)
         return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
 
     def _adaptive(self) -> bool:
