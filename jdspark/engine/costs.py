@@ -182,9 +182,10 @@ class LiveCosts:
     A width the choice never takes never gets windows of its own, so a profile that priced it too
     dear is never corrected (H100, embedded model, 4 requests: bucket 4 profiled k = 3 0.24 ms cheaper
     than k = 5, the engine verified k = 3 on most steps, at 0.85x of fixed k = 5, whose steps took no
-    longer). So every EXPLORE_EVERY-th drafting step of a bucket runs, instead of the width chosen, the
-    nearest compiled width with fewer than MIN_WIDTH_SAMPLES windows of its own (`explore`), until
-    every width has them: a few dozen steps per bucket, chosen from counts alone (non-anticipating).
+    longer). So every EXPLORE_EVERY-th step of a bucket may run, instead of the width chosen, a
+    compiled width with fewer than MIN_WIDTH_SAMPLES windows of its own (`wanting`), one that could
+    win if it cost as little as the cheapest call (`widths.explored`), until every such width has
+    them: a few dozen steps per bucket, chosen from counts and stale confidences (non-anticipating).
     `learn=False` keeps the profile as it is and explores nothing (benchmarks of the host's work)."""
 
     SAMPLES = 9
@@ -201,7 +202,7 @@ class LiveCosts:
         self._widths = {n: [collections.deque(maxlen=self.SAMPLES) for _ in s.verify_costs] for n, s in selectors.items()}
         self.width_offsets = {n: [None] * len(s.verify_costs) for n, s in selectors.items()}  # None: too few windows
         self.windows = {n: {"same": 0, "switched": 0} for n in selectors}
-        self._drafting = dict.fromkeys(selectors, 0)  # drafting steps issued per bucket (`explore`)
+        self._steps = dict.fromkeys(selectors, 0)  # steps chosen per bucket (`wanting`)
         self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
         self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
         self._observed: set[int] = set()  # buckets observed since their policy was last repriced
@@ -222,22 +223,16 @@ class LiveCosts:
         own = self.width_offsets[bucket][width]
         return self.offsets[bucket]["verify"] if own is None else own
 
-    def explore(self, bucket: int, width: int | None, widths: dict[int, int], compiled
-                ) -> tuple[int | None, dict[int, int]]:
-        """(executable width, {slot: width}) a drafting step of `bucket` runs, given the choice (`width`,
-        `widths`): on every EXPLORE_EVERY-th, the compiled width > 0 nearest `width` (the wider first)
-        that has fewer than MIN_WIDTH_SAMPLES windows of its own, rows at the chosen width moving to it
-        and the others clipped to it; else the choice (None: a decode call, explores nothing)."""
-        if width is None or not self.learn or bucket not in self.selectors:
-            return width, widths
-        self._drafting[bucket] += 1
-        if self._drafting[bucket] % self.EXPLORE_EVERY:
-            return width, widths
-        few = [k for k in compiled if k > 0 and len(self._widths[bucket][k]) < self.MIN_WIDTH_SAMPLES]
-        if not few or width in few:
-            return width, widths
-        tried = min(few, key=lambda k: (abs(k - width), -k))
-        return tried, {b: tried if w == width else min(w, tried) for b, w in widths.items()}
+    def wanting(self, bucket: int, compiled) -> tuple[int, ...]:
+        """The compiled widths > 0 a step of `bucket` may explore (`widths.explored`): on every
+        EXPLORE_EVERY-th step of the bucket, those with fewer than MIN_WIDTH_SAMPLES windows of their
+        own; else none."""
+        if not self.learn or bucket not in self.selectors:
+            return ()
+        self._steps[bucket] += 1
+        if self._steps[bucket] % self.EXPLORE_EVERY:
+            return ()
+        return tuple(k for k in compiled if k > 0 and len(self._widths[bucket][k]) < self.MIN_WIDTH_SAMPLES)
 
     def issued(self, bucket: int, call: int | str) -> None:
         """The engine issued a call in `bucket`: a step width, "decode" or "prefill"."""
@@ -268,8 +263,10 @@ class LiveCosts:
         profiled = base.step_costs[width] if drafted else base.decode_cost
         offsets, samples, excess = self.offsets[bucket], self._samples[bucket], seconds - profiled
         if switched:
-            samples["switch"].append(excess - (self._verify_offset(bucket, width) if drafted else offsets[kind]))
-            self.switch[bucket] = statistics.median(samples["switch"])
+            if not drafted or self.width_offsets[bucket][width] is not None:  # else its own offset is unknown:
+                # what the switch adds cannot be told from how far its profile is off (an explored width)
+                samples["switch"].append(excess - (self._verify_offset(bucket, width) if drafted else offsets[kind]))
+                self.switch[bucket] = statistics.median(samples["switch"])
             excess -= self.switch[bucket]
         self.windows[bucket]["switched" if switched else "same"] += 1
         samples[kind].append(excess)

@@ -8,6 +8,7 @@ import pytest
 
 from jdspark.engine import costs
 from jdspark.engine.options import SpecOptions
+from jdspark.engine.widths import explored
 from jdspark.speculative.selector import AdaptiveWidth
 
 
@@ -196,16 +197,18 @@ def test_widths_seen_often_enough_take_their_own_windows():
 def test_a_width_the_profile_priced_too_dear_is_explored_and_then_chosen():
     """The profile prices k = 5 0.6 ms dearer than k = 3, but every width's steps take 2.0 ms (the
     host paces them): priced by the profile the choice stays at k = 3; the exploring steps (every
-    EXPLORE_EVERY-th, from counts alone) give the unchosen widths windows of their own, after which
-    k = 5 wins. With learn=False nothing is explored and k = 3 stays. A decode call is never changed."""
+    EXPLORE_EVERY-th, from counts alone) give the widths that could win windows of their own, after
+    which k = 5 wins. k = 1 could not win even at the cheapest call's cost: it is never tried. With
+    learn=False nothing is explored and k = 3 stays."""
     base = AdaptiveWidth([0.0010, 0.0010, 0.0010, 0.0010, 0.0013, 0.0016], 0.0004, gamma=5, decode_cost=0.003)
-    confidence = np.full((1, 5), 0.6)
+    confidence = np.full(5, 0.6)
 
     def run(learn: bool, steps: int = 400):
         live, chosen = costs.LiveCosts({1: base}, learn=learn), []
         for _ in range(steps):
-            own = int(live.policy(1).widths(confidence)[0])
-            width, widths = live.explore(1, own, {0: own}, compiled=range(6))
+            policy = live.policy(1)
+            own = int(policy.widths(confidence[None])[0])
+            width, widths = explored(own, {0: own}, {0: confidence}, policy, live.wanting(1, range(6)))
             assert widths == {0: width}
             live.issued(1, width)
             live.observe(1, True, width, 0.0020)
@@ -213,25 +216,34 @@ def test_a_width_the_profile_priced_too_dear_is_explored_and_then_chosen():
         return live, chosen
 
     live, chosen = run(learn=True)
-    explored = [w for own, w in chosen if w != own]
-    assert chosen[0][0] == 3 and chosen[-1] == (5, 5)
-    assert 0 < len(explored) <= 5 * costs.LiveCosts.MIN_WIDTH_SAMPLES
-    assert all(w != own for own, w in chosen[costs.LiveCosts.EXPLORE_EVERY - 1::costs.LiveCosts.EXPLORE_EVERY][:3])
-    assert all(len(d) >= costs.LiveCosts.MIN_WIDTH_SAMPLES for d in live._widths[1][1:])
+    tried = [w for own, w in chosen if w != own]
+    assert chosen[0][0] == 3 and chosen[-1] == (5, 5) and 1 not in tried
+    assert 0 < len(tried) <= 4 * costs.LiveCosts.MIN_WIDTH_SAMPLES
+    assert chosen[costs.LiveCosts.EXPLORE_EVERY - 1][1] == 4  # the first exploring step: the nearest, wider first
+    assert all(len(live._widths[1][k]) >= costs.LiveCosts.MIN_WIDTH_SAMPLES for k in (3, 4, 5))
     _, frozen = run(learn=False)
-    assert {c for c in frozen} == {(3, 3)}
-    assert live.explore(1, None, {}, compiled=range(6)) == (None, {})
+    assert set(frozen) == {(3, 3)}
+
+
+def test_live_costs_want_the_widths_without_windows_of_their_own_every_few_steps():
+    base = AdaptiveWidth([0.001] * 6, 0.0004, gamma=5, decode_cost=0.003)
+    live = costs.LiveCosts({4: base})
+    for _ in range(costs.LiveCosts.MIN_WIDTH_SAMPLES):  # k = 3 and 4 have windows of their own
+        live.observe(4, True, 3, 0.002)
+        live.observe(4, True, 4, 0.002)
+    wanted = [live.wanting(4, (0, 2, 3, 4, 5)) for _ in range(2 * costs.LiveCosts.EXPLORE_EVERY)]
+    assert wanted[costs.LiveCosts.EXPLORE_EVERY - 1] == wanted[-1] == (2, 5)
+    assert all(w == () for i, w in enumerate(wanted) if (i + 1) % costs.LiveCosts.EXPLORE_EVERY)
+    assert costs.LiveCosts({4: base}, learn=False).wanting(4, (0, 2, 3, 4, 5)) == ()
 
 
 def test_an_explored_width_moves_the_rows_at_the_chosen_width_and_clips_the_others():
     base = AdaptiveWidth([0.001] * 6, 0.0004, gamma=5, decode_cost=0.003)
-    live = costs.LiveCosts({4: base})
-    for _ in range(costs.LiveCosts.MIN_WIDTH_SAMPLES):  # k = 3 (chosen) and 4 have windows of their own
-        live.observe(4, True, 3, 0.002)
-        live.observe(4, True, 4, 0.002)
-    assert live.explore(4, 3, {0: 3}, compiled=(0, 2, 3, 4, 5)) == (3, {0: 3})  # not its turn yet
-    live._drafting[4] = costs.LiveCosts.EXPLORE_EVERY - 1  # the next drafting step explores: k = 2, the nearest
-    assert live.explore(4, 3, {0: 3, 1: 1, 2: 3, 3: 0}, compiled=(0, 2, 3, 4, 5)) == (2, {0: 2, 1: 1, 2: 2, 3: 0})
+    stale = {b: np.full(5, 0.9) for b in range(4)}
+    widths = {0: 3, 1: 1, 2: 3, 3: 0}
+    assert explored(3, widths, stale, base, (2, 5)) == (5, {0: 5, 1: 1, 2: 5, 3: 0})  # k = 2 cannot win
+    assert explored(3, widths, stale, base, ()) == (3, widths)
+    assert explored(3, widths, stale, base, (1, 2)) == (3, widths)  # none could win
 
 
 def test_cost_cache_keys_tell_stored_and_decoded_weights_apart():
