@@ -218,11 +218,45 @@ def test_a_width_the_profile_priced_too_dear_is_explored_and_then_chosen():
     live, chosen = run(learn=True)
     tried = [w for own, w in chosen if w != own]
     assert chosen[0][0] == 3 and chosen[-1] == (5, 5) and 1 not in tried
-    assert 0 < len(tried) <= 4 * costs.LiveCosts.MIN_WIDTH_SAMPLES
+    assert 0 < len(tried) <= 4 * (costs.LiveCosts.MIN_WIDTH_SAMPLES + 1)
     assert chosen[costs.LiveCosts.EXPLORE_EVERY - 1][1] == 4  # the first exploring step: the nearest, wider first
-    assert all(len(live._widths[1][k]) >= costs.LiveCosts.MIN_WIDTH_SAMPLES for k in (3, 4, 5))
+    assert sum(c == (5, 5) for c in chosen[-200:]) >= 190  # stale widths come back for a step or two
     _, frozen = run(learn=False)
     assert set(frozen) == {(3, 3)}
+
+
+def test_a_width_is_priced_by_its_own_windows_only_while_they_are_fresh_and_repeated_its_call():
+    """k = 5's own windows (0.5 ms over its profile) price it until STALE_WINDOWS windows of the bucket
+    pass without one; then the median of every width's windows does. A window that switched into
+    k = 4 is not one of k = 4's own (its time mixes in the switch)."""
+    base = AdaptiveWidth([0.001] * 6, 0.0004, gamma=5, decode_cost=0.003)
+    live = costs.LiveCosts({1: base})
+    for _ in range(costs.LiveCosts.MIN_WIDTH_SAMPLES):
+        live.issued(1, 5)
+        live.observe(1, True, 5, float(base.step_costs[5]) + 0.0005)
+    assert live.policy(1).step_costs[5] == pytest.approx(base.step_costs[5] + 0.0005)
+    live.issued(1, 4)
+    live.observe(1, True, 4, 1.0)  # switched: a switch sample, not one of k = 4's own
+    assert len(live._widths[1][4]) == 0
+    for _ in range(costs.LiveCosts.STALE_WINDOWS):
+        live.issued(1, 3)
+        live.observe(1, True, 3, float(base.step_costs[3]) + 0.0001)
+    assert live.policy(1).step_costs[5] == pytest.approx(base.step_costs[5] + 0.0001)  # stale: the common offset
+
+
+def test_an_explored_width_is_kept_until_it_has_windows_of_its_own():
+    """After a step issued a width lacking fresh windows of its own, the steps after it want that
+    width alone (a burst) until it has MIN_WIDTH_SAMPLES of them; then the bucket's turn comes back."""
+    base = AdaptiveWidth([0.001] * 6, 0.0004, gamma=5, decode_cost=0.003)
+    live = costs.LiveCosts({1: base})
+    live.issued(1, 5)
+    wanted = []
+    for _ in range(costs.LiveCosts.MIN_WIDTH_SAMPLES + 2):
+        wanted.append(live.wanting(1, range(6)))
+        live.issued(1, 5)
+        live.observe(1, True, 5, 0.002)
+    assert wanted[:costs.LiveCosts.MIN_WIDTH_SAMPLES] == [(5,)] * costs.LiveCosts.MIN_WIDTH_SAMPLES
+    assert wanted[-1] == ()  # k = 5 has its windows; not the bucket's exploring turn
 
 
 def test_live_costs_want_the_widths_without_windows_of_their_own_every_few_steps():
