@@ -177,27 +177,11 @@ class LiveCosts:
     of its excess over its kind's offset: the bucket's switch cost, which the pricing adds to every
     call but the one issued last (`switch_price`), once both kinds of window were seen
     MIN_SWITCH_SAMPLES times. Where switching costs nothing (the CPU) it stays near zero and the
-    choices do not change.
-
-    A width's own windows are those that repeated its call (a switched window's time mixes in the
-    switch), and they price it only while fresh: its newest among the bucket's last STALE_WINDOWS
-    windows (H100, embedded model, one request: k = 5's own windows, left from other levels' tails,
-    priced it above k = 4, which the engine then verified on nearly every step at 1.68 ms, while
-    fixed k = 5's steps took 1.65). A width the choice never takes gets no windows of its own, so
-    a profile that priced it too dear is never corrected (H100, 4 requests: bucket 4 profiled k = 3
-    0.24 ms cheaper than k = 5, the engine verified k = 3 on most steps, at 0.85x of fixed k = 5,
-    whose steps took no longer). So every EXPLORE_EVERY-th step of a bucket may run, instead of the
-    width chosen, a compiled width without fresh windows of its own (`wanting`), one that could win if
-    it cost as little as the cheapest call (`widths.explored`), and the steps after it keep that width
-    until it has MIN_WIDTH_SAMPLES windows (a burst: the first window switched, the others its own);
-    chosen from counts and stale confidences alone (non-anticipating). `learn=False` keeps the
-    profile as it is and explores nothing (benchmarks of the host's work)."""
+    choices do not change. `learn=False` keeps the profile as it is (benchmarks of the host's work)."""
 
     SAMPLES = 9
     MIN_WIDTH_SAMPLES = 5
     MIN_SWITCH_SAMPLES = 8
-    EXPLORE_EVERY = 8
-    STALE_WINDOWS = 256
 
     def __init__(self, selectors: dict[int, AdaptiveWidth], learn: bool = True):
         self.selectors, self.learn = selectors, learn
@@ -207,11 +191,8 @@ class LiveCosts:
                          for n in selectors}
         self._widths = {n: [collections.deque(maxlen=self.SAMPLES) for _ in s.verify_costs] for n, s in selectors.items()}
         self.width_offsets = {n: [None] * len(s.verify_costs) for n, s in selectors.items()}  # None: too few windows
-        self._sampled_at = {n: [0] * len(s.verify_costs) for n, s in selectors.items()}  # the window of each's newest
         self.windows = {n: {"same": 0, "switched": 0} for n in selectors}
-        self._steps = dict.fromkeys(selectors, 0)  # steps chosen per bucket (`wanting`)
         self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
-        self._repeats = 0  # times the last call was issued in a row
         self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
         self._observed: set[int] = set()  # buckets observed since their policy was last repriced
 
@@ -226,37 +207,16 @@ class LiveCosts:
         return self._policies[bucket]
 
     def _verify_offset(self, bucket: int, width: int) -> float:
-        """Seconds a verify window of `width` takes beyond its profile: its own median while fresh
-        (`_own`), else that of every width's."""
-        own = self._own(bucket, width)
+        """Seconds a verify window of `width` takes beyond its profile: its own median once it has
+        MIN_WIDTH_SAMPLES windows, else that of every width's."""
+        own = self.width_offsets[bucket][width]
         return self.offsets[bucket]["verify"] if own is None else own
-
-    def _own(self, bucket: int, width: int) -> float | None:
-        """The median of `width`'s own windows, if it has MIN_WIDTH_SAMPLES and its newest is among the
-        bucket's last STALE_WINDOWS windows; else None."""
-        fresh = sum(self.windows[bucket].values()) - self._sampled_at[bucket][width] < self.STALE_WINDOWS
-        return self.width_offsets[bucket][width] if fresh else None
-
-    def wanting(self, bucket: int, compiled) -> tuple[int, ...]:
-        """The compiled widths > 0 a step of `bucket` may explore (`widths.explored`): the width issued
-        last, while it lacks fresh windows of its own and was issued fewer than MIN_WIDTH_SAMPLES + 1
-        times in a row (a burst); on every EXPLORE_EVERY-th step of the bucket, every width lacking
-        them; else none."""
-        if not self.learn or bucket not in self.selectors:
-            return ()
-        self._steps[bucket] += 1
-        lacking = tuple(k for k in compiled if k > 0 and self._own(bucket, k) is None)
-        last = self._last[1] if self._last is not None and self._last[0] == bucket else None
-        if last in lacking and self._repeats <= self.MIN_WIDTH_SAMPLES:
-            return (last,)
-        return () if self._steps[bucket] % self.EXPLORE_EVERY else lacking
 
     def issued(self, bucket: int, call: int | str) -> None:
         """The engine issued a call in `bucket`: a step width, "decode" or "prefill"."""
-        repeated = (bucket, call) == self._last
-        self._switched |= self._last is not None and not repeated
+        self._switched |= self._last is not None and (bucket, call) != self._last
         self._prefilled |= call == "prefill"
-        self._last, self._repeats = (bucket, call), self._repeats + 1 if repeated else 1
+        self._last = (bucket, call)
 
     def switch_price(self, bucket: int) -> tuple[int | str | None, float]:
         """(the call a step of `bucket` would repeat: the last issued if it was this bucket's, else None;
@@ -281,20 +241,15 @@ class LiveCosts:
         profiled = base.step_costs[width] if drafted else base.decode_cost
         offsets, samples, excess = self.offsets[bucket], self._samples[bucket], seconds - profiled
         if switched:
-            if not drafted or self._own(bucket, width) is not None:  # else its own offset is unknown:
-                # what the switch adds cannot be told from how far its profile is off (an explored width)
-                samples["switch"].append(excess - (self._verify_offset(bucket, width) if drafted else offsets[kind]))
-                self.switch[bucket] = statistics.median(samples["switch"])
+            samples["switch"].append(excess - (self._verify_offset(bucket, width) if drafted else offsets[kind]))
+            self.switch[bucket] = statistics.median(samples["switch"])
             excess -= self.switch[bucket]
         self.windows[bucket]["switched" if switched else "same"] += 1
         samples[kind].append(excess)
         offsets[kind] = statistics.median(samples[kind])
-        if drafted and not switched:
-            own, now = self._widths[bucket][width], sum(self.windows[bucket].values())
-            if now - self._sampled_at[bucket][width] > self.STALE_WINDOWS:
-                own.clear()  # windows from another time (another load, other batch-mates)
+        if drafted:
+            own = self._widths[bucket][width]
             own.append(excess)
-            self._sampled_at[bucket][width] = now
             if len(own) >= self.MIN_WIDTH_SAMPLES:
                 self.width_offsets[bucket][width] = statistics.median(own)
         self._observed.add(bucket)

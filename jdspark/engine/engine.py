@@ -367,8 +367,7 @@ class Engine:
         stale, typical = judged(stale, self._slots, self.calibration, self.options, adaptive)
         switch = self.live.switch_price(bucket) if adaptive and self.options.price_switches else (None, 0.0)
         width, widths = choose(stale, speculating, self._policy_at(bucket) if self.speculative else None, adaptive,
-                               calls.step, self._slots, self.options, self._first_confidence(), switch, typical,
-                               self.live.wanting(bucket, calls.step) if adaptive else ())
+                               calls.step, self._slots, self.options, self._first_confidence(), switch, typical)
         return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
 
     def _adaptive(self) -> bool:

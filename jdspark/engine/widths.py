@@ -154,26 +154,6 @@ def pause_where_drafting_does_not_pay(policy: AdaptiveWidth, stale: dict[int, np
             speculating[b] = False
 
 
-def explored(width: int, widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth,
-             wanting: tuple[int, ...]) -> tuple[int, dict[int, int]]:
-    """(executable width, {slot: width}) of a drafting step that may explore a width of `wanting`
-    (`costs.LiveCosts.wanting`: too few windows of their own to be priced by them): the nearest to
-    the chosen `width` (the wider first) among those whose expected tokens over the step's rows at
-    that width would beat the choice's rate even at the cheapest call's cost (a width that cannot
-    win whatever it costs is not worth a step); rows at the chosen width move to it, the others are
-    clipped to it. Else the choice."""
-    rows = [b for b, w in widths.items() if w == width]
-    if not wanting or not rows:
-        return width, widths
-    tokens = policy.expected_tokens(np.array([stale[b] for b in rows])).sum(axis=0)
-    rate, cheapest = tokens[width] / policy.step_costs[width], min(policy.step_costs)
-    hopeful = [k for k in wanting if k != width and tokens[k] / cheapest > rate]
-    if not hopeful:
-        return width, widths
-    tried = min(hopeful, key=lambda k: (abs(k - width), -k))
-    return tried, {b: tried if w == width else min(w, tried) for b, w in widths.items()}
-
-
 def executable_width(widths: dict[int, int], compiled) -> int:
     """The narrowest compiled step width that holds every row's width."""
     widest = max(widths.values(), default=0)
@@ -220,14 +200,12 @@ def judged(stale: dict[int, np.ndarray], sequences, calibration, options, adapti
 
 def choose(stale: dict[int, np.ndarray], speculating: dict[int, bool], policy, adaptive: bool, compiled,
            slots, options, first_confidence, switch: tuple[int | str | None, float] = (None, 0.0),
-           typical: dict[int, np.ndarray] | None = None, wanting: tuple[int, ...] = ()
-           ) -> tuple[int | None, dict[int, int]]:
+           typical: dict[int, np.ndarray] | None = None) -> tuple[int | None, dict[int, int]]:
     """(executable width, {slot: width}) of a step over these rows' stale confidences; (None, {}):
     a plain decode call. `policy`: the width policy in use (None: not speculating); `adaptive`:
     it is the engine's measured selector; `compiled`: the step executables by width; `switch`: what
     issuing another call than the last costs (`price_the_step`); `typical`: what pauses and the
-    decode call's price judge (`judged`; default the stale confidences); `wanting`: the widths a
-    drafting step may explore (`explored`)."""
+    decode call's price judge (`judged`; default the stale confidences)."""
     if options.pause_steps and isinstance(policy, AdaptiveWidth):
         pause_where_drafting_does_not_pay(policy, typical or stale, speculating, slots, options.pause_steps)
     if policy is None or not any(speculating.values()):
@@ -237,4 +215,4 @@ def choose(stale: dict[int, np.ndarray], speculating: dict[int, bool], policy, a
         return executable_width(widths, compiled), widths
     width, widths = price_for_the_batch(widths, stale, policy, compiled, slots, options, speculating,
                                         first_confidence, switch, typical)
-    return (None, {}) if width is None else explored(width, widths, stale, policy, wanting)
+    return (None, {}) if width is None else (width, widths)

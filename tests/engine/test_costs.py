@@ -8,7 +8,6 @@ import pytest
 
 from jdspark.engine import costs
 from jdspark.engine.options import SpecOptions
-from jdspark.engine.widths import explored
 from jdspark.speculative.selector import AdaptiveWidth
 
 
@@ -192,92 +191,6 @@ def test_widths_seen_often_enough_take_their_own_windows():
     assert steps[4] == pytest.approx(0.0021) and steps[5] == pytest.approx(0.0021)
     kind = live.offsets[1]["verify"]  # the median over both widths' excesses (0.0003 and 0.0001)
     assert steps[3] == pytest.approx(base.step_costs[3] + kind) and 0.0001 <= kind <= 0.0003
-
-
-def test_a_width_the_profile_priced_too_dear_is_explored_and_then_chosen():
-    """The profile prices k = 5 0.6 ms dearer than k = 3, but every width's steps take 2.0 ms (the
-    host paces them): priced by the profile the choice stays at k = 3; the exploring steps (every
-    EXPLORE_EVERY-th, from counts alone) give the widths that could win windows of their own, after
-    which k = 5 wins. k = 1 could not win even at the cheapest call's cost: it is never tried. With
-    learn=False nothing is explored and k = 3 stays."""
-    base = AdaptiveWidth([0.0010, 0.0010, 0.0010, 0.0010, 0.0013, 0.0016], 0.0004, gamma=5, decode_cost=0.003)
-    confidence = np.full(5, 0.6)
-
-    def run(learn: bool, steps: int = 400):
-        live, chosen = costs.LiveCosts({1: base}, learn=learn), []
-        for _ in range(steps):
-            policy = live.policy(1)
-            own = int(policy.widths(confidence[None])[0])
-            width, widths = explored(own, {0: own}, {0: confidence}, policy, live.wanting(1, range(6)))
-            assert widths == {0: width}
-            live.issued(1, width)
-            live.observe(1, True, width, 0.0020)
-            chosen.append((own, width))
-        return live, chosen
-
-    live, chosen = run(learn=True)
-    tried = [w for own, w in chosen if w != own]
-    assert chosen[0][0] == 3 and chosen[-1] == (5, 5) and 1 not in tried
-    assert 0 < len(tried) <= 4 * (costs.LiveCosts.MIN_WIDTH_SAMPLES + 1)
-    assert chosen[costs.LiveCosts.EXPLORE_EVERY - 1][1] == 4  # the first exploring step: the nearest, wider first
-    assert sum(c == (5, 5) for c in chosen[-200:]) >= 190  # stale widths come back for a step or two
-    _, frozen = run(learn=False)
-    assert set(frozen) == {(3, 3)}
-
-
-def test_a_width_is_priced_by_its_own_windows_only_while_they_are_fresh_and_repeated_its_call():
-    """k = 5's own windows (0.5 ms over its profile) price it until STALE_WINDOWS windows of the bucket
-    pass without one; then the median of every width's windows does. A window that switched into
-    k = 4 is not one of k = 4's own (its time mixes in the switch)."""
-    base = AdaptiveWidth([0.001] * 6, 0.0004, gamma=5, decode_cost=0.003)
-    live = costs.LiveCosts({1: base})
-    for _ in range(costs.LiveCosts.MIN_WIDTH_SAMPLES):
-        live.issued(1, 5)
-        live.observe(1, True, 5, float(base.step_costs[5]) + 0.0005)
-    assert live.policy(1).step_costs[5] == pytest.approx(base.step_costs[5] + 0.0005)
-    live.issued(1, 4)
-    live.observe(1, True, 4, 1.0)  # switched: a switch sample, not one of k = 4's own
-    assert len(live._widths[1][4]) == 0
-    for _ in range(costs.LiveCosts.STALE_WINDOWS):
-        live.issued(1, 3)
-        live.observe(1, True, 3, float(base.step_costs[3]) + 0.0001)
-    assert live.policy(1).step_costs[5] == pytest.approx(base.step_costs[5] + 0.0001)  # stale: the common offset
-
-
-def test_an_explored_width_is_kept_until_it_has_windows_of_its_own():
-    """After a step issued a width lacking fresh windows of its own, the steps after it want that
-    width alone (a burst) until it has MIN_WIDTH_SAMPLES of them; then the bucket's turn comes back."""
-    base = AdaptiveWidth([0.001] * 6, 0.0004, gamma=5, decode_cost=0.003)
-    live = costs.LiveCosts({1: base})
-    live.issued(1, 5)
-    wanted = []
-    for _ in range(costs.LiveCosts.MIN_WIDTH_SAMPLES + 2):
-        wanted.append(live.wanting(1, range(6)))
-        live.issued(1, 5)
-        live.observe(1, True, 5, 0.002)
-    assert wanted[:costs.LiveCosts.MIN_WIDTH_SAMPLES] == [(5,)] * costs.LiveCosts.MIN_WIDTH_SAMPLES
-    assert wanted[-1] == ()  # k = 5 has its windows; not the bucket's exploring turn
-
-
-def test_live_costs_want_the_widths_without_windows_of_their_own_every_few_steps():
-    base = AdaptiveWidth([0.001] * 6, 0.0004, gamma=5, decode_cost=0.003)
-    live = costs.LiveCosts({4: base})
-    for _ in range(costs.LiveCosts.MIN_WIDTH_SAMPLES):  # k = 3 and 4 have windows of their own
-        live.observe(4, True, 3, 0.002)
-        live.observe(4, True, 4, 0.002)
-    wanted = [live.wanting(4, (0, 2, 3, 4, 5)) for _ in range(2 * costs.LiveCosts.EXPLORE_EVERY)]
-    assert wanted[costs.LiveCosts.EXPLORE_EVERY - 1] == wanted[-1] == (2, 5)
-    assert all(w == () for i, w in enumerate(wanted) if (i + 1) % costs.LiveCosts.EXPLORE_EVERY)
-    assert costs.LiveCosts({4: base}, learn=False).wanting(4, (0, 2, 3, 4, 5)) == ()
-
-
-def test_an_explored_width_moves_the_rows_at_the_chosen_width_and_clips_the_others():
-    base = AdaptiveWidth([0.001] * 6, 0.0004, gamma=5, decode_cost=0.003)
-    stale = {b: np.full(5, 0.9) for b in range(4)}
-    widths = {0: 3, 1: 1, 2: 3, 3: 0}
-    assert explored(3, widths, stale, base, (2, 5)) == (5, {0: 5, 1: 1, 2: 5, 3: 0})  # k = 2 cannot win
-    assert explored(3, widths, stale, base, ()) == (3, widths)
-    assert explored(3, widths, stale, base, (1, 2)) == (3, widths)  # none could win
 
 
 def test_cost_cache_keys_tell_stored_and_decoded_weights_apart():
