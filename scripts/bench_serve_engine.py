@@ -41,12 +41,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import contextlib
 import dataclasses
 import gc
 import itertools
 import json
+import io
 import logging
+import pstats
 import time
 from pathlib import Path
 
@@ -347,6 +350,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--versus-slots", type=int,
                    help="instead of the concurrency levels: a lone request here and on an engine of this many slots")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--host-profile", help="cProfile each mode's measured levels (the host's part of the steps: "
+                   "choice, dispatch, reads) and write each mode's top functions by own time here")
     return p
 
 
@@ -372,6 +377,7 @@ def main(argv=None) -> int:
             Path(args.out).write_text(json.dumps({"startup_s": startup, "lone_request": results}, indent=1))
         return 0
     results, budgets, default_rows = [], args.prefill_budgets or [0], engine.prefill_rows
+    profiles = {} if args.host_profile else None  # label -> cProfile.Profile
     for concurrency in args.concurrency:
         for round_ in range(args.rounds):  # rounds interleave the modes, so drift hits them alike
             for mode, budget in itertools.product(args.modes, budgets):
@@ -382,8 +388,9 @@ def main(argv=None) -> int:
                     warm_up = argparse.Namespace(**{**vars(args), "requests": concurrency})
                     run_level(engine, prompts, concurrency, warm_up)
                 level_args = argparse.Namespace(**{**vars(args), "requests": max(args.requests, concurrency)})
-                level = {"mode": label, "round": round_, "prefill_rows": engine.prefill_rows,
-                         **run_level(engine, prompts, concurrency, level_args)}
+                with profiled(profiles, label):
+                    level = {"mode": label, "round": round_, "prefill_rows": engine.prefill_rows,
+                             **run_level(engine, prompts, concurrency, level_args)}
                 results.append(level)
                 print(f"round {round_} c={concurrency:3d} {label:12s} {level['tokens_per_s']:9.1f} tok/s  "
                       f"(steady {level['steady_tokens_per_s'] or float('nan'):.1f})  "
@@ -409,7 +416,29 @@ def main(argv=None) -> int:
             if args.out:  # after every level, so a run cut short keeps what it measured
                 Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))
     print_medians(results)
+    if profiles:
+        Path(args.host_profile).write_text("".join(top_functions(label, profile) for label, profile in profiles.items()))
     return 0
+
+
+@contextlib.contextmanager
+def profiled(profiles: dict | None, label: str):
+    """cProfile the block into `profiles[label]` (None: no profiling)."""
+    if profiles is None:
+        yield
+        return
+    profile = profiles.setdefault(label, cProfile.Profile())
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+
+
+def top_functions(label: str, profile: cProfile.Profile, count: int = 35) -> str:
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(count)
+    return f"===== {label}\n{text.getvalue()}"
 
 
 if __name__ == "__main__":
