@@ -45,9 +45,9 @@ import cProfile
 import contextlib
 import dataclasses
 import gc
+import io
 import itertools
 import json
-import io
 import logging
 import pstats
 import time
@@ -400,7 +400,8 @@ def main(argv=None) -> int:
                       f"rows a step {level['rows_per_step']:.1f}  call ms (profiled): "
                       + " ".join(f"{k} {v:.2f} ({level['profiled_ms'][k]:.2f})"
                                  for k, v in level["call_ms"].items() if v)
-                      + "  waited for the device: " + " ".join(f"{k} {v:.2f}" for k, v in level["waited_ms"].items() if v is not None)
+                      + "  waited for the device: "
+                      + " ".join(f"{k} {v:.2f}" for k, v in level["waited_ms"].items() if v is not None)
                       + "  by width: " + " ".join(f"k{k} x{w['steps']} {w['ms']:.2f} ({w['profiled_ms']:.2f})"
                                                   for k, w in level["verify_by_width"].items())
                       + "  after the same / another executable: " + " / ".join(
@@ -417,7 +418,7 @@ def main(argv=None) -> int:
                 Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))
     print_medians(results)
     if profiles:
-        Path(args.host_profile).write_text("".join(top_functions(label, profile) for label, profile in profiles.items()))
+        Path(args.host_profile).write_text("".join(top_functions(label, prof) for label, prof in profiles.items()))
     return 0
 
 

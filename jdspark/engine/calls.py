@@ -14,7 +14,6 @@ builds the output array.
 from __future__ import annotations
 
 import time
-
 from typing import NamedTuple
 
 import jax
