@@ -212,6 +212,8 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             "call_ms": {kind: mean_ms([r.seconds for r in rs]) for kind, rs in calls.items()},
             # of call_ms, the read's wait for the device (near zero: the host paces the steps)
             "waited_ms": {kind: mean_ms([r.waited_s for r in rs]) for kind, rs in calls.items()},
+            # steps whose call the device had finished before the read began (the host set the pace)
+            "ready_share": float(np.mean([r.ready for r in records])) if records else None,
             "profiled_ms": {kind: mean_ms([_profiled_s(measured.get(r.bucket), r) for r in rs])
                             for kind, rs in calls.items()},
             # the verify calls by executable width: how many, and their wall against the profile's price
@@ -402,6 +404,7 @@ def main(argv=None) -> int:
                                  for k, v in level["call_ms"].items() if v)
                       + "  waited for the device: "
                       + " ".join(f"{k} {v:.2f}" for k, v in level["waited_ms"].items() if v is not None)
+                      + f" (ready at the read: {level['ready_share'] or 0:.0%})"
                       + "  by width: " + " ".join(f"k{k} x{w['steps']} {w['ms']:.2f} ({w['profiled_ms']:.2f})"
                                                   for k, w in level["verify_by_width"].items())
                       + "  after the same / another executable: " + " / ".join(

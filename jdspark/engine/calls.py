@@ -59,6 +59,7 @@ class StepOutput(NamedTuple):
     confidence: np.ndarray | None  # [B, gamma] float32: the proposal's confidences
     invalid: np.ndarray  # [B] bool: non-finite logits, temperature or draft probabilities (verify.Verdict)
     waited_s: float = 0.0  # how long reading it waited for the device
+    ready: bool = False  # whether the device had finished it before the read began (the host set the pace)
 
 
 def slot_inputs(**fields) -> np.ndarray:
@@ -97,12 +98,13 @@ def put_rows(tree, part, rows: Rows, batch: int):
 
 def read_output(out, gamma: int) -> StepOutput:
     """A prefill, decode or step[k] result (one device-to-host copy) split into its fields."""
-    start = time.perf_counter()
+    ready, start = bool(getattr(out, "is_ready", lambda: False)()), time.perf_counter()
     out = np.asarray(out)
     waited, invalid = time.perf_counter() - start, out[:, 2] != 0
     if out.shape[1] == 3:
-        return StepOutput(out[:, 0], out[:, 1], None, None, invalid, waited)
-    return StepOutput(out[:, 0], out[:, 1], out[:, 3:3 + gamma], out[:, 3 + gamma:].view(np.float32), invalid, waited)
+        return StepOutput(out[:, 0], out[:, 1], None, None, invalid, waited, ready)
+    return StepOutput(out[:, 0], out[:, 1], out[:, 3:3 + gamma], out[:, 3 + gamma:].view(np.float32), invalid,
+                      waited, ready)
 
 
 def with_anchor(decode, verdict: Verdict, where: jax.Array):

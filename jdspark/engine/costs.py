@@ -177,11 +177,21 @@ class LiveCosts:
     of its excess over its kind's offset: the bucket's switch cost, which the pricing adds to every
     call but the one issued last (`switch_price`), once both kinds of window were seen
     MIN_SWITCH_SAMPLES times. Where switching costs nothing (the CPU) it stays near zero and the
-    choices do not change. `learn=False` keeps the profile as it is (benchmarks of the host's work)."""
+    choices do not change.
+
+    Where the host sets the pace (most of a bucket's last windows read a call the device had already
+    finished: `StepOutput.ready`), a step costs the host's time whatever its width, and the profile's
+    differences between widths are not what the steps pay: every width is then priced at the
+    median of the bucket's last verify windows (H100s, embedded model: the reads waited 0.4-0.9 ms of
+    1.7-2.9 ms steps for the device, jax's dispatch alone took 0.5-0.8 ms of host time per call, and
+    priced by the profile's 0.1-0.3 ms between widths the engine verified k = 3 / 4 on most steps, at
+    0.85-0.92x of fixed k = 5, whose steps took no longer). `learn=False` keeps the profile as it is
+    (benchmarks of the host's work)."""
 
     SAMPLES = 9
     MIN_WIDTH_SAMPLES = 5
     MIN_SWITCH_SAMPLES = 8
+    MIN_PACE_SAMPLES = 5
 
     def __init__(self, selectors: dict[int, AdaptiveWidth], learn: bool = True):
         self.selectors, self.learn = selectors, learn
@@ -192,6 +202,8 @@ class LiveCosts:
         self._widths = {n: [collections.deque(maxlen=self.SAMPLES) for _ in s.verify_costs] for n, s in selectors.items()}
         self.width_offsets = {n: [None] * len(s.verify_costs) for n, s in selectors.items()}  # None: too few windows
         self.windows = {n: {"same": 0, "switched": 0} for n in selectors}
+        self._ready = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}  # was each window's call done?
+        self._verify_s = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}  # verify windows' seconds
         self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
         self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
         self._observed: set[int] = set()  # buckets observed since their policy was last repriced
@@ -199,10 +211,12 @@ class LiveCosts:
     def policy(self, bucket: int) -> AdaptiveWidth:
         if bucket in self._observed:
             base, offsets = self.selectors[bucket], self.offsets[bucket]
-            verify = [self._verify_offset(bucket, k) for k in range(len(base.verify_costs))]
+            widths = range(len(base.verify_costs))
+            verify = np.maximum(base.verify_costs + np.array([self._verify_offset(bucket, k) for k in widths]), 0.0)
+            if self.host_paced(bucket) and self._verify_s[bucket]:  # every width costs what the host takes
+                verify = np.full(len(widths), max(statistics.median(self._verify_s[bucket]) - base.draft_cost, 0.0))
             self._policies[bucket] = self._policies[bucket].repriced(
-                np.maximum(base.verify_costs + np.array(verify), 0.0),
-                None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
+                verify, None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
             self._observed.discard(bucket)
         return self._policies[bucket]
 
@@ -211,6 +225,12 @@ class LiveCosts:
         MIN_WIDTH_SAMPLES windows, else that of every width's."""
         own = self.width_offsets[bucket][width]
         return self.offsets[bucket]["verify"] if own is None else own
+
+    def host_paced(self, bucket: int) -> bool:
+        """Whether most of the bucket's last windows (at least MIN_PACE_SAMPLES) read a call the device
+        had already finished."""
+        ready = self._ready.get(bucket, ())
+        return len(ready) >= self.MIN_PACE_SAMPLES and 2 * sum(ready) > len(ready)
 
     def issued(self, bucket: int, call: int | str) -> None:
         """The engine issued a call in `bucket`: a step width, "decode" or "prefill"."""
@@ -230,9 +250,10 @@ class LiveCosts:
         before say nothing about the next window."""
         self._switched = self._prefilled = False
 
-    def observe(self, bucket: int, drafted: bool, width: int, seconds: float) -> None:
-        """One step of `bucket` read: a verify call of `width` (drafted) or a decode call, `seconds` long;
-        the calls issued since the previous read decide whether its window switched."""
+    def observe(self, bucket: int, drafted: bool, width: int, seconds: float, ready: bool = False) -> None:
+        """One step of `bucket` read: a verify call of `width` (drafted) or a decode call, `seconds` long,
+        `ready`: done on the device when its read began; the calls issued since the previous read decide
+        whether its window switched."""
         switched, prefilled = self._switched, self._prefilled
         self._switched = self._prefilled = False
         base, kind = self.selectors.get(bucket), "verify" if drafted else "decode"
@@ -245,6 +266,9 @@ class LiveCosts:
             self.switch[bucket] = statistics.median(samples["switch"])
             excess -= self.switch[bucket]
         self.windows[bucket]["switched" if switched else "same"] += 1
+        self._ready[bucket].append(ready)
+        if drafted:
+            self._verify_s[bucket].append(seconds - (self.switch[bucket] if switched else 0.0))
         samples[kind].append(excess)
         offsets[kind] = statistics.median(samples[kind])
         if drafted:

@@ -331,7 +331,7 @@ class Engine:
     def _read_verify(self, call: IssuedVerify) -> dict[int, Delta]:
         """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
         finished, cancelled or failed after the call was issued has them dropped)."""
-        n_acc, token, drafts, confidence, invalid, waited = calls.read_output(call.out, self.config.gamma)
+        n_acc, token, drafts, confidence, invalid, waited, ready = calls.read_output(call.out, self.config.gamma)
         row_of = {b: i for i, b in enumerate(call.rows.tolist())}
         live = {b: seq for b, seq in call.sequences.items() if self._slots[b] is seq}
         if not live:  # every request it ran for ended before it was read: a call wasted, no step to record
@@ -350,13 +350,13 @@ class Engine:
         seconds, self._last_read = now - max(call.started, self._last_read), now
         record = StepRecord(call.width, seconds, records, call.costs["draft_cost_s"],
                             None if call.costs["verify_costs_s"] is None else tuple(call.costs["verify_costs_s"]),
-                            call.bucket, drafted_call=call.drafted, waited_s=waited)
+                            call.bucket, drafted_call=call.drafted, waited_s=waited, ready=ready)
         for (b, seq), row in zip(live.items(), records):
             seq.record(record, row, None if confidence is None else confidence[row_of[b]])
         if confidence is not None:
             self.prior.update(confidence[[row_of[b] for b in live]])
             self.calibration.observe(records, [seq.greedy for seq in live.values()])
-        self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds)
+        self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds, ready)
         self._publish(record)
         return deltas
 

@@ -37,8 +37,8 @@ class StepRecord:
     verify_costs_s: tuple[float, ...] | None  # V(0..gamma) the selector used
     bucket: int = 0  # the batch bucket the call ran in
     drafted_call: bool = True  # False: a plain decode call (no row drafted)
-    waited_s: float = 0.0  # of `seconds`, the read's wait for the device (the rest is the host's: near
-    # zero, the host paces the steps)
+    waited_s: float = 0.0  # of `seconds`, the read's wait for the device (the rest is the host's)
+    ready: bool = False  # the device had finished the call when its read began: the host set the pace
 
     @property
     def drafted(self) -> int:

@@ -193,6 +193,29 @@ def test_widths_seen_often_enough_take_their_own_windows():
     assert steps[3] == pytest.approx(base.step_costs[3] + kind) and 0.0001 <= kind <= 0.0003
 
 
+def test_where_the_host_sets_the_pace_every_width_costs_the_same():
+    """The profile prices k = 3 0.3 ms below k = 5, and every verify window takes 2.2 ms. While most
+    windows read a call the device had finished (the host paces the steps) every width is priced at
+    the windows' median and the widest, with the most expected tokens, wins; while the device paces
+    them (reads that waited), the profile's shape stays and k = 3 wins, as it does with too few windows."""
+    base = AdaptiveWidth([0.0010, 0.0010, 0.0010, 0.0010, 0.0013, 0.0013], 0.0008, gamma=5, decode_cost=0.003)
+    confidence = np.full((1, 5), 0.6)
+
+    def choice(ready: bool, windows: int) -> tuple[int, list[float]]:
+        live = costs.LiveCosts({1: base})
+        for _ in range(windows):
+            live.issued(1, 3)
+            live.observe(1, True, 3, 0.0022, ready)
+        policy = live.policy(1)
+        return int(policy.widths(confidence)[0]), policy.step_costs
+
+    width, paced = choice(ready=True, windows=9)
+    assert width == 5 and paced == pytest.approx([0.0022] * 6)
+    assert choice(ready=False, windows=9)[0] == 3
+    assert choice(ready=True, windows=costs.LiveCosts.MIN_PACE_SAMPLES - 1)[0] == 3
+    assert not costs.LiveCosts({1: base}, learn=False).host_paced(1)
+
+
 def test_cost_cache_keys_tell_stored_and_decoded_weights_apart():
     """One checkpoint loaded as stored and decoded at load runs other executables: their measured
     costs must not share a cache entry (the config alone is the same); a second load keys the same."""

@@ -58,7 +58,10 @@ def test_read_output_splits_a_step_and_a_decode_result():
     decode = calls.read_output(np.array([[0, 3, 0], [0, 9, 0]], np.int32), gamma=3)
     assert decode.drafts is None and decode.confidence is None and not decode.invalid.any()
     np.testing.assert_array_equal(decode.token, [3, 9])
-    assert out.waited_s >= 0.0 and decode.waited_s >= 0.0
+    assert out.waited_s >= 0.0 and decode.waited_s >= 0.0 and not out.ready  # a host array: no device call
+    done = jnp.asarray(step) + 0
+    done.block_until_ready()
+    assert calls.read_output(done, gamma=3).ready
 
 
 @pytest.mark.slow  # the session dspark_engine
