@@ -186,9 +186,9 @@ class Engine:
         bucket = self.config.bucket(len(live))
         rows = call_slots(live, bucket, self.config.max_batch)
         ids, n_valid, reset = prefill_inputs(rows, {b: self._pending[b] for b in live}, self.exe.prefill_chunk)
-        out, self.state, self.draft_cache = self.exe.buckets[bucket].prefill(
+        out, self.state, self.draft_cache = calls.fetch_early(self.exe.buckets[bucket].prefill(
             self.exe.params.arrays, self.state, self.draft_cache, ids, n_valid, reset,
-            call_inputs(rows, self._slots, set()))
+            call_inputs(rows, self._slots, set())))
         self.live.issued(bucket, "prefill")
         prompts = advance_prompts(rows, live, n_valid, self._pending, self._slots)
         for seq, _, last in prompts.values():
@@ -319,7 +319,8 @@ class Engine:
         width, widths, call = self._choose(stale, bucket)
         rows = call_slots(active, bucket, self.config.max_batch)
         inputs = call_inputs(rows, self._slots, set(active), widths)
-        out, self.state, self.draft_cache = call(self.exe.params.arrays, self.state, self.draft_cache, inputs)
+        out, self.state, self.draft_cache = calls.fetch_early(call(self.exe.params.arrays, self.state, self.draft_cache,
+                                                                   inputs))
         drafted = call is not self.exe.buckets[bucket].decode
         self.live.issued(bucket, width if drafted else "decode")
         sequences = {b: self._slots[b] for b in active}

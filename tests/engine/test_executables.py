@@ -7,6 +7,7 @@ default; every call leaves the donated state in the buffers it came in."""
 import collections
 import itertools
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,26 @@ def test_slot_inputs_unpack_exactly_on_the_device():
         got = np.asarray(getattr(sampling, name))
         assert got.dtype == want.dtype, name
         np.testing.assert_array_equal(got, want, err_msg=name)
+
+
+def test_an_outputs_copy_to_the_host_starts_at_its_call_on_a_gpu_only():
+    """`fetch_early` starts the copy of a call's output on an accelerator (the read a step later finds
+    it on the host), not on the CPU (already host memory) or for a host array; the results pass through."""
+    class Output:
+        def __init__(self, platform):
+            self.platform, self.copies = platform, 0
+
+        def devices(self):
+            return [types.SimpleNamespace(platform=self.platform)]
+
+        def copy_to_host_async(self):
+            self.copies += 1
+
+    gpu, cpu, state = Output("gpu"), Output("cpu"), object()
+    assert calls.fetch_early((gpu, state, None)) == (gpu, state, None) and gpu.copies == 1
+    assert calls.fetch_early((cpu, state, None))[0] is cpu and cpu.copies == 0
+    host = np.zeros((2, 3), np.int32)
+    assert calls.fetch_early((host, state, None))[0] is host
 
 
 def test_read_output_splits_a_step_and_a_decode_result():
