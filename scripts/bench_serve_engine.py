@@ -18,6 +18,8 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
                engine's default;
 - per_request_queued_unpriced: the same with switching executables free (`SpecOptions.price_switches`
                off: the engine before the switch cost was learnt);
+- per_request_queued_profiled: per_request_queued with widths priced by the profile's shape where the
+               host sets the pace too (`LiveCosts.price_host_paced` off: the engine before it);
 - budget:      Algorithm 1 over stale confidences with the bucket's measured costs;
 - fixed3, alternate35 (diagnostics): every request at width 3, or at 3 and 5 on alternate steps (what
                switching executables between steps costs, against fixed3 and fixed5).
@@ -56,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "per_request_queued",
-         "per_request_queued_unpriced", "budget", "fixed3", "alternate35")
+         "per_request_queued_unpriced", "per_request_queued_profiled", "budget", "fixed3", "alternate35")
 PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
                 "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"", "for i in range(10):", "with open(path) as f:",
                 "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
@@ -120,6 +122,7 @@ def set_mode(engine, mode: str) -> None:
     if engine.selectors:  # an adaptive engine: its selectors measured under the mode's profile
         engine.set_policy(options=dataclasses.replace(engine.options, profile=profile))
     options = engine.options
+    engine.live.price_host_paced = mode != "per_request_queued_profiled"
     if mode == "none":
         engine.set_policy(speculative=False)
         return
@@ -352,6 +355,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--versus-slots", type=int,
                    help="instead of the concurrency levels: a lone request here and on an engine of this many slots")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--no-fetch-early", action="store_true", help="read each call's output without starting "
+                   "its copy to the host when the call is issued (the engine before `calls.fetch_early`; A/B)")
     p.add_argument("--host-profile", help="cProfile each mode's measured levels (the host's part of the steps: "
                    "choice, dispatch, reads) and write each mode's top functions by own time here")
     return p
@@ -365,6 +370,9 @@ def main(argv=None) -> int:
         p.error("--synthetic makes its own model and accepts random drafts only by script: pass --acceptance, "
                 "not --model")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.no_fetch_early:
+        from jdspark.engine import calls
+        calls.fetch_early = lambda results: results  # the engine reads `calls.fetch_early` at each call
     engine, prompts, startup = build(args)
     print(f"start-up (load + compile + costs): {startup:.1f} s, buckets {list(engine.config.buckets)}, "
           f"{engine.exe.count} executables, {engine.exe.loaded} loaded from disk", flush=True)

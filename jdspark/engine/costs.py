@@ -185,7 +185,8 @@ class LiveCosts:
     median of the bucket's last verify windows (H100s, embedded model: the reads waited 0.4-0.9 ms of
     1.7-2.9 ms steps for the device, jax's dispatch alone took 0.5-0.8 ms of host time per call, and
     priced by the profile's 0.1-0.3 ms between widths the engine verified k = 3 / 4 on most steps, at
-    0.85-0.92x of fixed k = 5, whose steps took no longer). `learn=False` keeps the profile as it is
+    0.85-0.92x of fixed k = 5, whose steps took no longer); `price_host_paced = False` keeps the
+    profile's shape there too (benchmarks compare). `learn=False` keeps the profile as it is
     (benchmarks of the host's work)."""
 
     SAMPLES = 9
@@ -194,7 +195,7 @@ class LiveCosts:
     MIN_PACE_SAMPLES = 5
 
     def __init__(self, selectors: dict[int, AdaptiveWidth], learn: bool = True):
-        self.selectors, self.learn = selectors, learn
+        self.selectors, self.learn, self.price_host_paced = selectors, learn, True
         self.offsets = {n: {"decode": 0.0, "verify": 0.0} for n in selectors}
         self.switch = dict.fromkeys(selectors, 0.0)  # seconds a switched window takes beyond its kind's offset
         self._samples = {n: {kind: collections.deque(maxlen=self.SAMPLES) for kind in ("decode", "verify", "switch")}
@@ -230,7 +231,7 @@ class LiveCosts:
         """Whether most of the bucket's last windows (at least MIN_PACE_SAMPLES) read a call the device
         had already finished."""
         ready = self._ready.get(bucket, ())
-        return len(ready) >= self.MIN_PACE_SAMPLES and 2 * sum(ready) > len(ready)
+        return self.price_host_paced and len(ready) >= self.MIN_PACE_SAMPLES and 2 * sum(ready) > len(ready)
 
     def issued(self, bucket: int, call: int | str) -> None:
         """The engine issued a call in `bucket`: a step width, "decode" or "prefill"."""

@@ -214,6 +214,11 @@ def test_where_the_host_sets_the_pace_every_width_costs_the_same():
     assert choice(ready=False, windows=9)[0] == 3
     assert choice(ready=True, windows=costs.LiveCosts.MIN_PACE_SAMPLES - 1)[0] == 3
     assert not costs.LiveCosts({1: base}, learn=False).host_paced(1)
+    live = costs.LiveCosts({1: base})
+    for _ in range(9):
+        live.observe(1, True, 3, 0.0022, True)
+    live.price_host_paced = False  # a benchmark's comparison: the profile's shape stays
+    assert not live.host_paced(1) and int(live.policy(1).widths(confidence)[0]) == 3
 
 
 def test_cost_cache_keys_tell_stored_and_decoded_weights_apart():
