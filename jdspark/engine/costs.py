@@ -213,9 +213,11 @@ class LiveCosts:
         if bucket in self._observed:
             base, offsets = self.selectors[bucket], self.offsets[bucket]
             widths = range(len(base.verify_costs))
-            verify = np.maximum(base.verify_costs + np.array([self._verify_offset(bucket, k) for k in widths]), 0.0)
             if self.host_paced(bucket) and self._verify_s[bucket]:  # every width costs what the host takes
                 verify = np.full(len(widths), max(statistics.median(self._verify_s[bucket]) - base.draft_cost, 0.0))
+            else:
+                verify = np.maximum(base.verify_costs + np.array([self._verify_offset(bucket, k) for k in widths]),
+                                    0.0)
             self._policies[bucket] = self._policies[bucket].repriced(
                 verify, None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
             self._observed.discard(bucket)
