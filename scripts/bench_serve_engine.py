@@ -22,7 +22,15 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
                host sets the pace too (`LiveCosts.price_host_paced` off: the engine before it);
 - budget:      Algorithm 1 over stale confidences with the bucket's measured costs;
 - fixed3, alternate35 (diagnostics): every request at width 3, or at 3 and 5 on alternate steps (what
-               switching executables between steps costs, against fixed3 and fixed5).
+               switching executables between steps costs, against fixed3 and fixed5);
+- none_eager, fixed5_eager, per_request_queued_eager: those modes with every pending prompt
+               prefilled at the next step (`Engine.batch_prefills` off: the engine before
+               `batch.prefill_waits` held prefill calls back to share them).
+
+`--max-tokens-spread f` draws each request's max_tokens from max_tokens x [1 - f, 1 + f] (seeded by the
+request's index, the same in every mode): with one length for all, target-only requests admitted
+together also end together and their successors share one prefill call, where a speculating batch's
+requests end a step or two apart; served text's lengths differ.
 
 Reports output tokens/s, p50 / p90 / p99 of time to first token and inter-token latency (gaps
 between a request's token-bearing steps), and the verify steps that drafted, per (mode,
@@ -58,7 +66,8 @@ from pathlib import Path
 import numpy as np
 
 MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "per_request_queued",
-         "per_request_queued_unpriced", "per_request_queued_profiled", "budget", "fixed3", "alternate35")
+         "per_request_queued_unpriced", "per_request_queued_profiled", "budget", "fixed3", "alternate35",
+         "none_eager", "fixed5_eager", "per_request_queued_eager")
 PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
                 "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"", "for i in range(10):", "with open(path) as f:",
                 "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
@@ -118,6 +127,8 @@ def synthetic_model(args):
 
 
 def set_mode(engine, mode: str) -> None:
+    engine.batch_prefills = not mode.endswith("_eager")
+    mode = mode.removesuffix("_eager")
     profile = "queued" if mode.startswith("per_request_queued") else "synchronised"
     if engine.selectors:  # an adaptive engine: its selectors measured under the mode's profile
         engine.set_policy(options=dataclasses.replace(engine.options, profile=profile))
@@ -147,12 +158,14 @@ def fixed_policy(mode: str):
 def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) -> dict:
     """Closed loop: `concurrency` requests in flight until `args.requests` have finished."""
     from jdspark.engine.request import SamplingParams
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
+    lengths = np.rint(args.max_tokens * np.random.default_rng(0).uniform(
+        1 - args.max_tokens_spread, 1 + args.max_tokens_spread, args.requests)).astype(int).clip(1)
     started, times, done, next_index = {}, {}, [], 0
 
     def admit(n):
         nonlocal next_index
-        batch = [(prompts[(next_index + i) % len(prompts)], params) for i in range(n)]
+        batch = [(prompts[(next_index + i) % len(prompts)], SamplingParams(
+            max_tokens=int(lengths[next_index + i]), temperature=args.temperature, ignore_eos=True)) for i in range(n)]
         now = clock()
         for rid in engine.admit(batch):
             started[rid], times[rid] = now, []
@@ -350,6 +363,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--requests", type=int, default=64, help="requests per (mode, concurrency)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens-spread", type=float, default=0.0,
+                   help="each request's max_tokens drawn from max_tokens x [1 - f, 1 + f] (0: all alike)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--rounds", type=int, default=1, help="repeats of every (concurrency, mode), interleaved")
     p.add_argument("--versus-slots", type=int,

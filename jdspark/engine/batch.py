@@ -9,6 +9,8 @@ other slots and run inactive (n_valid 0), which leaves their state as it was.
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Iterable
 
 import jax
 import numpy as np
@@ -24,6 +26,7 @@ class PendingPrompt:
     ids: np.ndarray
     done: int = 0  # prompt tokens prefilled so far
     invalid: bool = False  # a chunk came back with non-finite logits
+    since: float = dataclasses.field(default_factory=time.perf_counter)  # admitted (perf_counter)
 
     def chunk(self, size: int) -> np.ndarray:
         return self.ids[self.done:self.done + size]
@@ -41,6 +44,33 @@ def prompts_to_prefill(pending: int, budget_rows: int, buckets, running: bool) -
     if not running:
         fill = max([fill, *(b for b in buckets if b <= pending)])
     return min(pending, fill)
+
+
+def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, call_s: float | None, now: float) -> bool:
+    """Whether a step holds its prefill call back, so that prompts coming later share it. The call
+    stalls the `running_rows` for its cost, of which `call_s` is what later prompts would not add to
+    (`prompts_this_step`): all of it where reading the weights sets it (Flash dimensions: a bucket-16
+    prefill ~28 ms beside a 22 ms verify, paid once a step while a speculating batch's requests ended
+    one at a time, docs/BENCHMARKS.md), little where each row's compute does (the CPU); each pending
+    prompt meanwhile waits. So the call waits until the prompts' summed waits reach running_rows x
+    call_s: the TCP acknowledgment-delay rule (Dooly, Goldman and Scott), whose summed waits and
+    stalls are at most twice the best schedule's. Never for a prompt whose prefill has begun, with
+    nothing running, or without a profile (`call_s` None)."""
+    prompts = list(pending)
+    if not prompts or not running_rows or call_s is None or any(p.done for p in prompts):
+        return False
+    return sum(now - p.since for p in prompts) < running_rows * call_s
+
+
+def prompts_this_step(pending: dict[int, PendingPrompt], running_rows: int, budget_rows: int, buckets,
+                      prefill_s: dict[int, float], row_s: float = 0.0) -> int:
+    """Prompts a step prefills: `prompts_to_prefill`'s, or none while `prefill_waits` holds the call
+    back. `prefill_s`: each bucket's prefill call's seconds (empty: never held back), `row_s`: what
+    they grow by per row, so what later prompts would not add to is the call's cost less its rows'."""
+    rows = prompts_to_prefill(len(pending), budget_rows, buckets, running_rows > 0)
+    call_s = prefill_s.get(next((b for b in buckets if b >= rows), None))
+    shared = None if call_s is None else max(call_s - rows * row_s, 0.0)
+    return 0 if prefill_waits(pending.values(), running_rows, shared, time.perf_counter()) else rows
 
 
 def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:

@@ -114,7 +114,8 @@ def _fmt(costs: dict[str, float]) -> str:
 
 
 def measure_bucket(engine, n: int) -> dict[str, float]:
-    """{"decode": s, "step{k}": s} of an engine's batch bucket n: rows 0..n-1 active at full width,
+    """{"prefill": s, "decode": s, "step{k}": s} of an engine's batch bucket n: rows 0..n-1 active at
+    full width (the prefill: a full chunk each, its executable's dense work whatever the prompts),
     greedy, on emptied state, one call or `QUEUED` at a time (`SpecOptions.profile`, while the state
     has room for them); cached per device kind, model, dtype, engine config, bucket, profile and
     programs (`programs_key`)."""
@@ -125,7 +126,10 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     slots = slot_inputs(active=np.ones(n, bool), temperature=np.zeros(n, np.float32), top_k=zeros,
                         top_p=np.ones(n, np.float32), seed=zeros, counter=zeros, slot=np.arange(n),
                         width=np.full(n, config.gamma))
-    calls = {"decode": exe.decode, **{f"step{k}": exe.step[k] for k in sorted(exe.step)}}
+    chunk = (np.zeros((n, engine.exe.prefill_chunk), np.int32), np.full(n, engine.exe.prefill_chunk, np.int32),
+             np.ones(n, bool))  # ids, n_valid, reset: every row a whole chunk, a prompt's first
+    calls = {"prefill": lambda *a: exe.prefill(*a[:3], *chunk, a[3]), "decode": exe.decode,
+             **{f"step{k}": exe.step[k] for k in sorted(exe.step)}}
 
     def run(label):
         for _ in range(queued):
@@ -194,8 +198,11 @@ class LiveCosts:
     MIN_SWITCH_SAMPLES = 8
     MIN_PACE_SAMPLES = 5
 
-    def __init__(self, selectors: dict[int, AdaptiveWidth], learn: bool = True):
+    def __init__(self, selectors: dict[int, AdaptiveWidth], learn: bool = True,
+                 prefill_s: dict[int, float] | None = None):
         self.selectors, self.learn, self.price_host_paced = selectors, learn, True
+        self.prefill_s = prefill_s or {}  # bucket -> its prefill call's profiled seconds (`batch.prefill_waits`)
+        self.prefill_row_s = row_cost(self.prefill_s)  # what a prefill call's cost grows by per row
         self.offsets = {n: {"decode": 0.0, "verify": 0.0} for n in selectors}
         self.switch = dict.fromkeys(selectors, 0.0)  # seconds a switched window takes beyond its kind's offset
         self._samples = {n: {kind: collections.deque(maxlen=self.SAMPLES) for kind in ("decode", "verify", "switch")}
@@ -282,12 +289,13 @@ class LiveCosts:
         self._observed.add(bucket)
 
 
-def measured_selector(engine, bucket: int) -> AdaptiveWidth:
+def measured_selector(engine, bucket: int, measured: dict[str, float] | None = None) -> AdaptiveWidth:
     """The adaptive width policy of an engine's batch bucket: (V(0..gamma), D) and the decode call's
-    cost measured there. A step[k] call drafts and verifies, so it costs S(k) = D + V(k) as a whole;
-    D is S(0) less a plain decode call (the same verification without the draft), V(k) = S(k) - D.
-    A width that is not compiled runs in the next compiled one's executable and costs its S."""
-    measured = engine.measure_call_costs(bucket)
+    cost measured there (`measured`: the bucket's `measure_bucket`, default measured now). A step[k]
+    call drafts and verifies, so it costs S(k) = D + V(k) as a whole; D is S(0) less a plain decode
+    call (the same verification without the draft), V(k) = S(k) - D. A width that is not compiled
+    runs in the next compiled one's executable and costs its S."""
+    measured = measured or engine.measure_call_costs(bucket)
     step = [measured[f"step{executable_width({0: k}, engine.exe.step)}"] for k in range(engine.config.gamma + 1)]
     draft = max(step[0] - measured["decode"], 0.0)
     return AdaptiveWidth([s - draft for s in step], draft, engine.config.gamma,
@@ -296,9 +304,19 @@ def measured_selector(engine, bucket: int) -> AdaptiveWidth:
 
 def measured_selectors(engine) -> tuple[dict[int, AdaptiveWidth], AdaptiveWidth, LiveCosts]:
     """Every batch bucket's `measured_selector` (under the engine's `options.profile`), the largest
-    bucket's, and the live costs that correct them."""
-    selectors = {n: measured_selector(engine, n) for n in engine.config.buckets}
-    return selectors, selectors[max(selectors)], LiveCosts(selectors)
+    bucket's, and the live costs that correct them, with each bucket's prefill call."""
+    measured = {n: engine.measure_call_costs(n) for n in engine.config.buckets}
+    selectors = {n: measured_selector(engine, n, m) for n, m in measured.items()}
+    return selectors, selectors[max(selectors)], LiveCosts(selectors, prefill_s={n: m["prefill"]
+                                                                               for n, m in measured.items()})
+
+
+def row_cost(calls: dict[int, float]) -> float:
+    """Seconds a call's cost grows by per row: the slope of the line through the buckets' profiled
+    costs (least squares), at least 0; 0 with one bucket."""
+    if len(calls) < 2:
+        return 0.0
+    return max(float(np.polyfit(list(calls), list(calls.values()), 1)[0]), 0.0)
 
 
 def summary(policy) -> dict:

@@ -7,8 +7,9 @@ statistics); the device owns the model state. Per call only (n_accepted, token) 
 drafted tokens and their confidences come back to the host, as one small array. Requests join a
 free slot and leave it when they finish. `add_many` prefills its prompts at once (offline use);
 `admit` spreads them over the coming steps, `prefill_budget` prompt tokens per step, so running
-requests keep decoding while a new one is prefilled (serving). With overlap (the default) a step
-reads the previous step's calls after issuing its own (docs/ARCHITECTURE.md, "Overlapped steps").
+requests keep decoding while a new one is prefilled (serving), and new prompts may wait to share a
+call (`batch.prefill_waits`). With overlap (the default) a step reads the previous step's calls
+after issuing its own (docs/ARCHITECTURE.md, "Overlapped steps").
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import calls, costs
 from jdspark.engine.batch import (IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs, call_slots,
-                                  prefill_inputs, prompts_to_prefill)
+                                  prefill_inputs, prompts_this_step)
 from jdspark.engine.errors import CapacityError, EngineError
 from jdspark.engine.executables import Executables
 from jdspark.engine.options import SpecOptions, WidthPolicy
@@ -51,7 +52,7 @@ class Engine:
                  speculative: bool = True, prefill_chunk: int = 256, options: SpecOptions = SpecOptions(),
                  width_policy: WidthPolicy | None = None, widths: tuple[int, ...] | None = None,
                  implementation: str = "auto", pack_params: bool | None = None, prefill_budget: int | None = None,
-                 overlap: bool = True):
+                 overlap: bool = True, batch_prefills: bool = True):
         """`tokenizer` turns tokens into text deltas and enables stop strings; `widths`: the step
         widths to compile (default 0..gamma; only 0 without speculation; a row's width rounds up to
         the next compiled one's executable); `prefill_budget`: prompt tokens a `step` prefills
@@ -60,10 +61,10 @@ class Engine:
         "pallas", "xla") picks the Pallas kernels or their jnp references (rejection sampler,
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
         buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU; `overlap`: a step issues
-        its calls before it reads the previous step's (`step`)."""
+        its calls before it reads the previous step's (`step`); `batch_prefills`: new prompts may wait."""
         widths = compiled_widths(model.config, config, speculative, widths, options.width)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
-        self.overlap = overlap
+        self.overlap, self.batch_prefills = overlap, batch_prefills
         self._unread: list[IssuedPrefill | IssuedVerify] = []  # calls issued and not yet read (the previous step's)
         self._last_read = 0.0  # when a call was last read (perf_counter): where an overlapped step's time starts
         self.tokenizer = tokenizer
@@ -222,8 +223,7 @@ class Engine:
 
     def cancel(self, request_id: int) -> None:
         """Drop a running request (its client went away): its slot is free; a finished one is ignored."""
-        b = self._slot_of.pop(request_id, None)
-        if b is not None:
+        if (b := self._slot_of.pop(request_id, None)) is not None:
             self._slots[b] = None
             self._pending.pop(b, None)
 
@@ -299,8 +299,9 @@ class Engine:
         self.last_step = None
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
-        rows = prompts_to_prefill(len(self._pending), self.prefill_rows, self.config.buckets, bool(running))
-        issued = [self._issue_prefill(list(self._pending)[:rows])] if self._pending else []
+        rows = prompts_this_step(self._pending, len(running), self.prefill_rows, self.config.buckets,
+                                 self.live.prefill_s if self.batch_prefills else {}, self.live.prefill_row_s)
+        issued = [self._issue_prefill(list(self._pending)[:rows])] if rows else []
         running += [b for call in issued for b, (seq, _, last) in call.prompts.items() if last and seq.may_issue()]
         if running:
             issued.append(self._issue_verify(sorted(running)))
@@ -347,8 +348,7 @@ class Engine:
         records = tuple(RowRecord(seq.request_id, call.stale[b], int(n_acc[row_of[b]]), deltas[seq.request_id].tokens,
                                   call.widths.get(b, 0)) for b, seq in live.items())
         # the step's cost: from its choice, or (overlapped) from the end of the read before, to its tokens emitted
-        now = time.perf_counter()
-        seconds, self._last_read = now - max(call.started, self._last_read), now
+        seconds, self._last_read = (now := time.perf_counter()) - max(call.started, self._last_read), now
         record = StepRecord(call.width, seconds, records, call.costs["draft_cost_s"],
                             None if call.costs["verify_costs_s"] is None else tuple(call.costs["verify_costs_s"]),
                             call.bucket, drafted_call=call.drafted, waited_s=waited, ready=ready)

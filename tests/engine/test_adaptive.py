@@ -77,6 +77,8 @@ def test_startup_profile_measures_every_width_and_the_draft(engine):
     assert draft == max(measured["step0"] - measured["decode"], 0.0)
     for k in range(6):
         assert costs[k] == pytest.approx(max(measured[f"step{k}"] - draft, 1e-6))
+    # the prefill call is profiled too: what holding a prefill back weighs (`batch.prefill_waits`)
+    assert measured["prefill"] > 0 and engine.live.prefill_s[max(engine.config.buckets)] == measured["prefill"]
 
 
 def test_expensive_wide_widths_make_the_engine_choose_narrow_ones(engine):

@@ -1,6 +1,11 @@
-"""How many pending prompts a step prefills (`batch.prompts_to_prefill`)."""
+"""How many pending prompts a step prefills (`batch.prompts_to_prefill`), and when the call waits for
+more to share it (`batch.prefill_waits`, `batch.prompts_this_step`)."""
 
-from jdspark.engine.batch import prompts_to_prefill
+import time
+
+import numpy as np
+
+from jdspark.engine.batch import PendingPrompt, prefill_waits, prompts_this_step, prompts_to_prefill
 
 
 def test_beside_running_requests_the_budget_and_the_padding_of_its_bucket():
@@ -28,3 +33,41 @@ def test_the_default_budget_takes_every_pending_prompt_up_to_the_largest_bucket(
     assert prompts_to_prefill(pending=8, budget_rows=64, buckets=(1, 4, 16, 64), running=True) == 8
     assert prompts_to_prefill(pending=1, budget_rows=64, buckets=(1, 4, 16, 64), running=True) == 1
     assert prompts_to_prefill(pending=5, budget_rows=16, buckets=(1, 4, 16), running=False) == 5
+
+
+def pending_since(*admitted: float, done: int = 0) -> list[PendingPrompt]:
+    return [PendingPrompt(np.arange(4, dtype=np.int32), done=done, since=t) for t in admitted]
+
+
+def test_a_prefill_waits_until_the_prompts_summed_waits_reach_the_stall_it_costs_the_running_rows():
+    """4 running rows, a call of 10 ms: it stalls 40 row-ms, so it waits while the pending prompts
+    have waited less than 40 ms in all. Mutation caught: comparing the longest wait, not the sum
+    (two prompts of 25 ms each would wait on)."""
+    assert prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.039)
+    assert not prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.041)
+    assert not prefill_waits(pending_since(1.0, 1.0), running_rows=4, call_s=0.010, now=1.025)
+    assert prefill_waits(pending_since(1.0, 1.02), running_rows=4, call_s=0.010, now=1.025)
+
+
+def test_a_prefill_never_waits_with_nothing_running_without_a_profile_or_once_a_prompt_began():
+    assert not prefill_waits(pending_since(1.0), running_rows=0, call_s=0.010, now=1.0)
+    assert not prefill_waits(pending_since(1.0), running_rows=4, call_s=None, now=1.0)
+    assert not prefill_waits(pending_since(1.0, done=8), running_rows=4, call_s=0.010, now=1.0)  # its chunks go on
+    assert not prefill_waits([], running_rows=4, call_s=0.010, now=1.0)
+
+
+def test_the_step_prices_the_call_of_the_bucket_it_would_run_in():
+    """Three pending prompts run in bucket 4: its call's cost decides, not bucket 1's. An empty
+    profile never holds a call back."""
+    pending = dict(enumerate(pending_since(0.0, 0.0, 0.0)))  # admitted long ago: waited past any small stall
+    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 1e-6, 4: 1e-6}) == 3
+    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 1e-6, 4: 1e9}) == 0
+    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {}) == 3
+
+
+def test_the_call_waits_only_for_the_part_of_its_cost_later_prompts_would_not_add_to():
+    """A call of 1 s in bucket 4 whose cost grows 0.3 s a row: three prompts in it leave 0.1 s that
+    later ones would share, so 2 running rows wait 0.2 row-s in all, not 2."""
+    pending = dict(enumerate(pending_since(*[time.perf_counter() - 0.1] * 3)))  # 0.3 row-s waited, past 0.2
+    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 0.1, 4: 1.0}, row_s=0.3) == 3
+    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 0.1, 4: 1.0}, row_s=0.0) == 0  # the whole call: 2 row-s

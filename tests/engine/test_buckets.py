@@ -109,6 +109,35 @@ def test_a_wave_admitted_with_nothing_running_is_prefilled_in_the_largest_bucket
     assert [tokens[rid] for rid in ids] == [alone[i] for i in short]
 
 
+@pytest.mark.parametrize("batch_prefills", [True, False], ids=["held_back", "at_once"])
+def test_a_new_prompt_waits_for_the_running_one_where_its_prefill_call_costs_more(engine, alone, batch_prefills):
+    """A prefill priced at 1000 s a call (`LiveCosts.prefill_s`): beside a running request the new
+    prompt's call is held back until nothing runs (`batch.prefill_waits`), so its first token comes
+    in the step after the running request's last; with `batch_prefills` off it comes within two
+    steps. Both emit what they emit alone. Target-only, so that the running request issues a call
+    on every step but its last (a speculating one skips a step where its unread drafts could reach
+    max_tokens, and nothing runs in that step)."""
+    live, engine.live = engine.live, costs.LiveCosts({}, prefill_s={n: 1000.0 for n in (1, 4, 16)})
+    engine.batch_prefills = batch_prefills
+    engine.set_policy(speculative=False)
+    try:
+        running = engine.add(PROMPTS[1], GREEDY)
+        got, first_step, last_step, step = {running.request_id: list(running.tokens)}, {}, {}, 0
+        new = engine.admit([(PROMPTS[0], GREEDY)])[0]
+        while engine.running:
+            step += 1
+            for rid, d in engine.step().items():
+                got.setdefault(rid, []).extend(d.tokens)
+                first_step.setdefault(rid, step)
+                last_step[rid] = step
+    finally:
+        engine.live, engine.batch_prefills = live, True
+        engine.set_policy(speculative=True)
+    assert (first_step[new] > last_step[running.request_id]) == batch_prefills
+    assert batch_prefills or first_step[new] <= 2
+    assert got[running.request_id] == alone[1] and got[new] == alone[0]
+
+
 def test_no_compilation_after_warm_up_as_requests_join_and_leave(engine, alone, compile_counter):
     """13 requests, then fewer and fewer: steps in buckets 16, 4 and 1, the 12 admitted prompts
     prefilled together (a chunk of each per bucket-16 call) beside the first one's steps."""

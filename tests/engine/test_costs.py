@@ -221,6 +221,13 @@ def test_where_the_host_sets_the_pace_every_width_costs_the_same():
     assert not live.host_paced(1) and int(live.policy(1).widths(confidence)[0]) == 3
 
 
+def test_a_prefill_calls_cost_per_row_is_the_slope_through_the_buckets():
+    assert costs.row_cost({1: 0.011, 4: 0.041, 16: 0.161}) == pytest.approx(0.010)
+    assert costs.row_cost({16: 0.028}) == 0.0  # one bucket: every call costs the same
+    assert costs.row_cost({1: 0.002, 4: 0.002, 16: 0.001}) == 0.0  # flat (or noise below it): nothing per row
+    assert costs.LiveCosts({}, prefill_s={1: 0.011, 4: 0.041}).prefill_row_s == pytest.approx(0.010)
+
+
 def test_cost_cache_keys_tell_stored_and_decoded_weights_apart():
     """One checkpoint loaded as stored and decoded at load runs other executables: their measured
     costs must not share a cache entry (the config alone is the same); a second load keys the same."""
