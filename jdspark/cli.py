@@ -56,14 +56,16 @@ def _generator(args, max_batch: int = 1):
                           fallback_min_drafted=args.fallback_min_drafted, fallback_cooldown=args.fallback_steps,
                           reprofile=args.reprofile, log_every=args.log_every, batch_widths=args.batch_widths,
                           pause_steps=args.pause_steps)
-    return Generator.from_pretrained(model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
-                                     max_seq_len=args.max_seq_len, max_batch=max_batch, options=options,
-                                     widths=args.widths, batch_buckets=args.batch_buckets or (),
-                                     prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
-                                     tensor_parallel_size=args.tensor_parallel_size,
-                                     expert_parallel_size=args.expert_parallel_size,
-                                     gpu_memory=None if args.gpu_memory is None else args.gpu_memory * 1e9,
-                                     pcie_share=args.pcie_share)
+    generator = Generator.from_pretrained(model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
+                                          max_seq_len=args.max_seq_len, max_batch=max_batch, options=options,
+                                          widths=args.widths, batch_buckets=args.batch_buckets or (),
+                                          prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
+                                          tensor_parallel_size=args.tensor_parallel_size,
+                                          expert_parallel_size=args.expert_parallel_size,
+                                          gpu_memory=None if args.gpu_memory is None else args.gpu_memory * 1e9,
+                                          pcie_share=args.pcie_share)
+    generator.engine.batch_prefills = args.prefill_wait
+    return generator
 
 
 def _prompt_and_params(args):
@@ -154,6 +156,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens one prefill row takes per call")
     p.add_argument("--prefill-budget", type=int,
                    help="prompt tokens one step prefills, whole chunks (default: a chunk of every pending prompt)")
+    p.add_argument("--no-prefill-wait", dest="prefill_wait", action="store_false",
+                   help="prefill new prompts at the next step; by default, beside running requests, a prefill call "
+                        "waits for more prompts to share it while their waits cost less than its stall of the "
+                        "running ones (without it: a shorter time to first token, less throughput and longer "
+                        "inter-token gaps under load)")
     p.add_argument("--fallback-acceptance", type=float, default=0.0,
                    help="acceptance breaker threshold in (0, 1]; 0 disables (reference starting point: 0.60)")
     p.add_argument("--fallback-min-drafted", type=int, default=32)

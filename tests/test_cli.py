@@ -48,3 +48,12 @@ def test_serve_errors_exit_2(tmp_path, capsys, monkeypatch):
     assert "embedded model is missing" in capsys.readouterr().err
     assert main(["serve", "--model", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_no_prefill_wait_is_an_engine_option_of_serve_and_generate():
+    """`--no-prefill-wait` turns `Engine.batch_prefills` off (`cli._generator` sets it)."""
+    from jdspark.cli import build_parser
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).prefill_wait is True
+    assert parser.parse_args(["serve", "--no-prefill-wait"]).prefill_wait is False
+    assert parser.parse_args(["generate", "--no-prefill-wait", "x"]).prefill_wait is False
