@@ -289,13 +289,13 @@ class Engine:
 
     # ---- the step ---------------------------------------------------------------------------------
     def step(self) -> dict[int, Delta]:
-        """One step: issue a prefill call for the prompts still coming in (`prefill_budget` tokens)
-        and one draft + verify call for every running request, those whose prompt that prefill ends
-        included (it leaves their first token as the anchor), then read calls: with `overlap` the
-        previous step's (these run meanwhile; a request that ended in them has its extra call's
-        tokens dropped), else these. Returns each request's Delta by request id (a request whose
-        prompt ended gets its first, with what its first verify emitted); finished requests' slots are
-        then free; `last_step`: the verify call's record (None when only a prefill was read)."""
+        """One step: issue a prefill call for the prompts still coming in (`prefill_budget` tokens;
+        `batch.prefill_waits` may hold it back for more) and one draft + verify call for every running request,
+        those whose prompt that prefill ends included (it leaves their first token as the anchor), then read
+        calls: with `overlap` the previous step's (these run meanwhile; a request that ended in them has its
+        extra call's tokens dropped), else these. Returns each request's Delta by request id (a request whose
+        prompt ended gets its first, with what its first verify emitted); finished requests' slots are then
+        free; `last_step`: the verify call's record (None when only a prefill was read)."""
         self.last_step = None
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
