@@ -20,6 +20,9 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
                off: the engine before the switch cost was learnt);
 - per_request_queued_profiled: per_request_queued with widths priced by the profile's shape where the
                host sets the pace too (`LiveCosts.price_host_paced` off: the engine before it);
+- per_request_queued_remembering: per_request_queued whose buckets never forget their verify and
+               switched windows however long they only decode (`LiveCosts.FORGET_AFTER` unreached: the
+               engine before it);
 - budget:      Algorithm 1 over stale confidences with the bucket's measured costs;
 - fixed3, alternate35 (diagnostics): every request at width 3, or at 3 and 5 on alternate steps (what
                switching executables between steps costs, against fixed3 and fixed5);
@@ -66,8 +69,8 @@ from pathlib import Path
 import numpy as np
 
 MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "per_request_queued",
-         "per_request_queued_unpriced", "per_request_queued_profiled", "budget", "fixed3", "alternate35",
-         "none_eager", "fixed5_eager", "per_request_queued_eager")
+         "per_request_queued_unpriced", "per_request_queued_profiled", "per_request_queued_remembering", "budget",
+         "fixed3", "alternate35", "none_eager", "fixed5_eager", "per_request_queued_eager")
 PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
                 "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"", "for i in range(10):", "with open(path) as f:",
                 "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
@@ -134,6 +137,7 @@ def set_mode(engine, mode: str) -> None:
         engine.set_policy(options=dataclasses.replace(engine.options, profile=profile))
     options = engine.options
     engine.live.price_host_paced = mode != "per_request_queued_profiled"
+    engine.live.FORGET_AFTER = 2 ** 62 if mode == "per_request_queued_remembering" else type(engine.live).FORGET_AFTER
     if mode == "none":
         engine.set_policy(speculative=False)
         return

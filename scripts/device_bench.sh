@@ -18,7 +18,7 @@
 #       speculation modes under load; SERVE_ARGS, CONCURRENCY, REQUESTS, ROUNDS, STARTUP_SECONDS,
 #       SERVE_SECONDS, MODES; the 2026-12-02 runs: SERVE_ARGS="--max-running 16 --buckets 1 16"
 #       CONCURRENCY="1 16" MODES="none fixed5 per_request" ROUNDS=2)
-#   bash scripts/device_bench.sh serve-ab         (issue 26: host-paced pricing and the early output copy, A/B)
+#   bash scripts/device_bench.sh serve-ab         (issue 26: the newest unmeasured change, A/B)
 #   bash scripts/device_bench.sh sweep            (issue 23: routed-expert kernel tilings, then the model)
 #   bash scripts/device_bench.sh kernel-tests many-rows   (the kernel's grouped form and missing slots compiled,
 #       then timed against the slot form and the former padding)
@@ -235,16 +235,13 @@ for part in "$@"; do
           per_request_queued_unpriced --rounds 3 \
           --requests 8 ${SWITCH_ARGS:-} 2>&1 | grep -E "^round|^\| |start-up|Error|error" | cut -c1-260
       done 2>&1 | tee "$OUT/switch.log" ;;
-    serve-ab)  # issue 26: widths priced alike where the host sets the pace (per_request_queued) against the
-      # profile's shape (per_request_queued_profiled), interleaved; then the same without the early output copy
-      # (--no-fetch-early, a second process on the warm compile cache); SERVE_ARGS, CONCURRENCY, REQUESTS, ROUNDS
-      for flag in "" --no-fetch-early; do
-        JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-300} python3 scripts/bench_serve_engine.py \
-          ${SERVE_ARGS:---max-running 16 --buckets 1 4 16} --concurrency ${CONCURRENCY:-16 4 1} --requests ${REQUESTS:-32} \
-          --modes none fixed5 per_request_queued per_request_queued_profiled --rounds ${ROUNDS:-2} $flag \
-          --out "$OUT/serve_ab${flag:+_late_read}.json" 2>&1 | grep -E "^round|^\||start-up|Error|error" | cut -c1-600 \
-          | tee "$OUT/serve_ab${flag:+_late_read}.log"
-      done ;;
+    serve-ab)  # issue 26: the engine's newest unmeasured change against the engine without it, interleaved:
+      # buckets that forget what only-decoding left them (per_request_queued) against buckets that never
+      # do (per_request_queued_remembering); SERVE_ARGS, CONCURRENCY, REQUESTS, ROUNDS, AB_MODES
+      JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-300} python3 scripts/bench_serve_engine.py \
+        ${SERVE_ARGS:---max-running 16 --buckets 1 4 16} --concurrency ${CONCURRENCY:-16 4 1} --requests ${REQUESTS:-32} \
+        --modes ${AB_MODES:-none fixed5 per_request_queued per_request_queued_remembering} --rounds ${ROUNDS:-2} \
+        --out "$OUT/serve_ab.json" 2>&1 | grep -E "^round|^\||start-up|Error|error" | cut -c1-600 | tee "$OUT/serve_ab.log" ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
       LABEL=${SERVE_LABEL:-$(echo "${CONCURRENCY:-all}" | tr ' ' _)}
       JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-400} python3 scripts/bench_serve_engine.py \

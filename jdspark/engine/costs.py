@@ -191,12 +191,20 @@ class LiveCosts:
     priced by the profile's 0.1-0.3 ms between widths the engine verified k = 3 / 4 on most steps, at
     0.85-0.92x of fixed k = 5, whose steps took no longer); `price_host_paced = False` keeps the
     profile's shape there too (benchmarks compare). `learn=False` keeps the profile as it is
-    (benchmarks of the host's work)."""
+    (benchmarks of the host's work).
+
+    Windows a bucket no longer sees cannot correct its prices: after FORGET_AFTER decode windows in a
+    row, the bucket forgets what its verify and switched windows taught, and prices by the profile
+    again until new ones come (an H100, embedded model, one request: a burst of stalled verify
+    windows, 2.3-10.1 ms among 1.6 ms ones, made 5 of the last 9, the median priced verify above the
+    decode call, and with a learnt switch of 1.0 ms added to every verify after it, the engine decoded
+    for the level's 2000 steps and the next level's, at 0.67x of fixed k = 5)."""
 
     SAMPLES = 9
     MIN_WIDTH_SAMPLES = 5
     MIN_SWITCH_SAMPLES = 8
     MIN_PACE_SAMPLES = 5
+    FORGET_AFTER = 64
 
     def __init__(self, selectors: dict[int, AdaptiveWidth], learn: bool = True,
                  prefill_s: dict[int, float] | None = None):
@@ -207,12 +215,12 @@ class LiveCosts:
         self.switch = dict.fromkeys(selectors, 0.0)  # seconds a switched window takes beyond its kind's offset
         self._samples = {n: {kind: collections.deque(maxlen=self.SAMPLES) for kind in ("decode", "verify", "switch")}
                          for n in selectors}
-        self._widths = {n: [collections.deque(maxlen=self.SAMPLES) for _ in s.verify_costs] for n, s in selectors.items()}
-        self.width_offsets = {n: [None] * len(s.verify_costs) for n, s in selectors.items()}  # None: too few windows
-        self.windows = {n: {"same": 0, "switched": 0} for n in selectors}
+        self._widths, self.width_offsets, self.windows, self._verify_s = {}, {}, {}, {}
+        for n in selectors:
+            self._forget(n)
         self._ready = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}  # was each window's call done?
-        self._verify_s = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}  # verify windows' seconds
         self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
+        self._decoding = dict.fromkeys(selectors, 0)  # decode windows in a row
         self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
         self._observed: set[int] = set()  # buckets observed since their policy was last repriced
 
@@ -229,6 +237,17 @@ class LiveCosts:
                 verify, None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
             self._observed.discard(bucket)
         return self._policies[bucket]
+
+    def _forget(self, bucket: int) -> None:
+        """The bucket's verify and switched windows forgotten (as at the start): prices from the profile."""
+        widths = len(self.selectors[bucket].verify_costs)
+        self._widths[bucket] = [collections.deque(maxlen=self.SAMPLES) for _ in range(widths)]
+        self.width_offsets[bucket] = [None] * widths  # None: too few windows
+        self.windows[bucket] = {"same": 0, "switched": 0}
+        self._verify_s[bucket] = collections.deque(maxlen=self.SAMPLES)  # verify windows' seconds
+        self._samples[bucket]["verify"].clear()
+        self._samples[bucket]["switch"].clear()
+        self.offsets[bucket]["verify"], self.switch[bucket] = 0.0, 0.0
 
     def _verify_offset(self, bucket: int, width: int) -> float:
         """Seconds a verify window of `width` takes beyond its profile: its own median once it has
@@ -286,6 +305,9 @@ class LiveCosts:
             own.append(excess)
             if len(own) >= self.MIN_WIDTH_SAMPLES:
                 self.width_offsets[bucket][width] = statistics.median(own)
+        self._decoding[bucket] = 0 if drafted else self._decoding[bucket] + 1
+        if self._decoding[bucket] == self.FORGET_AFTER:
+            self._forget(bucket)
         self._observed.add(bucket)
 
 

@@ -221,6 +221,32 @@ def test_where_the_host_sets_the_pace_every_width_costs_the_same():
     assert not live.host_paced(1) and int(live.policy(1).widths(confidence)[0]) == 3
 
 
+def test_a_bucket_that_only_decodes_forgets_its_verify_and_switch_windows():
+    """Stalled verify windows (10 ms against a profiled 2 ms) and switches learnt at 1 ms keep a
+    bucket decoding, and no verify window comes to correct them. After FORGET_AFTER decode windows
+    in a row the bucket prices by the profile again, switches free until learnt anew; one decode
+    window fewer, it still remembers. Mutation caught: forgetting only the verify windows (the
+    switch price would keep it decoding)."""
+    base = AdaptiveWidth([0.0010] * 6, 0.0010, gamma=5, decode_cost=0.0010)
+    live = costs.LiveCosts({1: base})
+    took = {5: 0.010, "decode": 0.0010}
+
+    def window(call, extra=0.0):
+        live.issued(1, call)
+        live.observe(1, call == 5, 5, took[call] + extra)
+    for call in [5] * 9 + ["decode"] * 9:  # windows after the same call
+        window(call)
+    for i in range(2 * costs.LiveCosts.MIN_SWITCH_SAMPLES):  # alternating: each 1 ms more
+        window(5 if i % 2 else "decode", 0.001)
+    assert live.policy(1).step_costs[5] > 0.005 and live.switch_price(1)[1] > 0.0005
+    for _ in range(costs.LiveCosts.FORGET_AFTER - 1):
+        window("decode")
+    assert live.policy(1).step_costs[5] > 0.005 and live.switch_price(1)[1] > 0.0005
+    window("decode")
+    assert live.policy(1).step_costs[5] == pytest.approx(base.step_costs[5]) and live.switch_price(1)[1] == 0.0
+    assert live.offsets[1]["decode"] == pytest.approx(0.0)  # the decode windows are still what decode costs
+
+
 def test_a_prefill_calls_cost_per_row_is_the_slope_through_the_buckets():
     assert costs.row_cost({1: 0.011, 4: 0.041, 16: 0.161}) == pytest.approx(0.010)
     assert costs.row_cost({16: 0.028}) == 0.0  # one bucket: every call costs the same
