@@ -326,11 +326,14 @@ def measured_selector(engine, bucket: int, measured: dict[str, float] | None = N
 
 def measured_selectors(engine) -> tuple[dict[int, AdaptiveWidth], AdaptiveWidth, LiveCosts]:
     """Every batch bucket's `measured_selector` (under the engine's `options.profile`), the largest
-    bucket's, and the live costs that correct them, with each bucket's prefill call."""
+    bucket's, and the live costs that correct them, with each bucket's prefill call. With several
+    processes the live costs learn nothing and hold no prefill back: both read each process's own
+    clock, and every process must issue the same calls (the profile is process 0's)."""
     measured = {n: engine.measure_call_costs(n) for n in engine.config.buckets}
     selectors = {n: measured_selector(engine, n, m) for n, m in measured.items()}
-    return selectors, selectors[max(selectors)], LiveCosts(selectors, prefill_s={n: m["prefill"]
-                                                                               for n, m in measured.items()})
+    alone = jax.process_count() == 1
+    return selectors, selectors[max(selectors)], LiveCosts(
+        selectors, learn=alone, prefill_s={n: m["prefill"] for n, m in measured.items()} if alone else None)
 
 
 def row_cost(calls: dict[int, float]) -> float:

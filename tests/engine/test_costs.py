@@ -3,6 +3,8 @@ cached per key and labels.
 Time is a fake clock that the calls advance, so the figures are exact. The live costs: the selectors
 corrected by what the steps took."""
 
+import types
+
 import numpy as np
 import pytest
 
@@ -252,6 +254,20 @@ def test_a_prefill_calls_cost_per_row_is_the_slope_through_the_buckets():
     assert costs.row_cost({16: 0.028}) == 0.0  # one bucket: every call costs the same
     assert costs.row_cost({1: 0.002, 4: 0.002, 16: 0.001}) == 0.0  # flat (or noise below it): nothing per row
     assert costs.LiveCosts({}, prefill_s={1: 0.011, 4: 0.041}).prefill_row_s == pytest.approx(0.010)
+
+
+def test_with_several_processes_the_live_costs_read_no_clock(monkeypatch):
+    """Each process times its own steps: learning from them, or holding prefills back on them, could
+    make processes issue different calls. One process learns and holds back; two do neither."""
+    measured = {"prefill": 0.004, "decode": 0.001, **{f"step{k}": 0.002 + 0.0001 * k for k in range(6)}}
+    engine = types.SimpleNamespace(config=types.SimpleNamespace(buckets=(1, 4), gamma=5),
+                                   exe=types.SimpleNamespace(step=dict.fromkeys(range(6))),
+                                   measure_call_costs=lambda n: measured)
+    live = costs.measured_selectors(engine)[2]
+    assert live.learn and live.prefill_s == {1: 0.004, 4: 0.004}
+    monkeypatch.setattr(costs.jax, "process_count", lambda: 2)
+    live = costs.measured_selectors(engine)[2]
+    assert not live.learn and live.prefill_s == {}
 
 
 def test_cost_cache_keys_tell_stored_and_decoded_weights_apart():
