@@ -157,9 +157,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-budget", type=int,
                    help="prompt tokens one step prefills, whole chunks (default: a chunk of every pending prompt)")
     p.add_argument("--no-prefill-wait", dest="prefill_wait", action="store_false",
-                   help="prefill new prompts at the next step; by default, beside running requests, a prefill call "
-                        "waits for more prompts to share it while their waits cost less than its stall of the "
-                        "running ones (without it: a shorter time to first token, less throughput and longer "
+                   help="prefill new prompts at the next step; by default, where the engine measured its calls' "
+                        "costs (adaptive widths), a prefill call beside running requests waits for more prompts to "
+                        "share it while their waits cost less than its stall of the running ones, each at most 8 "
+                        "such calls (without it: a shorter time to first token, less throughput and longer "
                         "inter-token gaps under load)")
     p.add_argument("--fallback-acceptance", type=float, default=0.0,
                    help="acceptance breaker threshold in (0, 1]; 0 disables (reference starting point: 0.60)")

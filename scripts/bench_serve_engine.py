@@ -393,6 +393,10 @@ def main(argv=None) -> int:
         from jdspark.engine import calls
         calls.fetch_early = lambda results: results  # the engine reads `calls.fetch_early` at each call
     engine, prompts, startup = build(args)
+    longest = int(np.rint(args.max_tokens * (1 + args.max_tokens_spread)))
+    if longest > min(engine.room(len(prompt)) for prompt in prompts):
+        p.error(f"--max-tokens {args.max_tokens} with --max-tokens-spread {args.max_tokens_spread} asks for up to "
+                f"{longest} tokens, more than --max-seq-len {args.max_seq_len} leaves the longest prompt: raise it")
     print(f"start-up (load + compile + costs): {startup:.1f} s, buckets {list(engine.config.buckets)}, "
           f"{engine.exe.count} executables, {engine.exe.loaded} loaded from disk", flush=True)
     if args.startup_only:

@@ -46,6 +46,9 @@ def prompts_to_prefill(pending: int, budget_rows: int, buckets, running: bool) -
     return min(pending, fill)
 
 
+MAX_WAIT_CALLS = 8  # the longest a prompt waits for others to share its prefill call, in such calls
+
+
 def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, call_s: float | None, now: float) -> bool:
     """Whether a step holds its prefill call back, so that prompts coming later share it. The call
     stalls the `running_rows` for its cost, of which `call_s` is what later prompts would not add to
@@ -54,12 +57,15 @@ def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, call_s: f
     one at a time, docs/BENCHMARKS.md), little where each row's compute does (the CPU); each pending
     prompt meanwhile waits. So the call waits until the prompts' summed waits reach running_rows x
     call_s: the TCP acknowledgment-delay rule (Dooly, Goldman and Scott), whose summed waits and
-    stalls are at most twice the best schedule's. Never for a prompt whose prefill has begun, with
-    nothing running, or without a profile (`call_s` None)."""
+    stalls are at most twice the best schedule's. As TCP's delayed acknowledgment caps its delay, no
+    prompt waits longer than MAX_WAIT_CALLS such calls (a lone prompt beside 63 running rows would
+    otherwise wait 63). Never for a prompt whose prefill has begun, with nothing running, or without
+    a profile (`call_s` None)."""
     prompts = list(pending)
     if not prompts or not running_rows or call_s is None or any(p.done for p in prompts):
         return False
-    return sum(now - p.since for p in prompts) < running_rows * call_s
+    waits = [now - p.since for p in prompts]
+    return sum(waits) < running_rows * call_s and max(waits) < MAX_WAIT_CALLS * call_s
 
 
 def prompts_this_step(pending: dict[int, PendingPrompt], running_rows: int, budget_rows: int, buckets,

@@ -306,8 +306,9 @@ class LiveCosts:
             if len(own) >= self.MIN_WIDTH_SAMPLES:
                 self.width_offsets[bucket][width] = statistics.median(own)
         self._decoding[bucket] = 0 if drafted else self._decoding[bucket] + 1
-        if self._decoding[bucket] == self.FORGET_AFTER:
+        if self._decoding[bucket] >= self.FORGET_AFTER:  # >=: a benchmark may lower it between steps
             self._forget(bucket)
+            self._decoding[bucket] = 0
         self._observed.add(bucket)
 
 

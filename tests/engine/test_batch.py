@@ -5,6 +5,7 @@ import time
 
 import numpy as np
 
+from jdspark.engine import batch
 from jdspark.engine.batch import PendingPrompt, prefill_waits, prompts_this_step, prompts_to_prefill
 
 
@@ -49,6 +50,14 @@ def test_a_prefill_waits_until_the_prompts_summed_waits_reach_the_stall_it_costs
     assert prefill_waits(pending_since(1.0, 1.02), running_rows=4, call_s=0.010, now=1.025)
 
 
+def test_no_prompt_waits_longer_than_max_wait_calls_of_the_call():
+    """Beside 63 running rows a lone prompt would wait 63 calls; it waits 8 (`MAX_WAIT_CALLS`).
+    Mutation caught: no cap."""
+    limit = batch.MAX_WAIT_CALLS * 0.010
+    assert prefill_waits(pending_since(1.0), running_rows=63, call_s=0.010, now=1.0 + limit - 0.001)
+    assert not prefill_waits(pending_since(1.0), running_rows=63, call_s=0.010, now=1.0 + limit + 0.001)
+
+
 def test_a_prefill_never_waits_with_nothing_running_without_a_profile_or_once_a_prompt_began():
     assert not prefill_waits(pending_since(1.0), running_rows=0, call_s=0.010, now=1.0)
     assert not prefill_waits(pending_since(1.0), running_rows=4, call_s=None, now=1.0)
@@ -59,7 +68,7 @@ def test_a_prefill_never_waits_with_nothing_running_without_a_profile_or_once_a_
 def test_the_step_prices_the_call_of_the_bucket_it_would_run_in():
     """Three pending prompts run in bucket 4: its call's cost decides, not bucket 1's. An empty
     profile never holds a call back."""
-    pending = dict(enumerate(pending_since(0.0, 0.0, 0.0)))  # admitted long ago: waited past any small stall
+    pending = dict(enumerate(pending_since(*[time.perf_counter() - 1000.0] * 3)))  # waited past any small stall
     assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 1e-6, 4: 1e-6}) == 3
     assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 1e-6, 4: 1e9}) == 0
     assert prompts_this_step(pending, 2, 16, (1, 4, 16), {}) == 3

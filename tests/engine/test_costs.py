@@ -249,6 +249,22 @@ def test_a_bucket_that_only_decodes_forgets_its_verify_and_switch_windows():
     assert live.offsets[1]["decode"] == pytest.approx(0.0)  # the decode windows are still what decode costs
 
 
+def test_a_bucket_forgets_at_once_when_the_limit_falls_below_its_decode_run():
+    """The bench's `per_request_queued_remembering` lifts FORGET_AFTER, then the next mode restores
+    it on the same live costs, past the run: the next decode window forgets (`>=`, not `==`)."""
+    base = AdaptiveWidth([0.0010] * 6, 0.0010, gamma=5, decode_cost=0.0010)
+    live = costs.LiveCosts({1: base})
+    for _ in range(9):
+        live.observe(1, True, 5, 0.010)
+    live.FORGET_AFTER = 2 ** 62
+    for _ in range(100):
+        live.observe(1, False, 0, 0.0010)
+    assert live.policy(1).step_costs[5] > 0.005
+    del live.FORGET_AFTER  # the class's again
+    live.observe(1, False, 0, 0.0010)
+    assert live.policy(1).step_costs[5] == pytest.approx(base.step_costs[5])
+
+
 def test_a_prefill_calls_cost_per_row_is_the_slope_through_the_buckets():
     assert costs.row_cost({1: 0.011, 4: 0.041, 16: 0.161}) == pytest.approx(0.010)
     assert costs.row_cost({16: 0.028}) == 0.0  # one bucket: every call costs the same
