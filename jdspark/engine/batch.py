@@ -52,14 +52,15 @@ MAX_WAIT_CALLS = 8  # the longest a prompt waits for others to share its prefill
 def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, call_s: float | None, now: float) -> bool:
     """Whether a step holds its prefill call back, so that prompts coming later share it. The call
     stalls the `running_rows` for its cost, of which `call_s` is what later prompts would not add to
-    (`prompts_this_step`): all of it where reading the weights sets it (Flash dimensions: a bucket-16
-    prefill ~28 ms beside a 22 ms verify, paid once a step while a speculating batch's requests ended
-    one at a time, docs/BENCHMARKS.md), little where each row's compute does (the CPU); each pending
-    prompt meanwhile waits. So the call waits until the prompts' summed waits reach running_rows x
-    call_s: the TCP acknowledgment-delay rule (Dooly, Goldman and Scott), whose summed waits and
-    stalls are at most twice the best schedule's. As TCP's delayed acknowledgment caps its delay, no
-    prompt waits longer than MAX_WAIT_CALLS such calls (a lone prompt beside 63 running rows would
-    otherwise wait 63). Never for a prompt whose prefill has begun, with nothing running, or without
+    (`prompts_this_step`): all of it where reading the weights sets it (Flash dimensions on an H100: a
+    bucket-16 prefill ~50 ms beside a 21 ms verify, paid on step after step while a speculating batch's
+    requests ended a few at a time, docs/BENCHMARKS.md), little where each row's compute does (the
+    CPU); each pending prompt meanwhile waits. So the call waits until the prompts' summed waits reach
+    running_rows x call_s: the TCP acknowledgment-delay rule (Dooly, Goldman and Scott), which for a
+    fixed call cost keeps the summed waits and stalls within twice the best schedule's (here the cost
+    moves with the bucket and the running rows, so that is its reason, not a bound). As TCP caps its
+    delayed acknowledgment, no prompt waits longer than MAX_WAIT_CALLS such calls (a lone prompt
+    beside 63 running rows would otherwise wait 63). Never for a prompt whose prefill has begun, with nothing running, or without
     a profile (`call_s` None)."""
     prompts = list(pending)
     if not prompts or not running_rows or call_s is None or any(p.done for p in prompts):

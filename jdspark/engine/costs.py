@@ -215,12 +215,11 @@ class LiveCosts:
         self.switch = dict.fromkeys(selectors, 0.0)  # seconds a switched window takes beyond its kind's offset
         self._samples = {n: {kind: collections.deque(maxlen=self.SAMPLES) for kind in ("decode", "verify", "switch")}
                          for n in selectors}
-        self._widths, self.width_offsets, self.windows, self._verify_s = {}, {}, {}, {}
+        self._widths, self.width_offsets, self.windows, self._verify_s, self._decoding = {}, {}, {}, {}, {}
         for n in selectors:
             self._forget(n)
         self._ready = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}  # was each window's call done?
         self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
-        self._decoding = dict.fromkeys(selectors, 0)  # decode windows in a row
         self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
         self._observed: set[int] = set()  # buckets observed since their policy was last repriced
 
@@ -248,6 +247,7 @@ class LiveCosts:
         self._samples[bucket]["verify"].clear()
         self._samples[bucket]["switch"].clear()
         self.offsets[bucket]["verify"], self.switch[bucket] = 0.0, 0.0
+        self._decoding[bucket] = 0  # decode windows in a row since
 
     def _verify_offset(self, bucket: int, width: int) -> float:
         """Seconds a verify window of `width` takes beyond its profile: its own median once it has
@@ -308,7 +308,6 @@ class LiveCosts:
         self._decoding[bucket] = 0 if drafted else self._decoding[bucket] + 1
         if self._decoding[bucket] >= self.FORGET_AFTER:  # >=: a benchmark may lower it between steps
             self._forget(bucket)
-            self._decoding[bucket] = 0
         self._observed.add(bucket)
 
 
