@@ -50,10 +50,18 @@ def test_serve_errors_exit_2(tmp_path, capsys, monkeypatch):
     assert "nowhere" in capsys.readouterr().err
 
 
-def test_no_prefill_wait_is_an_engine_option_of_serve_and_generate():
-    """`--no-prefill-wait` turns `Engine.batch_prefills` off (`cli._generator` sets it)."""
-    from jdspark.cli import build_parser
-    parser = build_parser()
-    assert parser.parse_args(["serve"]).prefill_wait is True
-    assert parser.parse_args(["serve", "--no-prefill-wait"]).prefill_wait is False
-    assert parser.parse_args(["generate", "--no-prefill-wait", "x"]).prefill_wait is False
+def test_no_prefill_wait_turns_the_engines_batch_prefills_off(monkeypatch):
+    """`--no-prefill-wait` reaches `Engine.batch_prefills` through `cli._generator` (the engine itself
+    stood in for: this checks the wiring, `tests/engine/test_buckets.py` what the flag does)."""
+    import types
+
+    from jdspark import cli
+    from jdspark.engine import executables
+    from jdspark.generator import Generator
+    monkeypatch.setattr(executables, "enable_compile_cache", lambda: None)
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(
+        lambda cls, *a, **k: types.SimpleNamespace(engine=types.SimpleNamespace(batch_prefills=True))))
+    parser = cli.build_parser()
+    assert cli._generator(parser.parse_args(["serve"])).engine.batch_prefills is True
+    assert cli._generator(parser.parse_args(["serve", "--no-prefill-wait"])).engine.batch_prefills is False
+    assert cli._generator(parser.parse_args(["generate", "--no-prefill-wait", "x"])).engine.batch_prefills is False
