@@ -7,7 +7,9 @@ Measures, in one run:
 - the CPU routed-expert forward (`cpu_gemv.moe_forward`) at rows 1..6 for each expert format, at
   Flash expert dims by default (D 4096, F 2048): K = 6 experts per row drawn from a bank far larger
   than the caches, each call a fresh draw; GBps = bytes of the distinct experts read / time. The
-  numba backend is timed beside the C++ one (at rows 1 by default);
+  numba backend is timed beside the C++ one (at rows 1 by default). `--dtype` is the model's
+  (default bfloat16, a served checkpoint's: bf16 inputs, which ds_fp4 multiplies by vdpbf16ps where
+  the CPU has it; float32 times the fp32 decoders);
 - the GPU routed-expert kernel (pallas_kernels.moe) at the same dims, when JAX sees a GPU: over
   experts in device memory, and over experts read in place from pinned host memory over PCIe
   (`jdspark.experts.mapped`, the PCIe share of a hybrid layer);
@@ -58,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=5, help="timed calls per measurement (default 5)")
     p.add_argument("--bank-experts", type=int, default=32, help="experts per benchmark bank (default 32)")
     p.add_argument("--read-mb", type=int, default=None, help="read-test buffer in MiB (default 1024, 256 below 32 GiB RAM)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="the model dtype the GEMV rounds as (default bfloat16, a served model's: bf16 inputs, "
+                        "which ds_fp4 multiplies by vdpbf16ps where the CPU has it)")
     p.add_argument("--numba-rows", default="1", help="row counts also timed with the numba backend ('' for none)")
     p.add_argument("--no-gpu", action="store_true", help="skip the PCIe and GPU parts even with a GPU")
     return p
@@ -106,7 +111,8 @@ def host_read(nbytes: int, threads: int, repeats: int) -> dict:
 
 
 def cpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, threads: int, repeats: int,
-                   bank_experts: int, backends: dict[str, set[int]], seed: int = 0) -> list[dict]:
+                   bank_experts: int, backends: dict[str, set[int]], dtype: str = "bfloat16",
+                   seed: int = 0) -> list[dict]:
     fmt, scale = FORMATS[fmt_name]
     n_bank = max(bank_experts, TOP_K)
     t0 = time.perf_counter()
@@ -125,12 +131,12 @@ def cpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, threads: i
                 x = rng.standard_normal((rows, dim)).astype(np.float32)
                 w = rng.uniform(0.05, 0.5, (rows, TOP_K)).astype(np.float32)
                 t = time.perf_counter()
-                cpu_gemv.moe_forward(bank, x, ids, w, limit=10.0, threads=threads, backend=backend)
+                cpu_gemv.moe_forward(bank, x, ids, w, limit=10.0, dtype=dtype, threads=threads, backend=backend)
                 dt = time.perf_counter() - t
                 if it:
                     calls.append((len(np.unique(ids)) * per_expert, dt))
             rates = [b / t / 1e9 for b, t in calls]
-            results.append({"format": fmt_name, "rows": rows, "GBps": float(np.median(rates)),
+            results.append({"format": fmt_name, "rows": rows, "dtype": dtype, "GBps": float(np.median(rates)),
                             "best_GBps": float(max(rates)), "backend": backend,
                             "ms": float(np.median([t for _, t in calls]) * 1e3),
                             "experts": float(np.mean([b for b, _ in calls]) / per_expert),
@@ -230,7 +236,7 @@ def gpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, bank_exper
 
 
 def together(fmt_name: str, dim: int, inter: int, rows: int, *, bank_experts: int, threads: int,
-             repeats: int = 100, interpret: bool = False) -> dict:
+             repeats: int = 100, interpret: bool = False, dtype: str = "bfloat16") -> dict:
     """The CPU GEMV (`threads` - 1 threads, one bank) in a thread while the GPU kernel reads another
     bank's experts from host memory: each one's GB/s while the other runs, and the split q = GPU /
     (GPU + CPU) that balances them."""
@@ -246,7 +252,7 @@ def together(fmt_name: str, dim: int, inter: int, rows: int, *, bank_experts: in
             x = rng.standard_normal((rows, dim)).astype(np.float32)
             t = time.perf_counter()
             cpu_gemv.moe_forward(cpu_bank, x, ids, np.full((rows, TOP_K), 0.2, np.float32), limit=10.0,
-                                 threads=max(1, threads - 1))
+                                 dtype=dtype, threads=max(1, threads - 1))
             done.append((len(np.unique(ids)) * cpu_bank.weight_nbytes, time.perf_counter() - t))
 
     worker = threading.Thread(target=cpu)
@@ -282,7 +288,8 @@ def run(args) -> dict:
     read_mb = args.read_mb or (1024 if ram >= 32 << 30 else 256)
     res = {"dim": args.dim, "inter": args.inter, "threads": threads, "cpus": os.cpu_count(),
            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-           "simd": bool(cpu_gemv.kernel().jds_has_simd()), "prefetch_groups": cpu_gemv.PREFETCH}
+           "simd": bool(cpu_gemv.kernel().jds_has_simd()), "prefetch_groups": cpu_gemv.PREFETCH, "dtype": args.dtype,
+           "bf16dot": bool(cpu_gemv.kernel().jds_has_bf16dot())}
     read = host_read(read_mb << 20, threads, args.repeats)
     res.update(host_read_GBps=read["GBps"], host_read_best_GBps=read["best_GBps"], host_read=read)
     _progress(f"host read {read['GBps']:.2f} GB/s")
@@ -297,7 +304,7 @@ def run(args) -> dict:
     gemv = []
     for f in formats:
         gemv += cpu_gemv_sweep(f, args.dim, args.inter, rows_list, threads=threads, repeats=args.repeats,
-                               bank_experts=args.bank_experts, backends=backends)
+                               bank_experts=args.bank_experts, backends=backends, dtype=args.dtype)
         _progress(f"CPU GEMV {f}: " + ", ".join(f"rows {g['rows']} {g['GBps']:.1f} GB/s" for g in gemv
                                                 if g["format"] == f and g["backend"] == "cpp"))
     # the read test once more after the sweep: the machine may be busier or quieter by now
@@ -324,7 +331,7 @@ def run(args) -> dict:
                 _progress(f"GPU GEMV {f}: " + ", ".join(f"rows {g['rows']} {g['source']} {g['GBps']:.1f} GB/s"
                                                         for g in res["gpu_gemv"] if g["format"] == f))
                 res["together"] += [together(f, args.dim, args.inter, rows, bank_experts=args.bank_experts,
-                                             threads=threads) for rows in sorted({1, max(rows_list)})]
+                                             threads=threads, dtype=args.dtype) for rows in sorted({1, max(rows_list)})]
             except Exception as e:  # noqa: BLE001 - report, keep the rest
                 res.setdefault("gpu_gemv_errors", {})[f] = f"{type(e).__name__}: {e}"
     return res
@@ -334,7 +341,8 @@ def format_table(res: dict) -> str:
     lines = [f"host read: {res['host_read_GBps']:.2f} GB/s median (best {res['host_read_best_GBps']:.2f}; "
              f"{res['host_read']['how']}, {res['host_read']['bytes'] >> 20} MiB; after the sweep "
              f"{res['host_read_after_GBps']:.2f}); load average {res.get('load_average')}",
-             f"CPU expert GEMV, D={res['dim']} F={res['inter']}, top-{TOP_K} per row, {res['threads']} threads, "
+             f"CPU expert GEMV, {res['dtype']} model, D={res['dim']} F={res['inter']}, top-{TOP_K} per row, "
+             f"{res['threads']} threads, ds_fp4 x bf16 by vdpbf16ps {'on' if res['bf16dot'] else 'off'}, "
              f"SIMD {'on' if res['simd'] else 'off'}, prefetch {res['prefetch_groups']} group(s) of rows ahead:",
              f"  {'format':8} {'backend':7} {'rows':>4} {'experts':>7} {'ms':>8} {'GB/s':>7} {'% read':>7}"]
     for g in res["cpu_gemv"] + res["cpu_gemv_numba"]:

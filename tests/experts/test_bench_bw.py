@@ -14,7 +14,17 @@ def test_bench_bw_small(tmp_path, capsys):
     assert {(g["format"], g["rows"]) for g in res["cpu_gemv"]} == {("fp4", 1), ("fp4", 2), ("fp8-f32", 1), ("fp8-f32", 2)}
     assert all(g["GBps"] > 0 for g in res["cpu_gemv"])
     assert set(res["rows1_share_of_read"]) == {"fp4", "fp8-f32"}
+    assert res["dtype"] == "bfloat16" and all(g["dtype"] == "bfloat16" for g in res["cpu_gemv"])
+    assert res["bf16dot"] in (True, False)
     assert "host read:" in capsys.readouterr().out
+
+
+def test_bench_bw_float32_model(tmp_path):
+    out = tmp_path / "bw.json"
+    assert bench_bw.main(["--dim", "256", "--inter", "128", "--rows", "1", "--repeats", "1", "--bank-experts", "8",
+                          "--read-mb", "8", "--formats", "fp4", "--numba-rows", "", "--no-gpu", "--threads", "1",
+                          "--dtype", "float32", "--json", str(out)]) == 0
+    assert [g["dtype"] for g in json.loads(out.read_text())["cpu_gemv"]] == ["float32"]
 
 
 def test_bench_bw_bad_format(capsys):

@@ -139,3 +139,34 @@ def test_fp4_rows_not_a_multiple_of_128(dim, inter):
     ref = reference_forward(bank, x, ids, w, limit=6.0)
     for kw in BACKENDS[:2]:
         assert _rel(moe_forward(bank, x, ids, w, limit=6.0, **kw), ref) <= 1e-5, kw
+
+
+@pytest.mark.parametrize("dim, inter", [(256, 128), (192, 320)])
+def test_fp4_bf16_inputs_every_row_count(dim, inter):
+    """A bf16 model's ds_fp4 experts multiply bf16 inputs by vdpbf16ps where the CPU has it (64
+    elements a half step: 192 / 320 end on a lone half): rows 1..10 (past a pass of 8), experts
+    repeated across rows, equal the reference within the bf16 rounding points, mostly exactly, and
+    the scalar path within the same bound."""
+    from jdspark.experts.cpu_gemv import kernel
+    bank = random_bank("fp4", dim, inter, 8, scale_dtype="e8m0", seed=dim)
+    rng = np.random.default_rng(inter)
+    for rows in range(1, 11):
+        ids = np.stack([rng.choice(8, 4, replace=False) for _ in range(rows)])
+        w = rng.uniform(0.05, 1.0, ids.shape).astype(np.float32)
+        x = rng.standard_normal((rows, dim)).astype(ml_dtypes.bfloat16).astype(np.float32)
+        ref = reference_forward(bank, x, ids, w, limit=6.0, dtype="bfloat16")
+        for kw in BACKENDS[:2]:
+            y = moe_forward(bank, x, ids, w, limit=6.0, dtype="bfloat16", **kw)
+            assert _rel(y, ref) <= 2 ** -6, (rows, kw)
+            assert np.mean(y == ref) > 0.9, (rows, kw)
+    assert kernel().jds_has_bf16dot() in (0, 1)
+
+
+def test_bfloat16_model_rounds_its_inputs():
+    """x of a bf16 model is bf16 values: inputs that are not are rounded first, by every path."""
+    bank = _bank("fp4", "e8m0", seed=4)
+    x, ids, w = _inputs(2, seed=5)
+    rounded = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    for kw in BACKENDS:
+        y = moe_forward(bank, x, ids, w, limit=6.0, dtype="bfloat16", **kw)
+        assert np.array_equal(y, moe_forward(bank, rounded, ids, w, limit=6.0, dtype="bfloat16", **kw)), kw
