@@ -20,7 +20,7 @@
 // has an AVX-512 decoder (vpermps table, scales decoded 16 at a time), twice as fast on Zen 4, and
 // e4m3 with block-factor scales one that converts 32 bytes per step. In a bf16 model (round_bf16), where
 // the CPU has AVX512-BF16, ds_fp4 decodes to bf16 words and multiplies the bf16 inputs and h by vdpbf16ps
-// (`dot_fp4_bf16`): 1.9x the fp32 decoder from cache on Zen 4, the same products (exact in fp32), another
+// (`dot_fp4_bf16`): 2.4x the fp32 decoder from cache on Zen 4, the same products (exact in fp32), another
 // summation order; inputs below 2^-126 count as zero there (the instruction's DAZ).
 // Built at first use by jdspark/experts/cpu_gemv.py: g++ -O3 -march=native -fopenmp -shared.
 
