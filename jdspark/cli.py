@@ -59,6 +59,7 @@ def _generator(args, max_batch: int = 1):
     generator = Generator.from_pretrained(model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
                                           max_seq_len=args.max_seq_len, max_batch=max_batch, options=options,
                                           widths=args.widths, batch_buckets=args.batch_buckets or (),
+                                          prefill_buckets=args.prefill_buckets or (),
                                           prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                                           tensor_parallel_size=args.tensor_parallel_size,
                                           expert_parallel_size=args.expert_parallel_size,
@@ -153,6 +154,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "or within the step's token budget (budget)")
     p.add_argument("--batch-buckets", type=_int_list, help="comma-separated batch sizes to compile, the largest the slot count "
                                            "(default: powers of 4 below it, and it)")
+    p.add_argument("--prefill-buckets", type=_int_list,
+                   help="comma-separated batch sizes of the prefill executables, the largest the slot count (default: "
+                        "--batch-buckets'); small ones make prompts that come a few at a time cheap to prefill")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens one prefill row takes per call")
     p.add_argument("--prefill-budget", type=int,
                    help="prompt tokens one step prefills, whole chunks (default: a chunk of every pending prompt)")

@@ -30,15 +30,16 @@ class Generator:
                    gamma: int | None = None, max_seq_len: int = 4096, max_batch: int = 1,
                    batch_buckets: tuple[int, ...] = (), prefill_chunk: int = 256, prefill_budget: int | None = None,
                    options: SpecOptions = SpecOptions(), implementation: str = "auto",
-                   widths: tuple[int, ...] | None = None) -> "Generator":
+                   widths: tuple[int, ...] | None = None, prefill_buckets: tuple[int, ...] = ()) -> "Generator":
         """Compile an engine for `model`. `widths` to verify: default every width 0..gamma for the
-        adaptive width, the one width of a fixed `options.width`; `batch_buckets` and
-        `prefill_budget` as in `EngineConfig` and `Engine`."""
+        adaptive width, the one width of a fixed `options.width`; `batch_buckets`, `prefill_buckets`
+        (`EngineConfig.prefill_batch_buckets`) and `prefill_budget` as in `EngineConfig` and `Engine`."""
         if gamma is None:
             gamma = model.config.dspark.block_size if model.config.dspark else 5
         if widths is None and speculative and options.width is not None:
             widths = (options.width,)
-        config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch, batch_buckets=batch_buckets)
+        config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch, batch_buckets=batch_buckets,
+                              prefill_batch_buckets=prefill_buckets)
         engine = Engine(model, config, tokenizer=tokenizer, speculative=speculative, prefill_chunk=prefill_chunk,
                         prefill_budget=prefill_budget, options=options, implementation=implementation, widths=widths)
         return cls(engine)

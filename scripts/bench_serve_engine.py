@@ -89,6 +89,7 @@ def build(args, max_running: int | None = None, buckets: tuple[int, ...] | None 
     config = EngineConfig(max_seq_len=args.max_seq_len, gamma=model.config.dspark.block_size,
                           max_batch=max_running or args.max_running,
                           batch_buckets=tuple(args.buckets) if buckets is None else buckets,
+                          prefill_batch_buckets=tuple(args.prefill_buckets) if buckets is None else (),
                           scripted_acceptance=args.acceptance, twin_executables=not args.single_executables)
     widths = tuple(args.widths) or None
     fixed_only = set(args.modes) <= {"none", "fixed5", "fixed3", "alternate35"}
@@ -356,7 +357,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-budgets", type=int, nargs="+",
                    help="run every mode under each of these prefill budgets (prompt tokens a step prefills beside "
                    "running requests; 0: --prefill-budget's), interleaved, labelled 'mode bN'")
-    p.add_argument("--buckets", type=int, nargs="*", default=[], help="batch buckets (default 1, 2, 4, ... max)")
+    p.add_argument("--buckets", type=int, nargs="*", default=[], help="batch buckets (default 1, 4, 16, ... max)")
+    p.add_argument("--prefill-buckets", type=int, nargs="*", default=[],
+                   help="prefill buckets (default: the batch buckets), e.g. 1 4 16 64 beside --buckets 16 64")
     p.add_argument("--widths", type=int, nargs="*", default=[],
                    help="compile only these step widths (default 0..gamma; adaptive modes choose among them, a "
                    "width between two running in the wider one's executable): fewer programs to compile at Flash dims")
@@ -397,7 +400,8 @@ def main(argv=None) -> int:
     if longest > min(engine.room(len(prompt)) for prompt in prompts):
         p.error(f"--max-tokens {args.max_tokens} with --max-tokens-spread {args.max_tokens_spread} asks for up to "
                 f"{longest} tokens, more than --max-seq-len {args.max_seq_len} leaves the longest prompt: raise it")
-    print(f"start-up (load + compile + costs): {startup:.1f} s, buckets {list(engine.config.buckets)}, "
+    print(f"start-up (load + compile + costs): {startup:.1f} s, buckets {list(engine.config.buckets)} "
+          f"(prefill {list(engine.config.prefill_buckets)}), "
           f"{engine.exe.count} executables, {engine.exe.loaded} loaded from disk", flush=True)
     if args.startup_only:
         if args.out:

@@ -29,6 +29,8 @@ def test_engine_options_are_checked_before_compiling(dspark_checkpoint, capsys):
     assert "width=3: must be one of the compiled widths [2, 5]" in capsys.readouterr().err
     assert main([*common, "--batch-buckets", "1,2"]) == 2  # generate runs one slot
     assert "batch_buckets=(1, 2): each must be an integer in 1..max_batch=1" in capsys.readouterr().err
+    assert main([*common, "--prefill-buckets", "1,2"]) == 2
+    assert "prefill_batch_buckets=(1, 2): each must be an integer in 1..max_batch=1" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="2"):  # argparse's own exit status for a malformed option
         main([*common, "--widths", "2,a"])
     assert "argument --widths: '2,a': expected comma-separated integers" in capsys.readouterr().err

@@ -17,6 +17,13 @@ class EngineConfig:
     for (each step runs the smallest that holds its requests); empty: 1, 4, 16, ... and max_batch
     (powers of 4, not 2: every bucket is a full set of executables, and start-up grows with them).
 
+    `prefill_batch_buckets` are the batch sizes of the prefill executables (empty: `batch_buckets`').
+    A prefill call's cost is its rows' dense work whatever they hold, so prompts that arrive a few at
+    a time beside a large batch want small prefill buckets even where no small decode bucket pays for
+    its full set of executables (one prefill program each): a speculating batch at Flash dims ends
+    its requests steps apart, and its bucket-16 prefill cost ~50 ms beside a 21 ms step for the one
+    or two prompts each took (docs/BENCHMARKS.md, serving under load).
+
     `scripted_acceptance` is for benchmarks of models whose drafts mean nothing (random weights):
     each verified draft is accepted with this probability, from the verification's own uniforms
     (the accepted prefix of u_j < a), and the drafter's confidences read a. Calls then cost what
@@ -34,6 +41,7 @@ class EngineConfig:
     gamma: int = 5
     max_batch: int = 1
     batch_buckets: tuple[int, ...] = ()
+    prefill_batch_buckets: tuple[int, ...] = ()
     scripted_acceptance: float | None = None
     twin_executables: bool = True
 
@@ -42,12 +50,13 @@ class EngineConfig:
             value = getattr(self, key)
             if not isinstance(value, int) or value < low:
                 raise ConfigError(f"EngineConfig.{key}={value!r}: must be an integer >= {low}")
-        buckets = tuple(self.batch_buckets)
-        if buckets and (any(not isinstance(n, int) or not 1 <= n <= self.max_batch for n in buckets)
-                        or self.max_batch not in buckets):
-            raise ConfigError(f"EngineConfig.batch_buckets={buckets!r}: each must be an integer in "
-                              f"1..max_batch={self.max_batch}, and max_batch itself must be one")
-        object.__setattr__(self, "batch_buckets", buckets)
+        for key in ("batch_buckets", "prefill_batch_buckets"):
+            buckets = tuple(getattr(self, key))
+            if buckets and (any(not isinstance(n, int) or not 1 <= n <= self.max_batch for n in buckets)
+                            or self.max_batch not in buckets):
+                raise ConfigError(f"EngineConfig.{key}={buckets!r}: each must be an integer in "
+                                  f"1..max_batch={self.max_batch}, and max_batch itself must be one")
+            object.__setattr__(self, key, buckets)
         a = self.scripted_acceptance
         if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0):
             raise ConfigError(f"EngineConfig.scripted_acceptance={a!r}: a probability in [0, 1] (benchmarks "
@@ -64,6 +73,15 @@ class EngineConfig:
     def bucket(self, n: int) -> int:
         """The smallest compiled batch size that holds n requests."""
         return next(b for b in self.buckets if b >= n)
+
+    @property
+    def prefill_buckets(self) -> tuple[int, ...]:
+        """The prefill executables' batch sizes, ascending (the last is max_batch)."""
+        return tuple(sorted(set(self.prefill_batch_buckets))) if self.prefill_batch_buckets else self.buckets
+
+    def prefill_bucket(self, n: int) -> int:
+        """The smallest prefill batch size that holds n prompts."""
+        return next(b for b in self.prefill_buckets if b >= n)
 
     @property
     def rollback_rows(self) -> int:

@@ -114,7 +114,8 @@ def _fmt(costs: dict[str, float]) -> str:
 
 
 def measure_bucket(engine, n: int) -> dict[str, float]:
-    """{"prefill": s, "decode": s, "step{k}": s} of an engine's batch bucket n: rows 0..n-1 active at
+    """{"prefill": s, "decode": s, "step{k}": s} of an engine's batch bucket n (those it compiled: a
+    prefill-only bucket has only "prefill"): rows 0..n-1 active at
     full width (the prefill: a full chunk each, its executable's dense work whatever the prompts),
     greedy, on emptied state, one call or `QUEUED` at a time (`SpecOptions.profile`, while the state
     has room for them); cached per device kind, model, dtype, engine config, bucket, profile and
@@ -128,7 +129,8 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
                         width=np.full(n, config.gamma))
     chunk = (np.zeros((n, engine.exe.prefill_chunk), np.int32), np.full(n, engine.exe.prefill_chunk, np.int32),
              np.ones(n, bool))  # ids, n_valid, reset: every row a whole chunk, a prompt's first
-    calls = {"prefill": lambda *a: exe.prefill(*a[:3], *chunk, a[3]), "decode": exe.decode,
+    calls = {**({"prefill": lambda *a: exe.prefill(*a[:3], *chunk, a[3])} if exe.prefill is not None else {}),
+             **({"decode": exe.decode} if exe.decode is not None else {}),
              **{f"step{k}": exe.step[k] for k in sorted(exe.step)}}
 
     def run(label):
@@ -329,11 +331,11 @@ def measured_selectors(engine) -> tuple[dict[int, AdaptiveWidth], AdaptiveWidth,
     bucket's, and the live costs that correct them, with each bucket's prefill call. With several
     processes the live costs learn nothing and hold no prefill back: both read each process's own
     clock, and every process must issue the same calls (the profile is process 0's)."""
-    measured = {n: engine.measure_call_costs(n) for n in engine.config.buckets}
-    selectors = {n: measured_selector(engine, n, m) for n, m in measured.items()}
+    measured = {n: engine.measure_call_costs(n) for n in engine.exe.buckets}
+    selectors = {n: measured_selector(engine, n, measured[n]) for n in engine.config.buckets}
     alone = jax.process_count() == 1
-    return selectors, selectors[max(selectors)], LiveCosts(
-        selectors, learn=alone, prefill_s={n: m["prefill"] for n, m in measured.items()} if alone else None)
+    prefill_s = {n: measured[n]["prefill"] for n in engine.config.prefill_buckets}
+    return selectors, selectors[max(selectors)], LiveCosts(selectors, learn=alone, prefill_s=prefill_s if alone else None)
 
 
 def row_cost(calls: dict[int, float]) -> float:

@@ -184,7 +184,7 @@ class Engine:
         """One prefill call: the next chunk of each of these slots' prompts, in the smallest bucket
         that holds them. A prompt whose last chunk it holds is no longer pending: its request runs
         from this step's verify call on (its first token, the call's sample, is the state's anchor)."""
-        bucket = self.config.bucket(len(live))
+        bucket = self.config.prefill_bucket(len(live))
         rows = call_slots(live, bucket, self.config.max_batch)
         ids, n_valid, reset = prefill_inputs(rows, {b: self._pending[b] for b in live}, self.exe.prefill_chunk)
         out, self.state, self.draft_cache = calls.fetch_early(self.exe.buckets[bucket].prefill(
@@ -299,7 +299,7 @@ class Engine:
         self.last_step = None
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
-        rows = prompts_this_step(self._pending, len(running), self.prefill_rows, self.config.buckets,
+        rows = prompts_this_step(self._pending, len(running), self.prefill_rows, self.config.prefill_buckets,
                                  self.live.prefill_s if self.batch_prefills else {}, self.live.prefill_row_s)
         issued = [self._issue_prefill(list(self._pending)[:rows])] if rows else []
         running += [b for call in issued for b, (seq, _, last) in call.prompts.items() if last and seq.may_issue()]

@@ -12,7 +12,8 @@ instead of tracing and compiling (`exe_cache`).
   prefix + 1 in the target state and the committed rows' features pushed into the drafter's
   context. Width 0 drafts too: its confidences choose the next step's width.
 
-Batch buckets: each of these exists once per batch size n in `EngineConfig.buckets`. A call's n
+Batch buckets: decode and step[k] exist once per batch size n in `EngineConfig.buckets`, prefill
+once per n in `EngineConfig.prefill_buckets` (by default the same sizes). A call's n
 rows name their state slots (the `slot` input); the executable gathers those rows of the one
 full-size decode state and draft cache, runs on them and scatters them back (in place: both are
 donated). The largest bucket covers every slot in order and skips the gather. Why a gather rather
@@ -180,9 +181,10 @@ class Executables:
         if self.scripted_acceptance is not None:
             log.warning("scripted acceptance %.2f: drafts are accepted by script, not verified (benchmarks "
                         "only; the tokens are not the model's)", self.scripted_acceptance)
-        # every bucket prefills too: beside running requests the budget's rows, with none as many pending
-        # prompts as fill a bucket (`batch.prompts_to_prefill`), and `Engine.add_many` every new one
-        self.buckets = {n: Bucket() for n in engine.buckets}
+        # the prefill buckets: beside running requests the budget's rows, with none as many pending prompts
+        # as fill a bucket (`batch.prompts_to_prefill`), and `Engine.add_many` every new one
+        self.decode_sizes, self.prefill_sizes = engine.buckets, engine.prefill_buckets
+        self.buckets = {n: Bucket() for n in sorted({*self.decode_sizes, *self.prefill_sizes})}
         self.lower_seconds = 0.0
         self.loaded = 0  # executables loaded from disk by `compile` (exe_cache)
         self.from_workers = 0  # executables `compile` had compile workers build (`compiling`)
@@ -190,8 +192,8 @@ class Executables:
 
     @property
     def largest(self) -> Bucket:
-        """The bucket of every slot (what benchmarks of a full batch call)."""
-        return self.buckets[max(self.buckets)]
+        """The bucket of every slot (what benchmarks of a full batch call; prefill, decode and step[k])."""
+        return self.buckets[max(self.decode_sizes)]
 
     @property
     def prefill(self):
@@ -207,7 +209,7 @@ class Executables:
 
     @property
     def count(self) -> int:
-        return sum(2 + len(b.step) for b in self.buckets.values())  # prefill, decode, step[k]
+        return len(self.prefill_sizes) + len(self.decode_sizes) * (1 + len(self.widths))  # prefill; decode, step[k]
 
     def compile(self, decode, draft_cache) -> None:
         """Lower and compile every executable for these (example) arguments' shapes.
@@ -220,8 +222,9 @@ class Executables:
         start = time.perf_counter()
         with self.precision():
             self._compile(decode, draft_cache)
-        log.info("%d executables (batch buckets %s) ready in %.1f s: %d loaded from disk, %d from compile workers "
-                 "(%.1f s), %.1f s loading, tracing and lowering here", self.count, list(self.buckets),
+        log.info("%d executables (batch buckets %s, prefill %s) ready in %.1f s: %d loaded from disk, %d from compile "
+                 "workers (%.1f s), %.1f s loading, tracing and lowering here", self.count, list(self.decode_sizes),
+                 list(self.prefill_sizes),
                  time.perf_counter() - start, self.loaded, self.from_workers, self.worker_seconds, self.lower_seconds)
 
     def warm_up(self, decode, draft_cache):
@@ -261,12 +264,14 @@ class Executables:
         params, programs = self.params.arrays, {}
         for b in self.buckets:
             slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)
-            ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
-            counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
-            programs[b, "prefill"] = self._prefill, (params, decode, draft_cache, ids, counts, flags, slots)
-            programs[b, "decode"] = self._decode, (params, decode, draft_cache, slots)
-            for k in self.widths:
-                programs[b, k] = self.step_function(k), (params, decode, draft_cache, slots)
+            if b in self.prefill_sizes:
+                ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
+                counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
+                programs[b, "prefill"] = self._prefill, (params, decode, draft_cache, ids, counts, flags, slots)
+            if b in self.decode_sizes:
+                programs[b, "decode"] = self._decode, (params, decode, draft_cache, slots)
+                for k in self.widths:
+                    programs[b, k] = self.step_function(k), (params, decode, draft_cache, slots)
         return programs
 
     def lowering(self, program, decode, draft_cache):

@@ -3,7 +3,8 @@ for buckets 1, 4 and 16 and widths 2 and 5 (a row's width rounds up to the execu
 it): a lone request runs the bucket-1 executables and emits what it emits in a full batch next to
 rows of other widths and sampling parameters; a prompt admitted while others run is prefilled a
 chunk per step while they keep decoding, and a wave admitted with nothing running in one call of
-the largest bucket it fills; nothing compiles after warm-up."""
+the largest bucket it fills; nothing compiles after warm-up. A second, target-only engine prefills in
+buckets of its own (1 and 4) beside a decode bucket of 4."""
 
 import collections
 
@@ -165,3 +166,36 @@ def test_an_uncompiled_width_costs_what_the_executable_it_runs_in_costs(engine):
     selector = costs.measured_selector(engine, 1)
     step = [v + selector.draft_cost for v in selector.verify_costs]
     assert len(step) == 6 and step[0] == step[1] == step[2] and step[3] == step[4] == step[5]
+
+
+@pytest.fixture(scope="module")
+def small_prefills(dspark_model):
+    """Target-only, 4 slots: decode in a bucket of 4 only, prefill in buckets of 1 and 4."""
+    config = EngineConfig(max_seq_len=96, gamma=5, max_batch=4, batch_buckets=(4,), prefill_batch_buckets=(1, 4))
+    return Engine(dspark_model, config, prefill_chunk=8, speculative=False)
+
+
+def test_prefill_buckets_of_their_own(small_prefills, alone, compile_counter):
+    """A prefill bucket needs no decode bucket of its size (one program, not a full set): the prompt
+    added alone and the one admitted beside it running are prefilled by the bucket-1 prefill (one
+    row of dense work, not four), the requests decode in bucket 4 and emit what they emit alone;
+    nothing compiles; the bucket's profile has its prefill alone. Mutation caught: prefilling in the
+    decode buckets (bucket-4 prefills)."""
+    engine, exe = small_prefills, small_prefills.exe
+    assert exe.count == 3 and exe.buckets[1].decode is None and not exe.buckets[1].step
+    calls = collections.Counter()
+    for n, bucket in exe.buckets.items():
+        bucket.prefill = lambda *a, _program=bucket.prefill, _n=n: (calls.update([_n]), _program(*a))[1]
+    before = compile_counter.count
+    running = engine.add(PROMPTS[1], GREEDY)  # 10 tokens: two chunks of 8
+    got = {running.request_id: list(running.tokens)}
+    new = engine.admit([(PROMPTS[0], GREEDY)])[0]
+    with engine.record_steps() as records:
+        while engine.running:
+            for rid, d in engine.step().items():
+                got.setdefault(rid, []).extend(d.tokens)
+    assert calls == {1: 3}
+    assert {r.bucket for r in records} == {4}
+    assert got[running.request_id] == alone[1] and got[new] == alone[0]
+    assert compile_counter.count == before
+    assert set(costs.measure_bucket(engine, 1)) == {"prefill"}

@@ -58,6 +58,15 @@ def test_batch_buckets_default_to_powers_of_4_up_to_max_batch_and_are_checked():
         EngineConfig(max_batch=8, batch_buckets=(0, 8))
 
 
+def test_prefill_buckets_default_to_the_batch_buckets_and_are_checked():
+    assert EngineConfig(max_batch=16).prefill_buckets == (1, 4, 16)
+    config = EngineConfig(max_batch=16, batch_buckets=(16,), prefill_batch_buckets=(16, 1, 4))
+    assert config.buckets == (16,) and config.prefill_buckets == (1, 4, 16)
+    assert config.prefill_bucket(1) == 1 and config.prefill_bucket(2) == 4 and config.bucket(1) == 16
+    with pytest.raises(ConfigError, match="prefill_batch_buckets=\\(1, 4\\).*max_batch itself"):
+        EngineConfig(max_batch=8, prefill_batch_buckets=(1, 4))
+
+
 def test_an_unknown_batch_widths_mode_is_refused():
     with pytest.raises(ValueError, match="batch_widths='ragged': use one of per_request, padded, budget"):
         SpecOptions(batch_widths="ragged")
