@@ -274,13 +274,15 @@ def test_a_prefill_calls_cost_per_row_is_the_slope_through_the_buckets():
 
 def test_with_several_processes_the_live_costs_read_no_clock(monkeypatch):
     """Each process times its own steps: learning from them, or holding prefills back on them, could
-    make processes issue different calls. One process learns and holds back; two do neither."""
-    measured = {"prefill": 0.004, "decode": 0.001, **{f"step{k}": 0.002 + 0.0001 * k for k in range(6)}}
-    engine = types.SimpleNamespace(config=types.SimpleNamespace(buckets=(1, 4), gamma=5),
-                                   exe=types.SimpleNamespace(step=dict.fromkeys(range(6))),
-                                   measure_call_costs=lambda n: measured)
-    live = costs.measured_selectors(engine)[2]
-    assert live.learn and live.prefill_s == {1: 0.004, 4: 0.004}
+    make processes issue different calls. One process learns and holds back; two do neither. (A
+    prefill-only bucket, 1 here, prices its prefill and gets no selector.)"""
+    full = {"prefill": 0.004, "decode": 0.001, **{f"step{k}": 0.002 + 0.0001 * k for k in range(6)}}
+    measured = {1: {"prefill": 0.002}, 4: full}
+    engine = types.SimpleNamespace(config=types.SimpleNamespace(buckets=(4,), prefill_buckets=(1, 4), gamma=5),
+                                   exe=types.SimpleNamespace(step=dict.fromkeys(range(6)), buckets=dict.fromkeys((1, 4))),
+                                   measure_call_costs=lambda n: measured[n])
+    selectors, _, live = costs.measured_selectors(engine)
+    assert set(selectors) == {4} and live.learn and live.prefill_s == {1: 0.002, 4: 0.004}
     monkeypatch.setattr(costs.jax, "process_count", lambda: 2)
     live = costs.measured_selectors(engine)[2]
     assert not live.learn and live.prefill_s == {}
