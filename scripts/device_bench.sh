@@ -173,11 +173,15 @@ for part in "$@"; do
         tests/pallas_kernels/test_moe.py 2>&1 | tail -8 | tee "$OUT/moe_gpu_tests.log" ;;
     bw)  # the host expert pool's bandwidths on this host (16 cores): host read, PCIe, CPU and GPU expert GEMV;
       # BW_PREFETCH="1 0 1 0" alternates the CPU GEMV's prefetch (groups of rows ahead; 0: none), BW_DTYPES the
-      # model dtype (bfloat16: ds_fp4 by vdpbf16ps where the CPU has it; float32: the fp32 decoders), BW_ARGS adds flags
-      for p in ${BW_PREFETCH:-1}; do
-        for dt in ${BW_DTYPES:-bfloat16 float32}; do
-          JDSPARK_CPU_PREFETCH=$p timeout ${BW_SECONDS:-150} python3 -m jdspark.cli bench bw --dtype $dt ${BW_ARGS:-} \
-            --json "$OUT/bench_bw_prefetch${p}_$dt.json" 2>&1 | grep -v Warning | tee -a "$OUT/bench_bw.log"
+      # model dtype (bfloat16: ds_fp4 by vdpbf16ps where the CPU has it; float32: the fp32 decoders), BW_HINTS="t1 t0"
+      # the cache level ds_fp4 rows are prefetched into (JDSPARK_CPU_FP4_PREFETCH_HINT), BW_ARGS adds flags
+      for h in ${BW_HINTS:-t1}; do
+        for p in ${BW_PREFETCH:-1}; do
+          for dt in ${BW_DTYPES:-bfloat16 float32}; do
+            JDSPARK_CPU_FP4_PREFETCH_HINT=$h JDSPARK_CPU_PREFETCH=$p timeout ${BW_SECONDS:-150} python3 -m jdspark.cli bench bw \
+              --dtype $dt ${BW_ARGS:-} --json "$OUT/bench_bw_${h}_prefetch${p}_$dt.json" 2>&1 | grep -v Warning \
+              | tee -a "$OUT/bench_bw.log"
+          done
         done
       done ;;
     host-tests)  # the host experts' FFI custom call (its CUDA handler) and the hybrid layers, on this GPU

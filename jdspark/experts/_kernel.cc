@@ -116,17 +116,24 @@ struct Row {  // one weight row (an output feature) of an expert matrix [N, K]
   const void* s;      // fp4: e8m0 bytes of this row; fp8: the block-scale row [ceil(K/128)]
 };
 
+#ifndef JDS_FP4_PREFETCH_HINT  // where ds_fp4 rows are prefetched (JDSPARK_CPU_FP4_PREFETCH_HINT: t0 L1, t1 L2)
+#define JDS_FP4_PREFETCH_HINT _MM_HINT_T1
+#endif
+
 #if JDS_AVX2
 // As M rows are read block by block (`bytes` each), the line `ahead` bytes further on in each row,
-// once per 64 B line (0: no prefetch). Offsets in int: with the offset computed in size_t, g++ 12.2 -O3
+// once per 64 B line (0: no prefetch), to cache level HINT: ds_fp4 into L2 (`JDS_FP4_PREFETCH_HINT`),
+// the other formats into L1. Measured on Zen 4 (docs/BENCHMARKS.md): ds_fp4 prefetched into L1 read
+// 11.2 GB/s on one thread against 15.5 into L2 (2 threads: 15-20 against 18-25), FP8 and bf16
+// 10-15% slower into L2. Offsets in int: with the offset computed in size_t, g++ 12.2 -O3
 // emitted no prefetch at all (measured: ds_fp4 back to 41% of host read; objdump showed none). The
 // address is integer arithmetic: near a bank's end it may lie past the allocation, which a prefetch
 // (a hint that never faults) may name but a pointer may not.
-template <int M>
+template <int M, int HINT = _MM_HINT_T0>
 inline void prefetch_ahead(const uint8_t* const* w, int bytes, int b, int ahead) {
   if (!ahead || (b * bytes) % 64) return;
   const int offset = bytes * b + ahead;
-  for (int m = 0; m < M; ++m) _mm_prefetch((const char*)(reinterpret_cast<uintptr_t>(w[m]) + offset), _MM_HINT_T0);
+  for (int m = 0; m < M; ++m) _mm_prefetch((const char*)(reinterpret_cast<uintptr_t>(w[m]) + offset), (_mm_hint)HINT);
 }
 
 inline __m256 cvt8(__m128i v8) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v8)); }
@@ -227,7 +234,7 @@ inline void dot_fp4_512(const uint8_t* const* w, const void* const* s, int K, co
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
   const int groups = K / 128;
   for (int g = 0; g < groups; ++g) {
-    prefetch_ahead<M>(w, 64, g, ahead);
+    prefetch_ahead<M, JDS_FP4_PREFETCH_HINT>(w, 64, g, ahead);
     for (int m = 0; m < M; ++m) {
       const __m512i q = _mm512_loadu_si512((const void*)(w[m] + 64 * g));
       // the 4 blocks' factors 2^(e - 127) (the float of bits e << 23, e >= 1), each over its 4 lanes
@@ -323,7 +330,7 @@ inline void dot_fp4_bf16(const uint8_t* const* w, const void* const* s, int K, c
     for (int r = 0; r < NR; ++r) acc[m][r] = _mm512_setzero_ps();
   const int groups = (K + 64) / 128;  // the last one may be a half (64 elements, 2 blocks)
   for (int g = 0; g < groups; ++g) {
-    prefetch_ahead<M>(w, 64, g, ahead);
+    prefetch_ahead<M, JDS_FP4_PREFETCH_HINT>(w, 64, g, ahead);
     const bool half = 128 * g + 64 == K;
     for (int m = 0; m < M; ++m) {
       const uint8_t* sb = (const uint8_t*)s[m] + 4 * g;
@@ -378,7 +385,7 @@ inline void dot_multi(const uint8_t* const* w, const void* const* s, int K, cons
     __m256 sc[M];
     for (int m = 0; m < M; ++m) { f[m] = Dec::factor(s[m], b0 / Dec::G); sc[m] = _mm256_set1_ps(ROUNDED ? 1.0f : f[m]); }
     for (int b = b0; b < b1; ++b) {
-      prefetch_ahead<M>(w, Dec::BYTES, b, ahead);
+      prefetch_ahead<M, std::is_same<Dec, BlockFP4>::value ? JDS_FP4_PREFETCH_HINT : _MM_HINT_T0>(w, Dec::BYTES, b, ahead);
       for (int m = 0; m < M; ++m) {
         __m256 v[4];
         Dec::dec(w[m], b, f[m], v);

@@ -288,7 +288,8 @@ def run(args) -> dict:
     read_mb = args.read_mb or (1024 if ram >= 32 << 30 else 256)
     res = {"dim": args.dim, "inter": args.inter, "threads": threads, "cpus": os.cpu_count(),
            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-           "simd": bool(cpu_gemv.kernel().jds_has_simd()), "prefetch_groups": cpu_gemv.PREFETCH, "dtype": args.dtype,
+           "simd": bool(cpu_gemv.kernel().jds_has_simd()), "prefetch_groups": cpu_gemv.PREFETCH,
+           "fp4_prefetch_hint": cpu_gemv._prefetch_hint(), "dtype": args.dtype,
            "bf16dot": bool(cpu_gemv.kernel().jds_has_bf16dot())}
     read = host_read(read_mb << 20, threads, args.repeats)
     res.update(host_read_GBps=read["GBps"], host_read_best_GBps=read["best_GBps"], host_read=read)
@@ -343,7 +344,8 @@ def format_table(res: dict) -> str:
              f"{res['host_read_after_GBps']:.2f}); load average {res.get('load_average')}",
              f"CPU expert GEMV, {res['dtype']} model, D={res['dim']} F={res['inter']}, top-{TOP_K} per row, "
              f"{res['threads']} threads, ds_fp4 x bf16 by vdpbf16ps {'on' if res['bf16dot'] else 'off'}, "
-             f"SIMD {'on' if res['simd'] else 'off'}, prefetch {res['prefetch_groups']} group(s) of rows ahead:",
+             f"SIMD {'on' if res['simd'] else 'off'}, prefetch {res['prefetch_groups']} group(s) of rows ahead "
+             f"(ds_fp4 into {res['fp4_prefetch_hint']}):",
              f"  {'format':8} {'backend':7} {'rows':>4} {'experts':>7} {'ms':>8} {'GB/s':>7} {'% read':>7}"]
     for g in res["cpu_gemv"] + res["cpu_gemv_numba"]:
         lines.append(f"  {g['format']:8} {g['backend']:7} {g['rows']:>4} {g['experts']:>7.1f} {g['ms']:>8.2f} "

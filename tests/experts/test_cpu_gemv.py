@@ -126,6 +126,17 @@ def test_prefetch_setting_is_a_count_of_row_groups(monkeypatch, setting, groups)
         assert cpu_gemv._prefetch_groups() == groups
 
 
+def test_prefetch_hint_setting_names_a_cache_level(monkeypatch):
+    """JDSPARK_CPU_FP4_PREFETCH_HINT: t0 / t1 (default) / t2, refused by name otherwise; a build
+    setting, so each keys its own library."""
+    from jdspark.experts import cpu_gemv
+    monkeypatch.delenv("JDSPARK_CPU_FP4_PREFETCH_HINT", raising=False)
+    assert cpu_gemv._prefetch_hint() == "t1"
+    monkeypatch.setenv("JDSPARK_CPU_FP4_PREFETCH_HINT", "l1")
+    with pytest.raises(ValueError, match="JDSPARK_CPU_FP4_PREFETCH_HINT='l1': must be one of t0, t1, t2"):
+        cpu_gemv._prefetch_hint()
+
+
 @pytest.mark.parametrize("dim, inter", [(288, 96), (160, 224)])
 def test_fp4_rows_not_a_multiple_of_128(dim, inter):
     """The AVX-512 ds_fp4 decoder reads 128 elements a step and the blocks after the last full group
