@@ -19,6 +19,8 @@
 #       SERVE_SECONDS, MODES; the 2026-12-02 runs: SERVE_ARGS="--max-running 16 --buckets 1 16"
 #       CONCURRENCY="1 16" MODES="none fixed5 per_request" ROUNDS=2)
 #   bash scripts/device_bench.sh serve-ab         (issue 26: the newest unmeasured change, A/B)
+#   bash scripts/device_bench.sh prefill-ab       (issue 26: Flash dims at c = 16, prefill buckets 16 64 against
+#       1 4 16 64, one process each on one compile cache)
 #   bash scripts/device_bench.sh sweep            (issue 23: routed-expert kernel tilings, then the model)
 #   bash scripts/device_bench.sh kernel-tests many-rows   (the kernel's grouped form and missing slots compiled,
 #       then timed against the slot form and the former padding)
@@ -249,6 +251,17 @@ for part in "$@"; do
         ${SERVE_ARGS:---max-running 16 --buckets 1 4 16} --concurrency ${CONCURRENCY:-16 4 1} --requests ${REQUESTS:-32} \
         --modes ${AB_MODES:-none fixed5 per_request_queued per_request_queued_remembering} --rounds ${ROUNDS:-2} \
         --out "$OUT/serve_ab.json" 2>&1 | grep -E "^round|^\||start-up|Error|error" | cut -c1-600 | tee "$OUT/serve_ab.log" ;;
+    prefill-ab)  # issue 26: the Flash-dims engine (decode buckets 16 64) prefilling in its decode buckets, then in
+      # prefill buckets of its own (1 4 16 64); the second process loads the first's executables and compiles two
+      # prefills; PREFILL_AB_SECONDS each, CONCURRENCY, REQUESTS, ROUNDS, MODES
+      F="--synthetic flash --layers 8 --acceptance 0.8 --max-running 64 --buckets 16 64 --widths 3 5"
+      for extra in "" "--prefill-buckets 1 4 16 64"; do
+        label=$([ -z "$extra" ] && echo decode_buckets || echo own_buckets)
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 JDSPARK_CACHE=$WORK/flash-cache timeout ${PREFILL_AB_SECONDS:-290} \
+          python3 scripts/bench_serve_engine.py $F $extra --concurrency ${CONCURRENCY:-16} --requests ${REQUESTS:-64} \
+          --modes ${MODES:-none fixed5 per_request_queued} --rounds ${ROUNDS:-2} --out "$OUT/prefill_ab_$label.json" 2>&1 \
+          | grep -E "^round|^\||start-up|Error|error" | cut -c1-600 | tee "$OUT/prefill_ab_$label.log"
+      done ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
       LABEL=${SERVE_LABEL:-$(echo "${CONCURRENCY:-all}" | tr ' ' _)}
       JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-400} python3 scripts/bench_serve_engine.py \
