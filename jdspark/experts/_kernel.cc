@@ -404,7 +404,7 @@ inline void dot_multi(const uint8_t* const* w, const void* const* s, int K, cons
     for (int r = 0; r < NR; ++r) out[m * NR + r] = Dec::OUT * hsum(acc[m][r]);
 }
 #if JDS_BF16DOT
-template <class Dec, int M, int NR>  // bf16 inputs: ds_fp4 only (`dot_many_bf16`)
+template <class Dec, int M, int NR>  // bf16 inputs: ds_fp4 only (`dot_many`'s xbs)
 inline void dot_multi(const uint8_t* const* w, const void* const* s, int K, const uint16_t* const* xs, float* out, int ahead) {
   dot_fp4_bf16<M, NR>(w, s, K, xs, out, ahead);
 }
@@ -560,15 +560,21 @@ void multi_m(int M, const uint8_t* const* w, const void* const* s, int K, const 
 // Dots of M rows (mats[i], rows[i]; all with the same K and format) with n input vectors:
 // out [M][n]. SIMD when built for AVX2 and K % 32 == 0, else row by row in scalar code. The SIMD
 // path prefetches each row's bytes `ahead` bytes further on as it reads them (0: no prefetch).
-void dot_many(const Mat* const* mats, const int* rows, int M, const float* const* xs, int n, float* out, bool simd,
-              int ahead) {
+// `xbs`: the inputs' bf16 copies laid out by `fp4_pos_bf16`, for ds_fp4 rows by `dot_fp4_bf16`
+// (given only where JDS_BF16DOT, the model is bf16 and K % 64 == 0; else nullptr).
+void dot_many(const Mat* const* mats, const int* rows, int M, const float* const* xs, const uint16_t* const* xbs,
+              int n, float* out, bool simd, int ahead) {
   const Mat& m0 = *mats[0];
   (void)m0;
+  (void)xbs;
 #if JDS_AVX2
   if (simd && m0.K % 32 == 0) {
     const uint8_t* w[4];
     const void* s[4];
     for (int i = 0; i < M; ++i) row_ptrs(*mats[i], rows[i], w[i], s[i]);
+#if JDS_BF16DOT
+    if (xbs) return multi_m<BlockFP4>(M, w, s, m0.K, xbs, n, out, ahead);
+#endif
     switch (m0.fmt) {
       case FP4: return multi_m<BlockFP4>(M, w, s, m0.K, xs, n, out, ahead);
       case BF16: return multi_m<BlockBF16>(M, w, s, m0.K, xs, n, out, ahead);
@@ -581,28 +587,6 @@ void dot_many(const Mat* const* mats, const int* rows, int M, const float* const
 #endif
   (void)ahead;
   for (int i = 0; i < M; ++i) dot_rows(*mats[i], rows[i], xs, n, out + i * n);
-}
-
-#if JDS_BF16DOT
-// dot_many for ds_fp4 rows against bf16 inputs laid out by `fp4_pos_bf16` (K % 64 == 0).
-void dot_many_bf16(const Mat* const* mats, const int* rows, int M, const uint16_t* const* xs, int n, float* out,
-                   int ahead) {
-  const uint8_t* w[4];
-  const void* s[4];
-  for (int i = 0; i < M; ++i) row_ptrs(*mats[i], rows[i], w[i], s[i]);
-  multi_m<BlockFP4>(M, w, s, mats[0]->K, xs, n, out, ahead);
-}
-#endif
-
-// dot_many, or dot_many_bf16 over the inputs' bf16 copies where `bfdot` (only true where JDS_BF16DOT).
-inline void dot_many_any(bool bfdot, const Mat* const* mats, const int* rows, int M, const float* const* xs,
-                         const uint16_t* const* xbs, int n, float* out, bool simd, int ahead) {
-#if JDS_BF16DOT
-  if (bfdot) return dot_many_bf16(mats, rows, M, xbs, n, out, ahead);
-#endif
-  (void)bfdot;
-  (void)xbs;
-  dot_many(mats, rows, M, xs, n, out, simd, ahead);
 }
 
 // Bytes of one stored weight row of K elements (scales apart).
@@ -708,7 +692,7 @@ int jds_moe_forward(int fmt, const uint8_t* data, const int64_t* stride, const i
           const Mat* mats[4] = {&w1, &w3, &w1, &w3};
           const int rows[4] = {f, f, f + 1, f + 1};
           float gu[4 * 64];  // [w1 f, w3 f, w1 f+1, w3 f+1][pair]
-          dot_many_any(bfdot, mats, rows, 2 * two, xs, xbs, nc, gu, simd, ahead1);
+          dot_many(mats, rows, 2 * two, xs, bfdot ? xbs : nullptr, nc, gu, simd, ahead1);
           for (int j = 0; j < two; ++j) {
             const int fj = f + j;
             const int fpos = bfdot ? fp4_pos_bf16(fj, F) : (perm ? fp4_pos_in_row(fj, F, wide) : fj);
@@ -749,7 +733,7 @@ int jds_moe_forward(int fmt, const uint8_t* data, const int64_t* stride, const i
           const Mat* mats[4] = {&w2, &w2, &w2, &w2};
           const int rows[4] = {d, d + 1, d + 2, d + 3};
           float o[4 * 64];
-          dot_many_any(bfdot, mats, rows, nm, hs, hbs, nc, o, simd, ahead2);
+          dot_many(mats, rows, nm, hs, bfdot ? hbs : nullptr, nc, o, simd, ahead2);
           for (int j = 0; j < nm; ++j)
             for (int i = 0; i < nc; ++i) out[size_t(pair_out[p0 + c0 + i]) * D + d + j] = dt(o[j * nc + i]);
         }

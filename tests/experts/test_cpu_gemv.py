@@ -1,3 +1,5 @@
+import pathlib
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -170,7 +172,9 @@ def test_fp4_bf16_inputs_every_row_count(dim, inter):
             y = moe_forward(bank, x, ids, w, limit=6.0, dtype="bfloat16", **kw)
             assert _rel(y, ref) <= 2 ** -6, (rows, kw)
             assert np.mean(y == ref) > 0.9, (rows, kw)
-    assert kernel().jds_has_bf16dot() in (0, 1)
+    cpu_flags = pathlib.Path("/proc/cpuinfo").read_text().split() if pathlib.Path("/proc/cpuinfo").exists() else []
+    if "avx512_bf16" in cpu_flags:  # built with -march=native: the vdpbf16ps path is the one tested above
+        assert kernel().jds_has_bf16dot() == 1
 
 
 def test_bfloat16_model_rounds_its_inputs():
