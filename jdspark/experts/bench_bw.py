@@ -289,7 +289,7 @@ def run(args) -> dict:
     res = {"dim": args.dim, "inter": args.inter, "threads": threads, "cpus": os.cpu_count(),
            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
            "simd": bool(cpu_gemv.kernel().jds_has_simd()), "prefetch_groups": cpu_gemv.PREFETCH,
-           "fp4_prefetch_hint": cpu_gemv._prefetch_hint(), "dtype": args.dtype,
+           "fp4_prefetch_hint": cpu_gemv.fp4_prefetch_hint(), "dtype": args.dtype,
            "bf16dot": bool(cpu_gemv.kernel().jds_has_bf16dot())}
     read = host_read(read_mb << 20, threads, args.repeats)
     res.update(host_read_GBps=read["GBps"], host_read_best_GBps=read["best_GBps"], host_read=read)

@@ -68,7 +68,7 @@ PREFETCH = _prefetch_groups()
 PREFETCH_HINTS = {"t0": "_MM_HINT_T0", "t1": "_MM_HINT_T1", "t2": "_MM_HINT_T2"}
 
 
-def _prefetch_hint() -> str:
+def fp4_prefetch_hint() -> str:
     """JDSPARK_CPU_FP4_PREFETCH_HINT: the cache level the GEMV prefetches ds_fp4 rows into, t0 (L1),
     t1 (L2, the default) or t2 (the other formats go to L1); a build setting (a library per setting)."""
     setting = os.environ.get("JDSPARK_CPU_FP4_PREFETCH_HINT", "t1")
@@ -112,7 +112,7 @@ def build_kernel(force: bool = False) -> pathlib.Path:
     the compiler flags (the prefetch hint among them); returns the shared library's path."""
     include = _ffi_include()
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17", f"-I{include}",
-             f"-DJDS_FP4_PREFETCH_HINT={PREFETCH_HINTS[_prefetch_hint()]}"]
+             f"-DJDS_FP4_PREFETCH_HINT={PREFETCH_HINTS[fp4_prefetch_hint()]}"]
     src = b"".join(p.read_bytes() for p in _SOURCES)
     key = hashlib.sha256(src + " ".join(flags).encode() + os.uname().machine.encode()).hexdigest()[:16]
     out = _cache_dir() / f"_kernel-{key}.so"

@@ -133,10 +133,10 @@ def test_prefetch_hint_setting_names_a_cache_level(monkeypatch):
     setting, so each keys its own library."""
     from jdspark.experts import cpu_gemv
     monkeypatch.delenv("JDSPARK_CPU_FP4_PREFETCH_HINT", raising=False)
-    assert cpu_gemv._prefetch_hint() == "t1"
+    assert cpu_gemv.fp4_prefetch_hint() == "t1"
     monkeypatch.setenv("JDSPARK_CPU_FP4_PREFETCH_HINT", "l1")
     with pytest.raises(ValueError, match="JDSPARK_CPU_FP4_PREFETCH_HINT='l1': must be one of t0, t1, t2"):
-        cpu_gemv._prefetch_hint()
+        cpu_gemv.fp4_prefetch_hint()
 
 
 @pytest.mark.parametrize("dim, inter", [(288, 96), (160, 224)])
