@@ -179,21 +179,30 @@ def test_prefill_buckets_of_their_own(small_prefills, alone, compile_counter):
     """A prefill bucket needs no decode bucket of its size (one program, not a full set): the prompt
     added alone and the one admitted beside it running are prefilled by the bucket-1 prefill (one
     row of dense work, not four), the requests decode in bucket 4 and emit what they emit alone;
-    nothing compiles; the bucket's profile has its prefill alone. Mutation caught: prefilling in the
-    decode buckets (bucket-4 prefills)."""
+    nothing compiles; the bucket's profile has its prefill alone. The held-back rule prices the
+    bucket-1 prefill (cheap here: the new prompt starts while the other runs), not bucket 4's (priced
+    dear). Mutations caught: prefilling in the decode buckets, pricing by them (the prompt held back
+    until nothing runs)."""
     engine, exe = small_prefills, small_prefills.exe
     assert exe.count == 3 and exe.buckets[1].decode is None and not exe.buckets[1].step
     calls = collections.Counter()
     for n, bucket in exe.buckets.items():
         bucket.prefill = lambda *a, _program=bucket.prefill, _n=n: (calls.update([_n]), _program(*a))[1]
-    before = compile_counter.count
-    running = engine.add(PROMPTS[1], GREEDY)  # 10 tokens: two chunks of 8
-    got = {running.request_id: list(running.tokens)}
-    new = engine.admit([(PROMPTS[0], GREEDY)])[0]
-    with engine.record_steps() as records:
-        while engine.running:
-            for rid, d in engine.step().items():
-                got.setdefault(rid, []).extend(d.tokens)
+    before, live = compile_counter.count, engine.live
+    engine.live = costs.LiveCosts({}, prefill_s={1: 1e-9, 4: 1000.0})
+    try:
+        running = engine.add(PROMPTS[1], GREEDY)  # 10 tokens: two chunks of 8
+        got, first_step, step = {running.request_id: list(running.tokens)}, {}, 0
+        new = engine.admit([(PROMPTS[0], GREEDY)])[0]
+        with engine.record_steps() as records:
+            while engine.running:
+                step += 1
+                for rid, d in engine.step().items():
+                    got.setdefault(rid, []).extend(d.tokens)
+                    first_step.setdefault(rid, step)
+    finally:
+        engine.live = live
+    assert first_step[new] <= 2
     assert calls == {1: 3}
     assert {r.bucket for r in records} == {4}
     assert got[running.request_id] == alone[1] and got[new] == alone[0]
