@@ -43,7 +43,7 @@ def _int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 1,4,16") from None
 
 
-def _generator(args, max_batch: int = 1):
+def _generator(args, max_batch: int = 1, defer_steps: bool = False):
     from jdspark.engine.engine import SpecOptions
     from jdspark.engine.executables import enable_compile_cache
     from jdspark.generator import Generator
@@ -59,7 +59,7 @@ def _generator(args, max_batch: int = 1):
     generator = Generator.from_pretrained(model, speculative=args.speculative, gamma=args.gamma, dtype=args.dtype,
                                           max_seq_len=args.max_seq_len, max_batch=max_batch, options=options,
                                           widths=args.widths, batch_buckets=args.batch_buckets or (),
-                                          prefill_buckets=args.prefill_buckets or (),
+                                          prefill_buckets=args.prefill_buckets or (), defer_steps=defer_steps,
                                           prefill_chunk=args.prefill_chunk, prefill_budget=args.prefill_budget,
                                           tensor_parallel_size=args.tensor_parallel_size,
                                           expert_parallel_size=args.expert_parallel_size,
@@ -115,7 +115,7 @@ def _serve(args) -> int:
 
     from jdspark.server.app import create_app
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    generator = _generator(args, max_batch=args.max_running)
+    generator = _generator(args, max_batch=args.max_running, defer_steps=args.defer_speculation)
     if jax.process_count() > 1:
         raise ValueError("serve runs in one process (it can use every GPU of its host: --tp / --ep); across "
                          "processes the other processes would need the scheduler's requests, which is not built")
@@ -237,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/*")
     p.add_argument("--served-model-name", help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--defer-speculation", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve target-only as soon as the prefill and decode executables are ready, and speculate "
+                        "once the step executables, built in the background, are (default; they take one more "
+                        "decode state meanwhile)")
     p.set_defaults(run=_serve)
     p = sub.add_parser("convert", help="convert a checkpoint to the orbax format of the in-memory layout "
                                        "(faster start; load_model restores it directly)")

@@ -30,10 +30,12 @@ class Generator:
                    gamma: int | None = None, max_seq_len: int = 4096, max_batch: int = 1,
                    batch_buckets: tuple[int, ...] = (), prefill_chunk: int = 256, prefill_budget: int | None = None,
                    options: SpecOptions = SpecOptions(), implementation: str = "auto",
-                   widths: tuple[int, ...] | None = None, prefill_buckets: tuple[int, ...] = ()) -> "Generator":
+                   widths: tuple[int, ...] | None = None, prefill_buckets: tuple[int, ...] = (),
+                   defer_steps: bool = False) -> "Generator":
         """Compile an engine for `model`. `widths` to verify: default every width 0..gamma for the
         adaptive width, the one width of a fixed `options.width`; `batch_buckets`, `prefill_buckets`
-        (`EngineConfig.prefill_batch_buckets`) and `prefill_budget` as in `EngineConfig` and `Engine`."""
+        (`EngineConfig.prefill_batch_buckets`), `prefill_budget` and `defer_steps` (serve target-only
+        while the step executables build in the background) as in `EngineConfig` and `Engine`."""
         if gamma is None:
             gamma = model.config.dspark.block_size if model.config.dspark else 5
         if widths is None and speculative and options.width is not None:
@@ -41,7 +43,8 @@ class Generator:
         config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch, batch_buckets=batch_buckets,
                               prefill_batch_buckets=prefill_buckets)
         engine = Engine(model, config, tokenizer=tokenizer, speculative=speculative, prefill_chunk=prefill_chunk,
-                        prefill_budget=prefill_budget, options=options, implementation=implementation, widths=widths)
+                        prefill_budget=prefill_budget, options=options, implementation=implementation, widths=widths,
+                        defer_steps=defer_steps)
         return cls(engine)
 
     @classmethod

@@ -67,3 +67,35 @@ def test_no_prefill_wait_turns_the_engines_batch_prefills_off(monkeypatch):
     assert cli._generator(parser.parse_args(["serve"])).engine.batch_prefills is True
     assert cli._generator(parser.parse_args(["serve", "--no-prefill-wait"])).engine.batch_prefills is False
     assert cli._generator(parser.parse_args(["generate", "--no-prefill-wait", "x"])).engine.batch_prefills is False
+
+
+def test_serve_defers_speculation_unless_told_not_to(monkeypatch):
+    """`jdspark serve` builds its engine with `defer_steps` (target-only serving while the step
+    executables build; `tests/engine/test_deferred.py`) unless `--no-defer-speculation`; `_generator`
+    hands it to the engine's builder."""
+    import types
+
+    from jdspark import cli
+    from jdspark.engine import executables
+    from jdspark.generator import Generator
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def generator(args, max_batch=1, defer_steps=False):
+        asked.append(defer_steps)
+        raise Stop
+
+    monkeypatch.setattr(cli, "_generator", generator)
+    parser = cli.build_parser()
+    for flags, expected in (([], True), (["--no-defer-speculation"], False)):
+        with pytest.raises(Stop):
+            cli._serve(parser.parse_args(["serve", *flags]))
+        assert asked.pop() is expected
+    monkeypatch.undo()
+    monkeypatch.setattr(executables, "enable_compile_cache", lambda: None)
+    monkeypatch.setattr(Generator, "from_pretrained", classmethod(lambda cls, *a, **k: types.SimpleNamespace(
+        engine=types.SimpleNamespace(batch_prefills=True), defer_steps=k["defer_steps"])))
+    assert cli._generator(parser.parse_args(["serve"]), defer_steps=True).defer_steps is True
+    assert cli._generator(parser.parse_args(["generate", "x"])).defer_steps is False

@@ -164,6 +164,7 @@ def recipe(exe, decode, draft_cache) -> bytes:
     shell.params = copy.copy(exe.params)
     shell.params.arrays = _abstract(exe.params.arrays)
     shell.buckets = {n: type(bucket)() for n, bucket in exe.buckets.items()}
+    shell._parities = None  # the engine's call counts (the twins' parities) stay here
     return pickle.dumps({"exe": shell, "decode": _abstract(decode), "draft_cache": _abstract(draft_cache),
                          "cache_dir": jax.config.jax_compilation_cache_dir})
 

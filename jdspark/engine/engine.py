@@ -24,25 +24,25 @@ import numpy as np
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
-from jdspark.engine import calls, costs
+from jdspark.engine import calls, costs, deferred
 from jdspark.engine.batch import (IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs, call_slots,
                                   prefill_inputs, prompts_this_step)
 from jdspark.engine.errors import CapacityError, EngineError
 from jdspark.engine.executables import Executables
 from jdspark.engine.options import SpecOptions, WidthPolicy
+from jdspark.engine.policy import SpeculationPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
 from jdspark.engine.sequence import NON_FINITE, ConfidencePrior, Sequence
 from jdspark.engine.stats import RowRecord, StepReaders, StepRecord
 from jdspark.engine.widths import choose, compiled_widths, judged
 from jdspark.model.model import Model
 from jdspark.speculative.calibration import Calibration
-from jdspark.speculative.selector import AdaptiveWidth
 from jdspark.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(SpeculationPolicy):
     """Slots of running requests over one decode state. Faces hand it prompts and read `Delta`s:
     `add` / `add_many` admit (and prefill), `step` advances every running request, `cancel` drops
     one. A request's end (EOS, stop ids, stop strings, max_tokens) is decided here, in its
@@ -52,7 +52,7 @@ class Engine:
                  speculative: bool = True, prefill_chunk: int = 256, options: SpecOptions = SpecOptions(),
                  width_policy: WidthPolicy | None = None, widths: tuple[int, ...] | None = None,
                  implementation: str = "auto", pack_params: bool | None = None, prefill_budget: int | None = None,
-                 overlap: bool = True, batch_prefills: bool = True):
+                 overlap: bool = True, batch_prefills: bool = True, defer_steps: bool = False):
         """`tokenizer` turns tokens into text deltas and enables stop strings; `widths`: the step
         widths to compile (default 0..gamma; only 0 without speculation; a row's width rounds up to
         the next compiled one's executable); `prefill_budget`: prompt tokens a `step` prefills
@@ -61,7 +61,9 @@ class Engine:
         "pallas", "xla") picks the Pallas kernels or their jnp references (rejection sampler,
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
         buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU; `overlap`: a step issues
-        its calls before it reads the previous step's (`step`); `batch_prefills`: new prompts may wait."""
+        its calls before it reads the previous step's (`step`); `batch_prefills`: new prompts may wait;
+        `defer_steps`: serve target-only at once and speculate when the step executables, built in the
+        background, are ready (`jdspark.engine.deferred`; `poll`, `wait_for_steps`)."""
         widths = compiled_widths(model.config, config, speculative, widths, options.width)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
         self.overlap, self.batch_prefills = overlap, batch_prefills
@@ -79,36 +81,22 @@ class Engine:
         self._slot_of: dict[int, int] = {}  # request id -> slot
         self._pending: dict[int, PendingPrompt] = {}  # slot -> prompt still being prefilled, oldest first
         self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
-        start = time.perf_counter()
-        self.exe.compile(self.state, self.draft_cache)
-        self.state, self.draft_cache = self.exe.warm_up(self.state, self.draft_cache)
+        start, which = time.perf_counter(), "serving" if defer_steps and speculative else "all"
+        self.exe.compile(self.state, self.draft_cache, which)
+        self.state, self.draft_cache = self.exe.warm_up(self.state, self.draft_cache, which)
         self.selector, self.selectors, self.live = None, {}, costs.LiveCosts({})  # the measured selectors: the
         # largest bucket's, every bucket's, and as the steps take them (`costs.LiveCosts`), once measured
         self._measured: dict[str, tuple] = {}  # profile -> (selectors, selector, live) measured under it
-        self.width_policy = self._width_policy(width_policy, widths)
-        log.info("engine ready in %.1f s (compile cache %s)", time.perf_counter() - start,
+        self._build, self._speculate_when_built = None, False  # `defer_steps`: the step executables' build
+        if which == "serving":
+            self._build, self.speculative = deferred.StepBuild(self.exe, self._fresh_state()), False
+            self._speculate_when_built, self._policy_when_built = True, (width_policy, widths)
+        self.width_policy = self._width_policy(width_policy, widths, self.speculative)
+        log.info("engine ready in %.1f s%s (compile cache %s)", time.perf_counter() - start,
+                 ", target-only until the step executables are built" if self._build else "",
                  jax.config.jax_compilation_cache_dir or "off")
         self.last_step: StepRecord | None = None
         self._readers = StepReaders()
-
-    def _width_policy(self, policy: WidthPolicy | None, widths: tuple[int, ...]) -> WidthPolicy:
-        """The given policy, a fixed width, or the adaptive selector over measured costs."""
-        gamma, width = self.config.gamma, self.options.width
-        if policy is not None or not self.speculative:
-            return policy or (lambda confidence: gamma)
-        if width is not None:
-            return lambda confidence: width
-        if gamma not in widths:
-            raise EngineError(f"adaptive width needs width gamma={gamma} compiled (every width rounds up to a "
-                              f"compiled one), got {widths}")
-        return self._measure()
-
-    def _measure(self) -> AdaptiveWidth:
-        """The selectors of `options.profile`, measured once per profile (`costs.measured_selectors`)."""
-        if self.options.profile not in self._measured:
-            self._measured[self.options.profile] = costs.measured_selectors(self)
-        self.selectors, self.selector, self.live = self._measured[self.options.profile]
-        return self.selector
 
     def _fresh_state(self):
         """Empty decode state and draft cache (None without a drafter) for every slot."""
@@ -128,12 +116,6 @@ class Engine:
         self._unread = []
         self.state, self.draft_cache = self._fresh_state()
         return failed
-
-    def measure_call_costs(self, bucket: int | None = None) -> dict[str, float]:
-        """Seconds per call of `decode` and each step[k] ("step{k}") of a batch bucket (default the largest),
-        every row active at full width, on emptied state (`costs.measure_bucket`: the fastest of
-        `profile_runs` under `options.profile`, cached unless `reprofile`); before any request."""
-        return costs.measure_bucket(self, bucket or max(self.config.buckets))
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, prompt_ids, params: SamplingParams) -> Delta:
@@ -247,40 +229,6 @@ class Engine:
         """The slot a running request occupies (for inspecting `state` / `draft_cache`)."""
         return self._slot_of[request_id]
 
-    def policy(self) -> dict:
-        """How the engine speculates now, as `set_policy` takes it."""
-        return {"speculative": self.speculative, "width_policy": self.width_policy, "options": self.options,
-                "overlap": self.overlap}
-
-    def set_policy(self, *, speculative: bool | None = None, width_policy: WidthPolicy | None = None,
-                   options: SpecOptions | None = None, overlap: bool | None = None) -> None:
-        """Change how the engine speculates, between steps, on the executables it compiled: speculation
-        on or off, the width policy (`selector` is the measured adaptive one), the options (a new
-        breaker applies to requests admitted afterwards; a new `profile` measures the costs again),
-        overlapped steps or not (those two only while no request runs). Benchmarks compare so."""
-        if speculative and not self.exe.step:
-            raise EngineError("speculative=True: this engine compiled no step widths (it was built with "
-                              "speculative=False); build one with speculative=True")
-        if overlap is not None and overlap != self.overlap:
-            if self.running:
-                raise EngineError(f"overlap={overlap}: requests are running; change it when none runs")
-            for call in self._unread:  # calls of requests that ended before their reads: nothing to emit
-                calls.read_output(call.out, self.config.gamma)
-            self._unread, self.overlap = [], overlap
-        if options is not None:
-            options.breaker()  # validates before anything changes
-            remeasure = bool(self.selectors) and options.profile != self.options.profile
-            if remeasure and self.running:
-                raise EngineError(f"profile={options.profile!r}: requests are running; change it when none runs")
-            self.options, adaptive = options, self._adaptive()
-            if remeasure:
-                selector = self._measure()  # the new profile's selectors; the adaptive policy follows them
-                self.width_policy = selector if adaptive else self.width_policy
-        if speculative is not None:
-            self.speculative = speculative
-        if width_policy is not None:
-            self.width_policy = width_policy
-
     @contextlib.contextmanager
     def record_steps(self) -> Iterator[list[StepRecord]]:
         """Collect every step's record while the block runs (profiling)."""
@@ -297,6 +245,7 @@ class Engine:
         prompt ended gets its first, with what its first verify emitted); finished requests' slots are then
         free; `last_step`: the verify call's record (None when only a prefill was read)."""
         self.last_step = None
+        self.poll()
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
         rows = prompts_this_step(self._pending, len(running), self.prefill_rows, self.config.prefill_buckets,
@@ -371,22 +320,10 @@ class Engine:
                                calls.step, self._slots, self.options, self._first_confidence(), switch, typical)
         return (0, {}, calls.decode) if width is None else (width, widths, calls.step[width])
 
-    def _adaptive(self) -> bool:
-        return self.selector is not None and self.width_policy is self.selector
-
-    def _policy_at(self, bucket: int) -> WidthPolicy:
-        """The width policy in use at a batch bucket: the measured selector's there, corrected by
-        the steps' costs (`live`), or the policy set."""
-        return self.live.policy(bucket) if self._adaptive() else self.width_policy
-
     def _publish(self, record: StepRecord) -> None:
         """Hand the step's record to the readers outside the requests: the log line, recorders."""
         self.last_step = record
         self._readers.publish(record, self.options.log_every)
-
-    def cost_summary(self, bucket: int | None = None) -> dict:
-        """`costs.summary` of the width policy in use at a batch bucket (default the largest; `live` costs)."""
-        return costs.summary(self._policy_at(bucket or max(self.config.buckets)))
 
     def _emit(self, b: int, new: list[int], invalid: bool = False) -> Delta:
         """Slot b's sequence takes the tokens; a finished request leaves its slot. An invalid

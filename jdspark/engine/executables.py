@@ -121,13 +121,12 @@ class Twins:
         return getattr(self.pair[0], name)
 
 
-def twins_of(compiled: dict) -> dict:
+def twins_of(compiled: dict, calls: itertools.count, prefills: itertools.count) -> dict:
     """{(bucket, name): executable} as `Twins` of it and its second instance (`exe_cache.twin`: it
-    deserialized again, no second compile): the verify and decode calls share one parity, the prefills
-    another (a step that prefills and verifies would otherwise put every verify on one instance). An
-    executable with no second instance (the CPU, where there is no graph to update; host callbacks)
-    stays as it is."""
-    calls, prefills = itertools.count(), itertools.count()
+    deserialized again, no second compile): the verify and decode calls share the parity of `calls`, the
+    prefills that of `prefills` (a step that prefills and verifies would otherwise put every verify on one
+    instance). An executable with no second instance (the CPU, where there is no graph to update; host
+    callbacks) stays as it is."""
     with compiling.thread_pool(len(compiled)) as pool:  # loading leaves the GIL (H200: ~0.9 s each one by one)
         second_of = dict(zip(compiled, pool.map(twin, compiled.values())))
     out = {}
@@ -185,6 +184,7 @@ class Executables:
         # as fill a bucket (`batch.prompts_to_prefill`), and `Engine.add_many` every new one
         self.decode_sizes, self.prefill_sizes = engine.buckets, engine.prefill_buckets
         self.buckets = {n: Bucket() for n in sorted({*self.decode_sizes, *self.prefill_sizes})}
+        self._parities = itertools.count(), itertools.count()  # the verify and decode calls', the prefills'
         self.lower_seconds = 0.0
         self.loaded = 0  # executables loaded from disk by `compile` (exe_cache)
         self.from_workers = 0  # executables `compile` had compile workers build (`compiling`)
@@ -211,8 +211,9 @@ class Executables:
     def count(self) -> int:
         return len(self.prefill_sizes) + len(self.decode_sizes) * (1 + len(self.widths))  # prefill; decode, step[k]
 
-    def compile(self, decode, draft_cache) -> None:
-        """Lower and compile every executable for these (example) arguments' shapes.
+    def compile(self, decode, draft_cache, which: str = "all") -> None:
+        """Lower and compile the executables `which` names ("all"; "serving": prefill and decode; "steps":
+        step[k]) for these (example) arguments' shapes.
 
         A float32 model's dot products are traced at true float32 precision: JAX's default computes
         them in TF32 on recent NVIDIA GPUs (10-bit mantissas), so a float32 model on the GPU would
@@ -221,19 +222,19 @@ class Executables:
         default (its few float32 dots, e.g. the head, stay as measured in docs/BENCHMARKS.md)."""
         start = time.perf_counter()
         with self.precision():
-            self._compile(decode, draft_cache)
-        log.info("%d executables (batch buckets %s, prefill %s) ready in %.1f s: %d loaded from disk, %d from compile "
-                 "workers (%.1f s), %.1f s loading, tracing and lowering here", self.count, list(self.decode_sizes),
-                 list(self.prefill_sizes),
+            count = self._compile(decode, draft_cache, which)
+        log.info("%d executables (batch buckets %s, prefill %s%s) ready in %.1f s: %d loaded from disk, %d from compile "
+                 "workers (%.1f s), %.1f s loading, tracing and lowering here", count, list(self.decode_sizes),
+                 list(self.prefill_sizes), "" if which == "all" else f"; {which}",
                  time.perf_counter() - start, self.loaded, self.from_workers, self.worker_seconds, self.lower_seconds)
 
-    def warm_up(self, decode, draft_cache):
-        """Every executable called once (a twin twice: each instance once) on the example inputs it was
+    def warm_up(self, decode, draft_cache, which: str = "all"):
+        """Every executable of `which` (`compile`) called once (a twin twice: each instance once) on the example inputs it was
         compiled for, so that no served step pays an executable's first call: on the CPU a bucket-1
         prefill's first call took 169 ms against 16 after it (a 190 ms inter-token stall the first time
         a prompt was admitted beside running requests), on the GPU XLA records the call's CUDA graph.
         Returns the state and draft cache with every slot emptied, as at start."""
-        for (b, name), (_, arguments) in self.programs(decode, draft_cache).items():
+        for (b, name), (_, arguments) in self.programs(decode, draft_cache, which).items():
             program = self.buckets[b].program(name)
             for _ in range(2 if isinstance(program, Twins) else 1):
                 _, decode, draft_cache = program(self.params.arrays, decode, draft_cache, *arguments[3:])
@@ -259,18 +260,23 @@ class Executables:
         return jax.jit(function, donate_argnums=(1, 2), keep_unused=True,
                        out_shardings=(decode.length.sharding, layout(decode), layout(draft_cache)))
 
-    def programs(self, decode, draft_cache) -> dict:
-        """{(bucket, "prefill" | "decode" | width): (function, example arguments)}: every executable."""
+    def programs(self, decode, draft_cache, which: str = "all") -> dict:
+        """{(bucket, "prefill" | "decode" | width): (function, example arguments)}: the executables `which`
+        names (`compile`)."""
+        if which not in ("all", "serving", "steps"):
+            raise ValueError(f"which={which!r}: expected 'all', 'serving' or 'steps'")
         params, programs = self.params.arrays, {}
+        serving, steps = which != "steps", which != "serving"
         for b in self.buckets:
             slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)
-            if b in self.prefill_sizes:
+            if b in self.prefill_sizes and serving:
                 ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
                 counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
                 programs[b, "prefill"] = self._prefill, (params, decode, draft_cache, ids, counts, flags, slots)
             if b in self.decode_sizes:
-                programs[b, "decode"] = self._decode, (params, decode, draft_cache, slots)
-                for k in self.widths:
+                if serving:
+                    programs[b, "decode"] = self._decode, (params, decode, draft_cache, slots)
+                for k in self.widths if steps else ():
                     programs[b, k] = self.step_function(k), (params, decode, draft_cache, slots)
         return programs
 
@@ -279,8 +285,9 @@ class Executables:
         function, arguments = program
         return functools.partial(self.jit(function, decode, draft_cache).lower, *arguments)
 
-    def _compile(self, decode, draft_cache) -> None:
-        programs = self.programs(decode, draft_cache)
+    def _compile(self, decode, draft_cache, which: str) -> int:
+        """Installs the executables of `which` in their buckets; returns how many."""
+        programs = self.programs(decode, draft_cache, which)
         store = ExecutableCache.default(self.static_key())
         outputs = (jnp.zeros(()), decode, draft_cache)
         start = time.perf_counter()
@@ -301,8 +308,9 @@ class Executables:
         fresh, lowering = compiling.compile_all(lowerings, store, arguments, compiling.compiler_options(self.config))
         compiled |= fresh
         self.lower_seconds = loading + lowering  # loading, tracing and lowering in this process: serial, in Python
-        for (b, name), program in (twins_of(compiled) if self.twins else compiled).items():
+        for (b, name), program in (twins_of(compiled, *self._parities) if self.twins else compiled).items():
             self.buckets[b].put(name, program)
+        return len(compiled)
 
     def static_key(self) -> str:
         """Everything the traced programs depend on besides their arguments (`exe_cache`)."""

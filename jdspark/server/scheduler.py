@@ -25,6 +25,7 @@ from jdspark.engine.request import Delta, SamplingParams
 from jdspark.server.metrics import Metrics
 
 log = logging.getLogger(__name__)
+BUILD_POLL_S = 0.25  # while the step executables build (defer_steps), how often an idle engine thread looks
 
 
 class QueueFull(Exception):
@@ -134,9 +135,11 @@ class Scheduler:
     # ---- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
+            building = self.engine.poll()  # takes the step executables once built (defer_steps), outside the lock
             with self._cond:
-                while not (self._stopping or self._waiting or self._running):
-                    self._cond.wait()
+                if not (self._stopping or self._waiting or self._running):
+                    self._cond.wait(BUILD_POLL_S if building else None)
+                    continue
                 if self._stopping:
                     break
                 while self._waiting and len(self._running) + len(self._admitting) < self.engine.config.max_batch:

@@ -218,7 +218,8 @@ def test_verify_and_decode_calls_alternate_whatever_prefills_run_between(monkeyp
         return program
 
     monkeypatch.setattr(executables, "twin", lambda compiled: fake(compiled.__name__ + "'"))
-    twins = executables.twins_of({(1, "prefill"): fake("p"), (1, "decode"): fake("d"), (1, 5): fake("s")})
+    twins = executables.twins_of({(1, "prefill"): fake("p"), (1, "decode"): fake("d"), (1, 5): fake("s")},
+                                  itertools.count(), itertools.count())
     for key in [(1, "prefill"), (1, 5), (1, "prefill"), (1, 5), (1, "decode"), (1, "prefill"), (1, 5)]:
         twins[key]()
     assert ran == ["p", "s", "p'", "s'", "d", "p", "s'"]
@@ -229,7 +230,7 @@ def test_an_executable_without_a_second_instance_is_left_as_it_is(monkeypatch):
     wrapper: nothing to alternate, and no work added to every call."""
     program = lambda *args: args  # noqa: E731
     monkeypatch.setattr(executables, "twin", lambda compiled: compiled)
-    assert executables.twins_of({(1, "decode"): program})[(1, "decode")] is program
+    assert executables.twins_of({(1, "decode"): program}, itertools.count(), itertools.count())[(1, "decode")] is program
 
 
 @pytest.mark.slow  # the session dspark_engine
@@ -268,7 +269,8 @@ def test_an_engine_with_twins_emits_the_same_tokens(dspark_engine, monkeypatch):
         for n, bucket in engine.exe.buckets.items():
             programs = {(n, "decode"): bucket.decode, **{(n, k): c for k, c in bucket.step.items()},
                         **({(n, "prefill"): bucket.prefill} if bucket.prefill else {})}
-            twins = executables.twins_of({key: counted(c) for key, c in programs.items()})
+            twins = executables.twins_of({key: counted(c) for key, c in programs.items()}, itertools.count(),
+                                          itertools.count())
             bucket.decode, bucket.prefill = twins[n, "decode"], twins.get((n, "prefill"))
             bucket.step = {k: twins[n, k] for k in bucket.step}
         for mode, tokens in zip(modes, expected):

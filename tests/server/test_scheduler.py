@@ -175,3 +175,31 @@ def test_serving_starts_with_start_ups_objects_frozen_out_of_the_collector(serve
     assert gc.get_freeze_count() == 0
     scheduler.start()
     assert gc.get_freeze_count() > 0
+
+
+def test_an_idle_engine_thread_takes_the_step_executables_once_built(monkeypatch):
+    """While the step executables build (`Engine(defer_steps=True)`), an idle engine thread calls
+    `engine.poll` every BUILD_POLL_S, so speculation comes online before any request; once `poll` says
+    the build was taken, the thread sleeps until there is work."""
+    import types
+
+    from jdspark.server import scheduler
+    from jdspark.server.metrics import Metrics
+    monkeypatch.setattr(scheduler, "BUILD_POLL_S", 0.01)
+    polls = []
+
+    class Building:  # an engine whose build is taken at its fifth poll
+        tokenizer, config = object(), types.SimpleNamespace(max_batch=1, gamma=5)
+
+        def poll(self):
+            polls.append(time.monotonic())
+            return len(polls) < 5
+
+    serving = scheduler.Scheduler(Building(), Metrics(5), QUEUE)
+    serving.start()
+    try:
+        wait_for(lambda: len(polls) >= 5)
+        time.sleep(0.2)
+        assert len(polls) == 5
+    finally:
+        serving.close()

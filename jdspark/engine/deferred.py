@@ -1,0 +1,83 @@
+"""Speculation that comes online after start-up: the engine serves target-only from its prefill and
+decode executables while a background thread builds the step[k] executables, then takes them.
+
+Why: a cold start-up compiles every program, and most of them are the step widths (the embedded
+8-slot engine: 18 of 24 programs; on the H200 its cold start took 94-121 s, all of it compiling on
+the host's 16 cores). Target-only serving needs prefill and decode alone, so the server answers
+requests after those few compile, and speculates once the rest are built. The output does not
+change: a request's tokens are lossless at any width, 0 included (a decode call also feeds the
+drafter's context, so a running request drafts as soon as the widths come).
+
+The thread loads or compiles the step executables (compile workers where the engine uses them) and
+calls each once, on a decode state of its own (one more state while it runs): the engine's state is
+the running requests'. The engine takes them at its next step or `Engine.poll` after they are
+ready (`take`): there, on that same spare state, it measures their costs (for adaptive widths;
+stored per program, so a warm start-up reads them) while no other call runs, then installs them and
+speculates. That measurement is the one pause a request sees, once (none where the costs are stored).
+A failed build is logged, and the engine keeps serving target-only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+log = logging.getLogger(__name__)
+
+
+class StepBuild:
+    """The step executables being built in a background thread, on a spare decode state."""
+
+    def __init__(self, exe, spare_state):
+        """`exe`: the engine's `Executables` (prefill and decode compiled); `spare_state`: a fresh
+        (decode state, draft cache) for the thread's compiles and first calls, and the cost profile."""
+        self.exe, self.spare = exe, spare_state
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.seconds = 0.0  # how long the build took
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._build, name="jdspark-step-executables", daemon=True)
+        self._thread.start()
+
+    def _build(self) -> None:
+        try:
+            self.exe.compile(*self.spare, which="steps")
+            self.spare = self.exe.warm_up(*self.spare, which="steps")
+        except BaseException as error:  # noqa: BLE001 - handed to the engine's thread, which logs it
+            self.error = error
+        finally:
+            self.seconds = time.perf_counter() - self.started
+            self._done.set()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the build ended (built, or failed: `error`)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the build ends (or `timeout` seconds pass); whether it ended."""
+        return self._done.wait(timeout)
+
+
+def take(engine, build: StepBuild, install) -> bool:
+    """In the engine's thread, once `build` is ready: `install()` (the engine's width policy over the
+    new executables: for adaptive widths it measures their costs, on the spare state, swapped in for
+    the call) and speculation on. Returns whether speculation came online (False: the build failed,
+    logged; the engine stays target-only)."""
+    if build.error is not None:
+        log.error("building the step executables failed after %.1f s; serving target-only: %r", build.seconds,
+                  build.error)
+        return False
+    begun = time.perf_counter()
+    running = engine.state, engine.draft_cache
+    engine.state, engine.draft_cache = build.spare
+    try:
+        install()
+    finally:
+        engine.state, engine.draft_cache = running
+        build.spare = None
+    log.info("speculation online %.1f s after the target-only start (step executables built in %.1f s in the "
+             "background; costs %.2f s)", time.perf_counter() - build.started, build.seconds,
+             time.perf_counter() - begun)
+    return True
