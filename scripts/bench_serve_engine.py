@@ -96,7 +96,7 @@ def build(args, max_running: int | None = None, buckets: tuple[int, ...] | None 
     # a subset for fixed widths alone needs no cost profile; adaptive modes price the widths compiled
     options = SpecOptions(width=max(widths)) if widths and fixed_only else SpecOptions()
     engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk,
-                    prefill_budget=args.prefill_budget, options=options, widths=widths)
+                    prefill_budget=args.prefill_budget, options=options, widths=widths, defer_steps=args.defer_steps)
     gc.collect()  # as the server's Scheduler.start does: start-up's objects leave the garbage collector
     gc.freeze()
     return engine, prompts, time.perf_counter() - start
@@ -364,6 +364,9 @@ def parser() -> argparse.ArgumentParser:
                    help="compile only these step widths (default 0..gamma; adaptive modes choose among them, a "
                    "width between two running in the wider one's executable): fewer programs to compile at Flash dims")
     p.add_argument("--startup-only", action="store_true", help="build the engine, report start-up, exit")
+    p.add_argument("--defer-steps", action="store_true", help="build the engine as `jdspark serve` does: serving "
+                   "target-only first, the step executables built in the background (Engine(defer_steps=True)); "
+                   "start-up then reports both times, and the modes run once speculation is online")
     p.add_argument("--single-executables", action="store_true", help="each executable loaded once, not twice "
                    "and alternated (EngineConfig.twin_executables)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -396,6 +399,12 @@ def main(argv=None) -> int:
         from jdspark.engine import calls
         calls.fetch_early = lambda results: results  # the engine reads `calls.fetch_early` at each call
     engine, prompts, startup = build(args)
+    speculating = None
+    if args.defer_steps:  # start-up = until target-only serving; then until the step executables are taken
+        begun = time.perf_counter()
+        engine.wait_for_steps()
+        speculating = startup + time.perf_counter() - begun
+        print(f"target-only serving after {startup:.1f} s, speculating after {speculating:.1f} s", flush=True)
     longest = int(np.rint(args.max_tokens * (1 + args.max_tokens_spread)))
     if longest > min(engine.room(len(prompt)) for prompt in prompts):
         p.error(f"--max-tokens {args.max_tokens} with --max-tokens-spread {args.max_tokens_spread} asks for up to "
@@ -405,8 +414,9 @@ def main(argv=None) -> int:
           f"{engine.exe.count} executables, {engine.exe.loaded} loaded from disk", flush=True)
     if args.startup_only:
         if args.out:
-            Path(args.out).write_text(json.dumps({"startup_s": startup, "executables": engine.exe.count,
-                                                  "loaded": engine.exe.loaded}, indent=1))
+            Path(args.out).write_text(json.dumps({"startup_s": startup, "speculating_s": speculating,
+                                                  "executables": engine.exe.count, "loaded": engine.exe.loaded},
+                                                 indent=1))
         return 0
     if args.versus_slots:
         results = lone_request(args, engine, prompts)

@@ -253,9 +253,11 @@ for part in "$@"; do
         --out "$OUT/serve_ab.json" 2>&1 | grep -E "^round|^\||start-up|Error|error" | cut -c1-600 | tee "$OUT/serve_ab.log" ;;
     prefill-ab)  # issue 26: the Flash-dims engine (decode buckets 16 64) prefilling in its decode buckets, then in
       # prefill buckets of its own (1 4 16 64); the second process loads the first's executables and compiles two
-      # prefills; PREFILL_AB_SECONDS each, CONCURRENCY, REQUESTS, ROUNDS, MODES
-      F="--synthetic flash --layers 8 --acceptance 0.8 --max-running 64 --buckets 16 64 --widths 3 5"
-      for extra in "" "--prefill-buckets 1 4 16 64"; do
+      # prefills; PREFILL_AB_SECONDS each, CONCURRENCY, REQUESTS, ROUNDS, MODES; PREFILL_AB_ENGINE and
+      # PREFILL_AB_BUCKETS replace the engine's arguments and the prefill buckets (e.g. "... --max-running 16
+      # --buckets 16 ..." and "1 4 16": fewer programs)
+      F=${PREFILL_AB_ENGINE:---synthetic flash --layers 8 --acceptance 0.8 --max-running 64 --buckets 16 64 --widths 3 5}
+      for extra in "" "--prefill-buckets ${PREFILL_AB_BUCKETS:-1 4 16 64}"; do
         label=$([ -z "$extra" ] && echo decode_buckets || echo own_buckets)
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 JDSPARK_CACHE=$WORK/flash-cache timeout ${PREFILL_AB_SECONDS:-290} \
           python3 scripts/bench_serve_engine.py $F $extra --concurrency ${CONCURRENCY:-16} --requests ${REQUESTS:-64} \

@@ -186,7 +186,7 @@ class Executables:
         self.buckets = {n: Bucket() for n in sorted({*self.decode_sizes, *self.prefill_sizes})}
         self._parities = itertools.count(), itertools.count()  # the verify and decode calls', the prefills'
         self.lower_seconds = 0.0
-        self.loaded = 0  # executables loaded from disk by `compile` (exe_cache)
+        self.loaded = 0  # executables loaded from disk by `compile` (exe_cache; every call's together)
         self.from_workers = 0  # executables `compile` had compile workers build (`compiling`)
         self.worker_seconds = 0.0  # how long `compile` waited for them
 
@@ -220,13 +220,15 @@ class Executables:
         neither match the CPU nor keep greedy speculative output equal to greedy target-only output
         (rounding that depends on the verified width flips near-ties). A bfloat16 model keeps the
         default (its few float32 dots, e.g. the head, stay as measured in docs/BENCHMARKS.md)."""
-        start = time.perf_counter()
+        start, before = time.perf_counter(), (self.loaded, self.from_workers, self.worker_seconds, self.lower_seconds)
         with self.precision():
             count = self._compile(decode, draft_cache, which)
+        loaded, from_workers, worker_seconds, lower_seconds = (now - then for now, then in zip(
+            (self.loaded, self.from_workers, self.worker_seconds, self.lower_seconds), before))
         log.info("%d executables (batch buckets %s, prefill %s%s) ready in %.1f s: %d loaded from disk, %d from compile "
                  "workers (%.1f s), %.1f s loading, tracing and lowering here", count, list(self.decode_sizes),
                  list(self.prefill_sizes), "" if which == "all" else f"; {which}",
-                 time.perf_counter() - start, self.loaded, self.from_workers, self.worker_seconds, self.lower_seconds)
+                 time.perf_counter() - start, loaded, from_workers, worker_seconds, lower_seconds)
 
     def warm_up(self, decode, draft_cache, which: str = "all"):
         """Every executable of `which` (`compile`) called once (a twin twice: each instance once) on the example inputs it was
@@ -295,19 +297,22 @@ class Executables:
         compiled = compiling.load_all(store, arguments, outputs)
         missing = [key for key in programs if compiled[key] is None]
         workers = compiling.workers(len(missing)) if store else 0
+        worker_seconds, from_workers = 0.0, 0
         if workers and compiling.eligible(self, decode, draft_cache):
             begun = time.perf_counter()
             compiling.compile_in_workers(self, decode, draft_cache, missing, workers)
-            self.worker_seconds = time.perf_counter() - begun
+            worker_seconds = time.perf_counter() - begun
             compiled |= compiling.load_all(store, {key: arguments[key] for key in missing}, outputs)
-            self.from_workers = sum(compiled[key] is not None for key in missing)
+            from_workers = sum(compiled[key] is not None for key in missing)
         lowerings = {key: self.lowering(programs[key], decode, draft_cache)
                      for key in programs if compiled[key] is None}
-        loading = time.perf_counter() - start - self.worker_seconds
-        self.loaded = len(programs) - len(lowerings) - self.from_workers
+        loading = time.perf_counter() - start - worker_seconds
         fresh, lowering = compiling.compile_all(lowerings, store, arguments, compiling.compiler_options(self.config))
         compiled |= fresh
-        self.lower_seconds = loading + lowering  # loading, tracing and lowering in this process: serial, in Python
+        self.loaded += len(programs) - len(lowerings) - from_workers
+        self.from_workers += from_workers
+        self.worker_seconds += worker_seconds
+        self.lower_seconds += loading + lowering  # loading, tracing and lowering in this process: serial, in Python
         for (b, name), program in (twins_of(compiled, *self._parities) if self.twins else compiled).items():
             self.buckets[b].put(name, program)
         return len(compiled)
