@@ -290,6 +290,7 @@ def lone_request(args, engine, prompts) -> list[dict]:
     """A lone request (concurrency 1) on `engine` and on an engine of `--versus-slots` slots, both in
     this process, interleaved round by round per mode: how much the slot count costs one request."""
     small, _, _ = build(args, max_running=args.versus_slots, buckets=(args.versus_slots,))
+    small.wait_for_steps()  # --defer-steps: both engines speculating before any round
     results = []
     for round_ in range(args.rounds):
         for mode in args.modes:

@@ -18,11 +18,14 @@ CPU, whose compiles already spread over its cores).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
 import logging
 import os
 import pickle
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -220,6 +223,13 @@ def compile_in_workers(exe, decode, draft_cache, keys: list, count: int) -> None
              time.perf_counter() - start)
 
 
+def _die_with_parent() -> None:
+    """A worker ends with the thread that started it (Linux's PR_SET_PDEATHSIG): a server stopped while
+    a background build waits for its workers (`jdspark.engine.deferred`) leaves none compiling on."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the workers end when their programs are done
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
 def _read(file) -> str:
     file.seek(0)
     return file.read()
@@ -228,6 +238,7 @@ def _read(file) -> str:
 def _work(path: str, keys: list, spawned: float, threads: int | None) -> None:
     """A worker: rebuild the executables from the recipe at `path`, compile and store `keys` (at most
     `threads` at once), and print its phases (`spawned`: when the engine started it, time.time())."""
+    _die_with_parent()
     up = time.time() - spawned  # the interpreter, jax and this module
     with open(path, "rb") as file:
         spec = pickle.load(file)

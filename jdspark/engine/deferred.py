@@ -14,11 +14,14 @@ the running requests'. The engine takes them at its next step or `Engine.poll` a
 ready (`take`): there, on that same spare state, it measures their costs (for adaptive widths;
 stored per program, so a warm start-up reads them) while no other call runs, then installs them and
 speculates. That measurement is the one pause a request sees, once (none where the costs are stored).
-A failed build is logged, and the engine keeps serving target-only.
+A failed build (or cost measurement) is logged, and the engine keeps serving target-only. While the
+build runs it shares the host with the served steps (on a GPU its compiles run in worker processes,
+on the CPU in this one's threads), so target-only steps then run slower than after it.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -63,20 +66,27 @@ class StepBuild:
 def take(engine, build: StepBuild, install) -> bool:
     """In the engine's thread, once `build` is ready: `install()` (the engine's width policy over the
     new executables: for adaptive widths it measures their costs, on the spare state, swapped in for
-    the call) and speculation on. Returns whether speculation came online (False: the build failed,
-    logged; the engine stays target-only)."""
-    if build.error is not None:
-        log.error("building the step executables failed after %.1f s; serving target-only: %r", build.seconds,
-                  build.error)
+    the call). Returns whether speculation may come online; False where the build or `install` failed
+    (logged: the engine stays target-only, its requests untouched). Where start-up's objects were
+    frozen out of the garbage collector (`Scheduler.start`), the build's join them."""
+    begun, running = time.perf_counter(), (engine.state, engine.draft_cache)
+    error = build.error
+    if error is None:
+        engine.state, engine.draft_cache = build.spare
+        try:
+            install()
+        except Exception as failure:  # noqa: BLE001 - a server keeps serving target-only
+            error = failure
+        finally:
+            engine.state, engine.draft_cache = running
+    build.spare = build.error = None  # the spare state goes now (an error's traceback would keep it)
+    if error is not None:
+        log.error("the step executables could not be taken %.1f s after the target-only start; serving "
+                  "target-only: %r", time.perf_counter() - build.started, error)
         return False
-    begun = time.perf_counter()
-    running = engine.state, engine.draft_cache
-    engine.state, engine.draft_cache = build.spare
-    try:
-        install()
-    finally:
-        engine.state, engine.draft_cache = running
-        build.spare = None
+    if gc.get_freeze_count():
+        gc.collect()
+        gc.freeze()
     log.info("speculation online %.1f s after the target-only start (step executables built in %.1f s in the "
              "background; costs %.2f s)", time.perf_counter() - build.started, build.seconds,
              time.perf_counter() - begun)

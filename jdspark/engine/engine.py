@@ -81,7 +81,8 @@ class Engine(SpeculationPolicy):
         self._slot_of: dict[int, int] = {}  # request id -> slot
         self._pending: dict[int, PendingPrompt] = {}  # slot -> prompt still being prefilled, oldest first
         self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
-        start, which = time.perf_counter(), "serving" if defer_steps and speculative else "all"
+        # several processes must issue the same calls: none takes executables a step apart from the others
+        start, which = time.perf_counter(), "serving" if defer_steps and speculative and jax.process_count() == 1 else "all"
         self.exe.compile(self.state, self.draft_cache, which)
         self.state, self.draft_cache = self.exe.warm_up(self.state, self.draft_cache, which)
         self.selector, self.selectors, self.live = None, {}, costs.LiveCosts({})  # the measured selectors: the
@@ -89,6 +90,7 @@ class Engine(SpeculationPolicy):
         self._measured: dict[str, tuple] = {}  # profile -> (selectors, selector, live) measured under it
         self._build, self._speculate_when_built = None, False  # `defer_steps`: the step executables' build
         if which == "serving":
+            self._width_policy(width_policy, widths, True, measure=False)  # a bad choice fails now, not when taken
             self._build, self.speculative = deferred.StepBuild(self.exe, self._fresh_state()), False
             self._speculate_when_built, self._policy_when_built = True, (width_policy, widths)
         self.width_policy = self._width_policy(width_policy, widths, self.speculative)

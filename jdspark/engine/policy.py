@@ -5,6 +5,8 @@ A part of `Engine` (its base class): it reads and sets the engine's speculation 
 
 from __future__ import annotations
 
+import time
+
 from jdspark.engine import calls, costs, deferred
 from jdspark.engine.errors import EngineError
 from jdspark.engine.options import SpecOptions, WidthPolicy
@@ -15,8 +17,10 @@ class SpeculationPolicy:
     """`Engine`'s speculation settings: `speculative`, `width_policy`, `selector` / `selectors` / `live`
     (the measured costs), `options`; set up by `Engine.__init__`."""
 
-    def _width_policy(self, policy: WidthPolicy | None, widths: tuple[int, ...], speculative: bool) -> WidthPolicy:
-        """The given policy, a fixed width, or the adaptive selector over measured costs."""
+    def _width_policy(self, policy: WidthPolicy | None, widths: tuple[int, ...], speculative: bool,
+                      measure: bool = True) -> WidthPolicy | None:
+        """The given policy, a fixed width, or the adaptive selector over measured costs (`measure`
+        False: only checked, None returned for it, as before the step executables exist)."""
         gamma, width = self.config.gamma, self.options.width
         if policy is not None or not speculative:
             return policy or (lambda confidence: gamma)
@@ -25,7 +29,7 @@ class SpeculationPolicy:
         if gamma not in widths:
             raise EngineError(f"adaptive width needs width gamma={gamma} compiled (every width rounds up to a "
                               f"compiled one), got {widths}")
-        return self._measure()
+        return self._measure() if measure else None
 
     def _measure(self) -> AdaptiveWidth:
         """The selectors of `options.profile`, measured once per profile (`costs.measured_selectors`)."""
@@ -43,6 +47,7 @@ class SpeculationPolicy:
             policy, widths = self._policy_when_built
             if deferred.take(self, build, lambda: setattr(self, "width_policy", self._width_policy(policy, widths, True))):
                 self.speculative = self._speculate_when_built
+            self._last_read = time.perf_counter()  # the call read next was issued before: its time is not the take's
         return self._build is not None
 
     def wait_for_steps(self, timeout: float | None = None) -> bool:
@@ -96,6 +101,8 @@ class SpeculationPolicy:
             self._speculate_when_built = self._speculate_when_built and speculative
         if width_policy is not None:
             self.width_policy = width_policy
+            if self._build is not None:  # what the engine takes the step executables with
+                self._policy_when_built = (width_policy, self._policy_when_built[1])
 
     def _adaptive(self) -> bool:
         return self.selector is not None and self.width_policy is self.selector

@@ -135,7 +135,11 @@ class Scheduler:
     # ---- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            building = self.engine.poll()  # takes the step executables once built (defer_steps), outside the lock
+            try:
+                building = self.engine.poll()  # takes the step executables once built (defer_steps), outside the lock
+            except Exception:  # the engine thread must live on: it serves every request
+                log.exception("taking the step executables failed")
+                building = False
             with self._cond:
                 if not (self._stopping or self._waiting or self._running):
                     self._cond.wait(BUILD_POLL_S if building else None)

@@ -4,14 +4,16 @@ across the switch, nothing compiled after it, and a failed build that leaves tar
 
 import logging
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from jdspark.config import EngineConfig
-from jdspark.engine import deferred, executables
+from jdspark.engine import costs, deferred, executables
 from jdspark.engine.engine import Engine
 from jdspark.engine.errors import EngineError
+from jdspark.engine.options import SpecOptions
 from jdspark.engine.request import SamplingParams
 from tests.conftest import generate_to_end
 
@@ -19,18 +21,19 @@ PROMPT = np.array([5, 9, 2, 14], np.int32)
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
-def deferred_engine(model) -> Engine:
+def deferred_engine(model, **kw) -> Engine:
     return Engine(model, EngineConfig(max_seq_len=128, gamma=5, max_batch=2, batch_buckets=(2,)), prefill_chunk=16,
-                  defer_steps=True)
+                  defer_steps=True, **kw)
 
 
 def test_serves_target_only_then_speculates_with_the_same_greedy_tokens(dspark_model, compile_counter, monkeypatch):
     """Before the step executables are taken the engine only decodes (speculation cannot be turned on);
-    a greedy request started then and finished speculating emits the tokens of target-only decoding;
-    nothing compiles after the engine took them."""
-    release, build = threading.Event(), deferred.StepBuild._build
-    monkeypatch.setattr(deferred.StepBuild, "_build", lambda self: (release.wait(), build(self)))  # held back
-    engine = deferred_engine(dspark_model)
+    a step takes them once built, and the step's read of the call issued before is not timed over the
+    taking (its cost measurement); a greedy request started before and finished speculating emits the
+    tokens of target-only decoding; nothing compiles after the engine took them."""
+    release, built, build = threading.Event(), threading.Event(), deferred.StepBuild._build
+    monkeypatch.setattr(deferred.StepBuild, "_build", lambda self: (release.wait(), build(self), built.set()))
+    engine = deferred_engine(dspark_model, options=SpecOptions(reprofile=True))  # measured when taken: >= WARM_S
     assert not engine.speculative and not engine.exe.step and engine.poll()
     with pytest.raises(EngineError, match="wait_for_steps"):
         engine.set_policy(speculative=True)
@@ -42,8 +45,13 @@ def test_serves_target_only_then_speculates_with_the_same_greedy_tokens(dspark_m
         drafted.append(engine.last_step is not None and engine.last_step.drafted_call)
     assert not any(drafted) and not engine.wait_for_steps(timeout=0.01)
     release.set()
-    assert engine.wait_for_steps(timeout=600)
+    assert built.wait(600)
+    begun = time.perf_counter()
+    deltas = engine.step()  # overlapped: it reads the decode call issued before it took the executables
+    took = time.perf_counter() - begun
+    tokens += deltas[first.request_id].tokens if first.request_id in deltas else []
     assert engine.speculative and engine.selector is not None and sorted(engine.exe.step) == [0, 1, 2, 3, 4, 5]
+    assert not engine.last_step.drafted_call and engine.last_step.seconds < took - costs.WARM_S
     compiles, before = compile_counter.count, len(drafted)
     final = False
     while not final:
@@ -58,32 +66,45 @@ def test_serves_target_only_then_speculates_with_the_same_greedy_tokens(dspark_m
     assert tokens == generate_to_end(engine, PROMPT, GREEDY).token_ids
 
 
-def test_speculation_turned_off_while_building_stays_off(dspark_model):
-    """`set_policy(speculative=False)` during the build is kept when the executables are taken; turning
-    speculation on afterwards uses them, with the measured adaptive policy."""
+def test_policies_set_while_building_are_kept(dspark_model):
+    """`set_policy(speculative=False)` and a width policy set during the build are kept when the
+    executables are taken; speculation turned on afterwards verifies at that policy's width."""
     engine = deferred_engine(dspark_model)
-    engine.set_policy(speculative=False)
+    engine.set_policy(speculative=False, width_policy=lambda confidence: 3)
     assert engine.wait_for_steps(timeout=600)
     assert not engine.speculative and engine.exe.step
     engine.set_policy(speculative=True)
-    assert engine.width_policy is engine.selector
-    engine.set_policy(width_policy=lambda confidence: 3)
-    assert generate_to_end(engine, PROMPT, GREEDY).stats.widths[3] > 0
+    widths = generate_to_end(engine, PROMPT, GREEDY).stats.widths
+    assert widths[3] == sum(widths) > 0
 
 
-def test_a_failed_build_keeps_serving_target_only(dspark_model, monkeypatch, caplog):
-    """The build's error is logged on the engine's thread; requests keep being served, target-only."""
+def test_an_adaptive_width_without_gamma_compiled_fails_at_start_up(dspark_model):
+    with pytest.raises(EngineError, match="adaptive width needs width gamma=5"):
+        deferred_engine(dspark_model, widths=(0, 3))
+
+
+@pytest.mark.parametrize("failing", ["build", "costs"])
+def test_a_failure_keeps_serving_target_only(dspark_model, monkeypatch, caplog, failing):
+    """A failed build, or a failure measuring the costs when the executables are taken, is logged on the
+    engine's thread: the running request goes on target-only, unharmed, and so do new ones."""
     compile = executables.Executables.compile
 
-    def failing(self, decode, draft_cache, which="all"):
+    def failing_compile(self, decode, draft_cache, which="all"):
         if which == "steps":
-            raise RuntimeError("compile failed on purpose")
+            raise RuntimeError("failed on purpose")
         return compile(self, decode, draft_cache, which)
 
-    monkeypatch.setattr(executables.Executables, "compile", failing)
+    def failing_costs(engine):
+        raise RuntimeError("failed on purpose")
+
+    if failing == "build":
+        monkeypatch.setattr(executables.Executables, "compile", failing_compile)
+    else:
+        monkeypatch.setattr(costs, "measured_selectors", failing_costs)
     engine = deferred_engine(dspark_model)
+    first = engine.add(PROMPT, GREEDY)
     with caplog.at_level(logging.ERROR, logger="jdspark.engine.deferred"):
         assert engine.wait_for_steps(timeout=600)
-    assert "compile failed on purpose" in caplog.text
+    assert "failed on purpose" in caplog.text
     assert not engine.speculative and not engine.poll()
-    assert len(generate_to_end(engine, PROMPT, GREEDY).token_ids) == GREEDY.max_tokens
+    assert engine.complete([first])[0].token_ids == generate_to_end(engine, PROMPT, GREEDY).token_ids

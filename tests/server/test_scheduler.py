@@ -203,3 +203,28 @@ def test_an_idle_engine_thread_takes_the_step_executables_once_built(monkeypatch
         assert len(polls) == 5
     finally:
         serving.close()
+
+
+def test_the_engine_thread_outlives_a_failure_taking_the_step_executables(monkeypatch):
+    """An exception out of `engine.poll` is logged; the engine thread lives on (it serves every request)."""
+    import types
+
+    from jdspark.server import scheduler
+    from jdspark.server.metrics import Metrics
+    polls = []
+
+    class Failing:
+        tokenizer, config = object(), types.SimpleNamespace(max_batch=1, gamma=5)
+
+        def poll(self):
+            polls.append(1)
+            raise RuntimeError("failed on purpose")
+
+    serving = scheduler.Scheduler(Failing(), Metrics(5), QUEUE)
+    serving.start()
+    try:
+        wait_for(lambda: polls)
+        time.sleep(0.1)
+        assert serving._thread.is_alive()
+    finally:
+        serving.close()
