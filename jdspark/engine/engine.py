@@ -83,6 +83,8 @@ class Engine(SpeculationPolicy):
         self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
         # several processes must issue the same calls: none takes executables a step apart from the others
         start, which = time.perf_counter(), "serving" if defer_steps and speculative and jax.process_count() == 1 else "all"
+        if which == "serving":
+            self._width_policy(width_policy, widths, True, measure=False)  # a bad choice fails now, not when taken
         self.exe.compile(self.state, self.draft_cache, which)
         self.state, self.draft_cache = self.exe.warm_up(self.state, self.draft_cache, which)
         self.selector, self.selectors, self.live = None, {}, costs.LiveCosts({})  # the measured selectors: the
@@ -90,7 +92,6 @@ class Engine(SpeculationPolicy):
         self._measured: dict[str, tuple] = {}  # profile -> (selectors, selector, live) measured under it
         self._build, self._speculate_when_built = None, False  # `defer_steps`: the step executables' build
         if which == "serving":
-            self._width_policy(width_policy, widths, True, measure=False)  # a bad choice fails now, not when taken
             self._build, self.speculative = deferred.StepBuild(self.exe, self._fresh_state()), False
             self._speculate_when_built, self._policy_when_built = True, (width_policy, widths)
         self.width_policy = self._width_policy(width_policy, widths, self.speculative)
