@@ -16,7 +16,8 @@ stored per program, so a warm start-up reads them) while no other call runs, the
 speculates. That measurement is the one pause a request sees, once (none where the costs are stored).
 A failed build (or cost measurement) is logged, and the engine keeps serving target-only. While the
 build runs it shares the host with the served steps (on a GPU its compiles run in worker processes,
-on the CPU in this one's threads), so target-only steps then run slower than after it.
+on the CPU in this one's threads), so target-only steps then run slower than after it; and on a GPU
+XLA's autotuning of those programs runs beside the served calls (what it picks is stored with them).
 """
 
 from __future__ import annotations
