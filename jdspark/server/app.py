@@ -72,7 +72,8 @@ def add_routes(app: FastAPI, serving: Serving, metrics: Metrics) -> None:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "running": len(serving.scheduler.running)}
+        # speculative: drafting and verifying now (False while the step executables build: defer_steps)
+        return {"status": "ok", "running": len(serving.scheduler.running), "speculative": serving.engine.speculative}
 
     @app.get("/metrics")
     async def prometheus():

@@ -29,6 +29,14 @@ def complete(client, prompt, stream=False, **kw):
 def test_models_health_and_auth(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    server.idle()
+    speculative = server.engine.speculative
+    try:  # /health says whether the engine speculates now (not yet, while `defer_steps` builds)
+        for value in (False, True):
+            server.engine.set_policy(speculative=value)
+            assert httpx.get(server.url + "/health").json()["speculative"] is value
+    finally:
+        server.engine.set_policy(speculative=speculative)
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "a"}, headers=headers)
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"

@@ -158,7 +158,8 @@ def test_engine_failure_fails_running_requests_and_server_recovers(server, clien
     server.idle()
     assert server.metric("jdspark:request_success_total", 'finished_reason="error"') == 2
     assert server.metric("jdspark:num_requests_running") == 0
-    assert httpx.get(server.url + "/health").json() == {"status": "ok", "running": 0}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "running": 0,
+                                                         "speculative": server.engine.speculative}
 
 
 def test_serving_starts_with_start_ups_objects_frozen_out_of_the_collector(server, monkeypatch):
