@@ -220,11 +220,13 @@ class Executables:
         neither match the CPU nor keep greedy speculative output equal to greedy target-only output
         (rounding that depends on the verified width flips near-ties). A bfloat16 model keeps the
         default (its few float32 dots, e.g. the head, stay as measured in docs/BENCHMARKS.md)."""
-        start, before = time.perf_counter(), (self.loaded, self.from_workers, self.worker_seconds, self.lower_seconds)
+        start = time.perf_counter()
         with self.precision():
-            count = self._compile(decode, draft_cache, which)
-        loaded, from_workers, worker_seconds, lower_seconds = (now - then for now, then in zip(
-            (self.loaded, self.from_workers, self.worker_seconds, self.lower_seconds), before))
+            count, loaded, from_workers, worker_seconds, lower_seconds = self._compile(decode, draft_cache, which)
+        self.loaded += loaded
+        self.from_workers += from_workers
+        self.worker_seconds += worker_seconds
+        self.lower_seconds += lower_seconds
         log.info("%d executables (batch buckets %s, prefill %s%s) ready in %.1f s: %d loaded from disk, %d from compile "
                  "workers (%.1f s), %.1f s loading, tracing and lowering here", count, list(self.decode_sizes),
                  list(self.prefill_sizes), "" if which == "all" else f"; {which}",
@@ -287,8 +289,10 @@ class Executables:
         function, arguments = program
         return functools.partial(self.jit(function, decode, draft_cache).lower, *arguments)
 
-    def _compile(self, decode, draft_cache, which: str) -> int:
-        """Installs the executables of `which` in their buckets; returns how many."""
+    def _compile(self, decode, draft_cache, which: str) -> tuple[int, int, int, float, float]:
+        """Installs the executables of `which` in their buckets; returns how many, how many were loaded
+        from disk and from compile workers, the wait for the workers and the loading, tracing and lowering
+        in this process (serial, in Python)."""
         programs = self.programs(decode, draft_cache, which)
         store = ExecutableCache.default(self.static_key())
         outputs = (jnp.zeros(()), decode, draft_cache)
@@ -309,13 +313,10 @@ class Executables:
         loading = time.perf_counter() - start - worker_seconds
         fresh, lowering = compiling.compile_all(lowerings, store, arguments, compiling.compiler_options(self.config))
         compiled |= fresh
-        self.loaded += len(programs) - len(lowerings) - from_workers
-        self.from_workers += from_workers
-        self.worker_seconds += worker_seconds
-        self.lower_seconds += loading + lowering  # loading, tracing and lowering in this process: serial, in Python
         for (b, name), program in (twins_of(compiled, *self._parities) if self.twins else compiled).items():
             self.buckets[b].put(name, program)
-        return len(compiled)
+        loaded = len(programs) - len(lowerings) - from_workers
+        return len(compiled), loaded, from_workers, worker_seconds, loading + lowering
 
     def static_key(self) -> str:
         """Everything the traced programs depend on besides their arguments (`exe_cache`)."""
