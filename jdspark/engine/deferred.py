@@ -4,7 +4,10 @@ decode executables while a background thread builds the step[k] executables, the
 Why: a cold start-up compiles every program, and most of them are the step widths (the embedded
 8-slot engine: 18 of 24 programs; on the H200 its cold start took 93.8-129 s, nearly all of it compiling
 on the host's 16 cores). Target-only serving needs prefill and decode alone, so the server answers
-requests after those few compile, and speculates once the rest are built. The output does not
+requests after those few compile, and speculates once the rest are built. Where every step
+executable is already stored (a warm start-up) the engine loads them with the others instead
+(`compiling.all_stored`): loading all at once took ~8 s on the H200, and the background build of
+stored ones 26.1 s until speculation (docs/BENCHMARKS.md, start-up). The output does not
 change: a request's tokens are lossless at any width, 0 included (a decode call also feeds the
 drafter's context, so a running request drafts as soon as the widths come).
 

@@ -24,7 +24,7 @@ import numpy as np
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
-from jdspark.engine import calls, costs, deferred
+from jdspark.engine import calls, compiling, costs, deferred
 from jdspark.engine.batch import (IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs, call_slots,
                                   prefill_inputs, prompts_this_step)
 from jdspark.engine.errors import CapacityError, EngineError
@@ -62,8 +62,9 @@ class Engine(SpeculationPolicy):
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
         buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU; `overlap`: a step issues
         its calls before it reads the previous step's (`step`); `batch_prefills`: new prompts may wait;
-        `defer_steps`: serve target-only at once and speculate when the step executables, built in the
-        background, are ready (`jdspark.engine.deferred`; `poll`, `wait_for_steps`)."""
+        `defer_steps`: unless every step executable is stored (then they load now), serve target-only at
+        once and speculate when they are built in the background (`jdspark.engine.deferred`; `poll`,
+        `wait_for_steps`)."""
         widths = compiled_widths(model.config, config, speculative, widths, options.width)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
         self.overlap, self.batch_prefills = overlap, batch_prefills
@@ -81,8 +82,10 @@ class Engine(SpeculationPolicy):
         self._slot_of: dict[int, int] = {}  # request id -> slot
         self._pending: dict[int, PendingPrompt] = {}  # slot -> prompt still being prefilled, oldest first
         self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
-        # several processes must issue the same calls: none takes executables a step apart from the others
-        start, which = time.perf_counter(), "serving" if defer_steps and speculative and jax.process_count() == 1 else "all"
+        # several processes must issue the same calls: none takes executables a step apart from the others;
+        # stored step executables load in seconds, so only those still to compile are deferred
+        start, defer = time.perf_counter(), defer_steps and speculative and jax.process_count() == 1
+        which = "serving" if defer and not compiling.all_stored(self.exe, self.state, self.draft_cache, "steps") else "all"
         if which == "serving":
             self._width_policy(width_policy, widths, True, measure=False)  # a bad choice fails now, not when taken
         self.exe.compile(self.state, self.draft_cache, which)
