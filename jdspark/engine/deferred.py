@@ -4,10 +4,9 @@ decode executables while a background thread builds the step[k] executables, the
 Why: a cold start-up compiles every program, and most of them are the step widths (the embedded
 8-slot engine: 18 of 24 programs; on the H200 its cold start took 93.8-129 s, nearly all of it compiling
 on the host's 16 cores). Target-only serving needs prefill and decode alone, so the server answers
-requests after those few compile, and speculates once the rest are built. Where every step
-executable is already stored (a warm start-up) the engine loads them with the others instead
-(`compiling.all_stored`): loading all at once took ~8 s on the H200, and the background build of
-stored ones 26.1 s until speculation (docs/BENCHMARKS.md, start-up). The output does not
+requests after those few compile, and speculates once the rest are built. On a GPU, where every
+step executable is already stored (a warm start-up), the engine loads them with the others instead
+(`loads_stored_at_start`). The output does not
 change: a request's tokens are lossless at any width, 0 included (a decode call also feeds the
 drafter's context, so a running request drafts as soon as the widths come).
 
@@ -30,7 +29,19 @@ import logging
 import threading
 import time
 
+import jax
+
 log = logging.getLogger(__name__)
+
+
+def loads_stored_at_start() -> bool:
+    """Whether the engine loads stored step executables at start-up with the others rather than in the
+    background. On a GPU: loaded in parallel threads they cost little (the H200's warm start-up loaded
+    all 24 in 7.3-8.9 s, where loading the 18 step executables in the background after the 6 others
+    speculated at 26.1 s and served at 10.3 s). Not on the CPU, where deserializing an executable
+    links its code (the 2-core CPU's 24: serving and speculating at 13.2 s, against serving at 3.8 s
+    and speculating at 13.4 s in the background; docs/BENCHMARKS.md, start-up)."""
+    return jax.default_backend() == "gpu"
 
 
 class StepBuild:

@@ -62,8 +62,8 @@ class Engine(SpeculationPolicy):
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
         buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU; `overlap`: a step issues
         its calls before it reads the previous step's (`step`); `batch_prefills`: new prompts may wait;
-        `defer_steps`: unless every step executable is stored (then they load now), serve target-only at
-        once and speculate when they are built in the background (`jdspark.engine.deferred`; `poll`,
+        `defer_steps`: serve target-only at once and speculate when the step executables, built (or loaded:
+        `deferred.loads_stored_at_start`) in the background, are ready (`jdspark.engine.deferred`; `poll`,
         `wait_for_steps`)."""
         widths = compiled_widths(model.config, config, speculative, widths, options.width)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
@@ -83,9 +83,11 @@ class Engine(SpeculationPolicy):
         self._pending: dict[int, PendingPrompt] = {}  # slot -> prompt still being prefilled, oldest first
         self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
         # several processes must issue the same calls: none takes executables a step apart from the others;
-        # stored step executables load in seconds, so only those still to compile are deferred
+        # on a GPU stored step executables load with the others (`deferred.loads_stored_at_start`)
         start, defer = time.perf_counter(), defer_steps and speculative and jax.process_count() == 1
-        which = "serving" if defer and not compiling.all_stored(self.exe, self.state, self.draft_cache, "steps") else "all"
+        if defer and deferred.loads_stored_at_start():
+            defer = not compiling.all_stored(self.exe, self.state, self.draft_cache, "steps")
+        which = "serving" if defer else "all"
         if which == "serving":
             self._width_policy(width_policy, widths, True, measure=False)  # a bad choice fails now, not when taken
         self.exe.compile(self.state, self.draft_cache, which)

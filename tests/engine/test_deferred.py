@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -120,11 +121,14 @@ def test_a_failure_keeps_serving_target_only(dspark_model, monkeypatch, caplog, 
 
 
 def test_stored_step_executables_load_at_start_up(dspark_model, monkeypatch):
-    """Where every step executable is stored (a warm start-up), the engine loads them with the others and
-    speculates at once: no background build. A configuration no other test builds, so the first engine
-    compiles (on the CPU what XLA's run-wide cache hands back is not stored) and the second loads.
-    Mutation caught: a check that ignores the store (the second engine would build in the background)."""
+    """Where every step executable is stored (a warm start-up) and the backend loads them fast (a GPU:
+    `deferred.loads_stored_at_start`), the engine loads them with the others and speculates at once: no
+    background build; on the CPU it loads them in the background. A configuration no other test
+    builds, so the first engine compiles (on the CPU what XLA's run-wide cache hands back is not
+    stored) and the second loads. Mutation caught: a check that ignores the store (the second engine
+    would build in the background)."""
     monkeypatch.setattr(compiling, "all_stored", TRUE_ALL_STORED)
+    monkeypatch.setattr(deferred, "loads_stored_at_start", lambda: True)
     config = EngineConfig(max_seq_len=72, gamma=5, max_batch=2, batch_buckets=(2,))
     def build():
         return Engine(dspark_model, config, prefill_chunk=16, widths=(0, 5), width_policy=lambda confidence: 5,
@@ -136,3 +140,7 @@ def test_stored_step_executables_load_at_start_up(dspark_model, monkeypatch):
     assert not again.poll() and again.speculative and sorted(again.exe.step) == [0, 5]
     assert again.exe.loaded == again.exe.count
     assert generate_to_end(again, PROMPT, GREEDY).stats.widths[5] > 0
+    monkeypatch.undo()
+    background = build()
+    assert background.poll() == (jax.default_backend() != "gpu") and background.wait_for_steps(timeout=600)
+    assert background.exe.loaded == background.exe.count and background.speculative
