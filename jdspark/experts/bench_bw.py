@@ -17,7 +17,9 @@ Measures, in one run:
   experts, each rate measured as the other runs; their ratio is the q* split of a hybrid layer
   (`hybrid.CUDA_PCIE_SHARE`: q = GPU / (GPU + CPU)).
 
-Figures are per-call medians. Prints a table; `--json PATH` writes
+Figures are per-call medians, with each call's time and the share of the machine's CPU time stolen by
+other guests meanwhile (a virtual machine's neighbours: on the H200's host whole sweeps ran 10x slow
+at random). Prints a table; `--json PATH` writes
 {"host_read_GBps", "cpu_gemv": [{"format", "rows", "GBps", ...}], ...}. On a shared machine the
 figures are noisy: the read test and the GEMV run back to back so their ratio is the robust number.
 """
@@ -79,6 +81,24 @@ def _ram_bytes() -> int:
         return 16 << 30
 
 
+def cpu_ticks() -> np.ndarray | None:
+    """The machine's CPU time so far by kind (/proc/stat: user nice system idle iowait irq softirq steal),
+    None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as stat:
+            return np.array(stat.readline().split()[1:9], np.int64)
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(before: np.ndarray | None, after: np.ndarray | None) -> float | None:
+    """The share of CPU time between two `cpu_ticks` the hypervisor gave to other guests (steal): on a
+    virtual machine, a neighbour's load shows there, not in this guest's load average."""
+    if before is None or after is None or (after - before).sum() <= 0:
+        return None
+    return float((after[7] - before[7]) / (after - before).sum())
+
+
 def host_read(nbytes: int, threads: int, repeats: int) -> dict:
     """Streaming read bandwidth over `nbytes` with `threads` threads: median and best GB/s."""
     buf = aligned_empty((nbytes,))
@@ -125,7 +145,7 @@ def cpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, threads: i
         for rows in rows_list:
             if rows not in backend_rows:
                 continue
-            calls = []
+            calls, ticks = [], cpu_ticks()
             for it in range(repeats + 1):  # the first call warms up (and compiles numba)
                 ids = np.stack([rng.choice(n_bank, TOP_K, replace=False) for _ in range(rows)])
                 x = rng.standard_normal((rows, dim)).astype(np.float32)
@@ -139,6 +159,8 @@ def cpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, threads: i
             results.append({"format": fmt_name, "rows": rows, "dtype": dtype, "GBps": float(np.median(rates)),
                             "best_GBps": float(max(rates)), "backend": backend,
                             "ms": float(np.median([t for _, t in calls]) * 1e3),
+                            "calls_ms": [round(t * 1e3, 3) for _, t in calls],
+                            "steal": steal_share(ticks, cpu_ticks()),
                             "experts": float(np.mean([b for b, _ in calls]) / per_expert),
                             "expert_bytes": per_expert})
     del bank
@@ -346,10 +368,13 @@ def format_table(res: dict) -> str:
              f"{res['threads']} threads, ds_fp4 x bf16 by vdpbf16ps {'on' if res['bf16dot'] else 'off'}, "
              f"SIMD {'on' if res['simd'] else 'off'}, prefetch {res['prefetch_groups']} group(s) of rows ahead "
              f"(ds_fp4 into {res['fp4_prefetch_hint']}):",
-             f"  {'format':8} {'backend':7} {'rows':>4} {'experts':>7} {'ms':>8} {'GB/s':>7} {'% read':>7}"]
+             f"  {'format':8} {'backend':7} {'rows':>4} {'experts':>7} {'ms':>8} {'max ms':>8} {'GB/s':>7} "
+             f"{'% read':>7} {'steal':>6}"]
     for g in res["cpu_gemv"] + res["cpu_gemv_numba"]:
+        steal = "" if g.get("steal") is None else f"{100 * g['steal']:.1f}%"
         lines.append(f"  {g['format']:8} {g['backend']:7} {g['rows']:>4} {g['experts']:>7.1f} {g['ms']:>8.2f} "
-                     f"{g['GBps']:>7.2f} {100 * g['GBps'] / res['host_read_GBps']:>6.1f}%")
+                     f"{max(g['calls_ms']):>8.2f} {g['GBps']:>7.2f} {100 * g['GBps'] / res['host_read_GBps']:>6.1f}% "
+                     f"{steal:>6}")
     if res["pcie_h2d"] is None:
         lines.append(f"PCIe host->device: {res['gpu']}")
     else:

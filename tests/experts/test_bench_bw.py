@@ -1,5 +1,7 @@
 import json
 
+import numpy as np
+
 from jdspark.experts import bench_bw
 
 
@@ -12,7 +14,8 @@ def test_bench_bw_small(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["host_read_GBps"] > 0 and res["pcie_h2d"] is None and res["gpu_gemv"] is None
     assert {(g["format"], g["rows"]) for g in res["cpu_gemv"]} == {("fp4", 1), ("fp4", 2), ("fp8-f32", 1), ("fp8-f32", 2)}
-    assert all(g["GBps"] > 0 for g in res["cpu_gemv"])
+    assert all(g["GBps"] > 0 and len(g["calls_ms"]) == 1 for g in res["cpu_gemv"])
+    assert all(g["steal"] is None or 0 <= g["steal"] <= 1 for g in res["cpu_gemv"])
     assert set(res["rows1_share_of_read"]) == {"fp4", "fp8-f32"}
     assert res["dtype"] == "bfloat16" and all(g["dtype"] == "bfloat16" for g in res["cpu_gemv"])
     assert res["bf16dot"] in (True, False)
@@ -42,3 +45,11 @@ def test_gpu_kernel_over_host_experts_and_both_shares_at_once():
         assert row["source"] == source and row["GBps"] > 0
     both = bench_bw.together("fp4", 512, 256, 1, bank_experts=8, threads=2, repeats=2, interpret=True)
     assert both["cpu_GBps"] > 0 and both["gpu_GBps"] > 0 and 0 < both["pcie_share"] < 1
+
+
+def test_steal_share_reads_the_eighth_column():
+    before, after = np.array([100, 0, 50, 800, 0, 0, 0, 10]), np.array([150, 0, 70, 850, 0, 0, 0, 40])
+    assert bench_bw.steal_share(before, after) == 30 / 150
+    assert bench_bw.steal_share(None, after) is None and bench_bw.steal_share(after, after) is None
+    ticks = bench_bw.cpu_ticks()
+    assert ticks is None or (len(ticks) == 8 and ticks.sum() > 0)
