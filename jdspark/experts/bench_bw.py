@@ -17,9 +17,9 @@ Measures, in one run:
   experts, each rate measured as the other runs; their ratio is the q* split of a hybrid layer
   (`hybrid.CUDA_PCIE_SHARE`: q = GPU / (GPU + CPU)).
 
-Figures are per-call medians, with each call's time and the share of the machine's CPU time stolen by
-other guests meanwhile (a virtual machine's neighbours: on the H200's host whole sweeps ran 10x slow
-at random). Prints a table; `--json PATH` writes
+Figures are per-call medians, with each call's time and the shares of the machine's CPU time that
+other guests (steal) and other processes took meanwhile (on the H200's host whole sweeps ran 10x
+slow at random). Prints a table; `--json PATH` writes
 {"host_read_GBps", "cpu_gemv": [{"format", "rows", "GBps", ...}], ...}. On a shared machine the
 figures are noisy: the read test and the GEMV run back to back so their ratio is the robust number.
 """
@@ -82,21 +82,26 @@ def _ram_bytes() -> int:
 
 
 def cpu_ticks() -> np.ndarray | None:
-    """The machine's CPU time so far by kind (/proc/stat: user nice system idle iowait irq softirq steal),
-    None where there is none (not Linux)."""
+    """The machine's CPU time so far by kind (/proc/stat: user nice system idle iowait irq softirq
+    steal), then this process's own (user + system), in clock ticks; None where there is none."""
     try:
         with open("/proc/stat") as stat:
-            return np.array(stat.readline().split()[1:9], np.int64)
+            machine = [int(t) for t in stat.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
+    mine = os.times()
+    return np.array([*machine, round((mine.user + mine.system) * os.sysconf("SC_CLK_TCK"))], np.int64)
 
 
-def steal_share(before: np.ndarray | None, after: np.ndarray | None) -> float | None:
-    """The share of CPU time between two `cpu_ticks` the hypervisor gave to other guests (steal): on a
-    virtual machine, a neighbour's load shows there, not in this guest's load average."""
-    if before is None or after is None or (after - before).sum() <= 0:
-        return None
-    return float((after[7] - before[7]) / (after - before).sum())
+def interference(before: np.ndarray | None, after: np.ndarray | None) -> dict[str, float | None]:
+    """Between two `cpu_ticks`, the shares of the machine's CPU time the hypervisor gave to other
+    guests (steal: a virtual machine's neighbours, which its load average does not show) and that
+    other processes of this machine used (busy time not this process's)."""
+    if before is None or after is None or (after[:8] - before[:8]).sum() <= 0:
+        return {"steal": None, "others": None}
+    spent = after - before
+    total, busy = spent[:8].sum(), spent[:8].sum() - spent[3] - spent[4] - spent[7]
+    return {"steal": float(spent[7] / total), "others": float(max(busy - spent[8], 0) / total)}
 
 
 def host_read(nbytes: int, threads: int, repeats: int) -> dict:
@@ -160,7 +165,7 @@ def cpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, threads: i
                             "best_GBps": float(max(rates)), "backend": backend,
                             "ms": float(np.median([t for _, t in calls]) * 1e3),
                             "calls_ms": [round(t * 1e3, 3) for _, t in calls],
-                            "steal": steal_share(ticks, cpu_ticks()),
+                            **interference(ticks, cpu_ticks()),
                             "experts": float(np.mean([b for b, _ in calls]) / per_expert),
                             "expert_bytes": per_expert})
     del bank
@@ -369,12 +374,12 @@ def format_table(res: dict) -> str:
              f"SIMD {'on' if res['simd'] else 'off'}, prefetch {res['prefetch_groups']} group(s) of rows ahead "
              f"(ds_fp4 into {res['fp4_prefetch_hint']}):",
              f"  {'format':8} {'backend':7} {'rows':>4} {'experts':>7} {'ms':>8} {'max ms':>8} {'GB/s':>7} "
-             f"{'% read':>7} {'steal':>6}"]
+             f"{'% read':>7} {'steal':>6} {'others':>6}"]
     for g in res["cpu_gemv"] + res["cpu_gemv_numba"]:
-        steal = "" if g.get("steal") is None else f"{100 * g['steal']:.1f}%"
+        steal, others = ("" if g[key] is None else f"{100 * g[key]:.1f}%" for key in ("steal", "others"))
         lines.append(f"  {g['format']:8} {g['backend']:7} {g['rows']:>4} {g['experts']:>7.1f} {g['ms']:>8.2f} "
                      f"{max(g['calls_ms']):>8.2f} {g['GBps']:>7.2f} {100 * g['GBps'] / res['host_read_GBps']:>6.1f}% "
-                     f"{steal:>6}")
+                     f"{steal:>6} {others:>6}")
     if res["pcie_h2d"] is None:
         lines.append(f"PCIe host->device: {res['gpu']}")
     else:

@@ -15,7 +15,7 @@ def test_bench_bw_small(tmp_path, capsys):
     assert res["host_read_GBps"] > 0 and res["pcie_h2d"] is None and res["gpu_gemv"] is None
     assert {(g["format"], g["rows"]) for g in res["cpu_gemv"]} == {("fp4", 1), ("fp4", 2), ("fp8-f32", 1), ("fp8-f32", 2)}
     assert all(g["GBps"] > 0 and len(g["calls_ms"]) == 1 for g in res["cpu_gemv"])
-    assert all(g["steal"] is None or 0 <= g["steal"] <= 1 for g in res["cpu_gemv"])
+    assert all(g[k] is None or 0 <= g[k] <= 1 for g in res["cpu_gemv"] for k in ("steal", "others"))
     assert set(res["rows1_share_of_read"]) == {"fp4", "fp8-f32"}
     assert res["dtype"] == "bfloat16" and all(g["dtype"] == "bfloat16" for g in res["cpu_gemv"])
     assert res["bf16dot"] in (True, False)
@@ -47,9 +47,11 @@ def test_gpu_kernel_over_host_experts_and_both_shares_at_once():
     assert both["cpu_GBps"] > 0 and both["gpu_GBps"] > 0 and 0 < both["pcie_share"] < 1
 
 
-def test_steal_share_reads_the_eighth_column():
-    before, after = np.array([100, 0, 50, 800, 0, 0, 0, 10]), np.array([150, 0, 70, 850, 0, 0, 0, 40])
-    assert bench_bw.steal_share(before, after) == 30 / 150
-    assert bench_bw.steal_share(None, after) is None and bench_bw.steal_share(after, after) is None
+def test_interference_splits_steal_and_other_processes():
+    """Ticks: user nice system idle iowait irq softirq steal, then this process's: of 150 ticks 30 were
+    stolen, 70 busy of which 40 this process's."""
+    before, after = np.array([100, 0, 50, 800, 0, 0, 0, 10, 60]), np.array([150, 0, 70, 850, 0, 0, 0, 40, 100])
+    assert bench_bw.interference(before, after) == {"steal": 30 / 150, "others": 30 / 150}
+    assert bench_bw.interference(None, after) == {"steal": None, "others": None}
     ticks = bench_bw.cpu_ticks()
-    assert ticks is None or (len(ticks) == 8 and ticks.sum() > 0)
+    assert ticks is None or (len(ticks) == 9 and ticks[:8].sum() > 0)
