@@ -39,7 +39,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -57,7 +56,7 @@ from bench_step import start_request, step_times  # noqa: E402
 from jdspark.config import EngineConfig, QuantConfig  # noqa: E402
 from jdspark.engine.engine import Engine, SpecOptions  # noqa: E402
 from jdspark.engine.executables import enable_compile_cache  # noqa: E402
-from jdspark.experts import bench_bw, cpu_gemv, mapped  # noqa: E402
+from jdspark.experts import cpu_gemv, host_probes, mapped  # noqa: E402
 from jdspark.experts.banks import random_bank  # noqa: E402
 from jdspark.experts.hybrid import HybridExperts, is_main_expert, plan_for, with_host_experts  # noqa: E402
 from jdspark.model.model import Model  # noqa: E402
@@ -252,7 +251,7 @@ def measure(args) -> dict:
     dtype = jnp.dtype(args.dtype)
     config = flash_0731_config(args.preset, args.layers, args.experts)
     threads = args.threads or cpu_gemv.default_threads()
-    read = bench_bw.host_read(args.read_mb << 20, threads, 5)
+    read = host_probes.host_read(args.read_mb << 20, threads, 5)
     print(f"host read {read['GBps']:.1f} GB/s ({threads} threads)", flush=True)
     budget = gpu_budget(config, dtype, args)
     model, report, build_s = build(config, dtype, budget, args.seed, args.via, threads, args.pcie_share)

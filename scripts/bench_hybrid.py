@@ -7,7 +7,7 @@ Builds the random model of `bench_decode.py` (weights drawn on the device, `--la
 (the XLA FFI custom call, `ffi`, and the `jax.pure_callback`, `callback`; the same banks). Each
 layer's host part counts its own seconds (plan + CPU GEMV) and the distinct host experts it read
 (`HybridExperts.host_stats`), so the host part is reported against its bytes at the host read
-bandwidth measured in the same run (`bench_bw.host_read`): `host_vs_read` = host ms / (bytes / read
+bandwidth measured in the same run (`host_probes.host_read`): `host_vs_read` = host ms / (bytes / read
 bandwidth), the issue's done-when asks <= 1.3. `round_trip_ms` = hybrid - all-device - host GEMV,
 per host layer: what a host call costs beyond its GEMV (transfers, synchronisation, the Python call
 of a callback); `empty_callback_ms` is the same for a pure_callback that does nothing, in a chain of
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import STORAGES, make_config, model_arguments, random_params, time_extend  # noqa: E402
 
 from jdspark.config import EngineConfig  # noqa: E402
-from jdspark.experts import bench_bw, cpu_gemv  # noqa: E402
+from jdspark.experts import cpu_gemv, host_probes  # noqa: E402
 from jdspark.experts.hybrid import HybridExperts, with_host_experts  # noqa: E402
 from jdspark.model.model import Model  # noqa: E402
 
@@ -93,7 +93,7 @@ def measure(args) -> dict:
     engine = EngineConfig(max_seq_len=args.context + 16, gamma=5, max_batch=1)
     n_host = min(args.host_layers or config.num_hidden_layers, config.num_hidden_layers)
     threads = args.threads or cpu_gemv.default_threads()
-    read = bench_bw.host_read(args.read_mb << 20, threads, 5)
+    read = host_probes.host_read(args.read_mb << 20, threads, 5)
     out = {"config": dict(preset=args.preset, layers=config.num_hidden_layers, experts=config.n_routed_experts,
                           storage=args.storage, host_experts=args.host_experts, host_layers=n_host,
                           context=args.context, threads=threads, device=str(jax.devices()[0].device_kind)),

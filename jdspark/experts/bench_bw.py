@@ -35,8 +35,8 @@ import time
 
 import numpy as np
 
-from jdspark.experts import cpu_gemv
-from jdspark.experts.banks import aligned_empty, random_bank, weight_bytes
+from jdspark.experts import cpu_gemv, host_probes
+from jdspark.experts.banks import random_bank
 
 log = logging.getLogger(__name__)
 FORMATS = {"fp4": ("fp4", "e8m0"), "fp8": ("fp8", "e8m0"), "fp8-f32": ("fp8", "float32"), "bf16": ("bf16", "e8m0")}
@@ -71,67 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------------
-# host memory
-
-
-def _ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover
-        return 16 << 30
-
-
-def cpu_ticks() -> np.ndarray | None:
-    """The machine's CPU time so far by kind (/proc/stat: user nice system idle iowait irq softirq
-    steal), then this process's own (user + system), in clock ticks; None where there is none."""
-    try:
-        with open("/proc/stat") as stat:
-            machine = [int(t) for t in stat.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-    mine = os.times()
-    return np.array([*machine, round((mine.user + mine.system) * os.sysconf("SC_CLK_TCK"))], np.int64)
-
-
-def interference(before: np.ndarray | None, after: np.ndarray | None) -> dict[str, float | None]:
-    """Between two `cpu_ticks`, the shares of the machine's CPU time the hypervisor gave to other
-    guests (steal: a virtual machine's neighbours, which its load average does not show) and that
-    other processes of this machine used (busy time not this process's)."""
-    if before is None or after is None or (after[:8] - before[:8]).sum() <= 0:
-        return {"steal": None, "others": None}
-    spent = after - before
-    total, busy = spent[:8].sum(), spent[:8].sum() - spent[3] - spent[4] - spent[7]
-    return {"steal": float(spent[7] / total), "others": float(max(busy - spent[8], 0) / total)}
-
-
-def host_read(nbytes: int, threads: int, repeats: int) -> dict:
-    """Streaming read bandwidth over `nbytes` with `threads` threads: median and best GB/s."""
-    buf = aligned_empty((nbytes,))
-    buf.view(np.uint64)[:] = 1  # touch every page
-    try:
-        lib = cpu_gemv.kernel()
-        words = nbytes // 8
-
-        def once():
-            lib.jds_read_sum(buf.ctypes.data, words, 1, threads)
-        how = f"C++ streaming sum, {threads} threads"
-    except RuntimeError as e:  # no compiler: numpy's (single-threaded) sum
-        log.warning("read test through numpy: %s", e)
-        view = buf.view(np.uint64)
-
-        def once():
-            view.sum()
-        how = "numpy sum, 1 thread"
-    once()
-    rates = []
-    for _ in range(max(repeats, 3)):
-        t = time.perf_counter()
-        once()
-        rates.append(nbytes / (time.perf_counter() - t) / 1e9)
-    return {"GBps": float(np.median(rates)), "best_GBps": float(max(rates)), "bytes": nbytes, "how": how}
-
-
-# ------------------------------------------------------------------------------------------------
 # CPU GEMV
 
 
@@ -150,7 +89,7 @@ def cpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, threads: i
         for rows in rows_list:
             if rows not in backend_rows:
                 continue
-            calls, ticks = [], cpu_ticks()
+            calls, ticks = [], host_probes.cpu_ticks()
             for it in range(repeats + 1):  # the first call warms up (and compiles numba)
                 ids = np.stack([rng.choice(n_bank, TOP_K, replace=False) for _ in range(rows)])
                 x = rng.standard_normal((rows, dim)).astype(np.float32)
@@ -165,7 +104,7 @@ def cpu_gemv_sweep(fmt_name: str, dim: int, inter: int, rows_list, *, threads: i
                             "best_GBps": float(max(rates)), "backend": backend,
                             "ms": float(np.median([t for _, t in calls]) * 1e3),
                             "calls_ms": [round(t * 1e3, 3) for _, t in calls],
-                            **interference(ticks, cpu_ticks()),
+                            **host_probes.interference(ticks, host_probes.cpu_ticks()),
                             "experts": float(np.mean([b for b, _ in calls]) / per_expert),
                             "expert_bytes": per_expert})
     del bank
@@ -311,14 +250,14 @@ def run(args) -> dict:
     for f in formats:
         if f not in FORMATS:
             raise ValueError(f"--formats: unknown format {f!r}; expected some of {', '.join(FORMATS)}")
-    ram = _ram_bytes()
+    ram = host_probes.ram_bytes()
     read_mb = args.read_mb or (1024 if ram >= 32 << 30 else 256)
     res = {"dim": args.dim, "inter": args.inter, "threads": threads, "cpus": os.cpu_count(),
            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
            "simd": bool(cpu_gemv.kernel().jds_has_simd()), "prefetch_groups": cpu_gemv.PREFETCH,
            "fp4_prefetch_hint": cpu_gemv.fp4_prefetch_hint(), "dtype": args.dtype,
            "bf16dot": bool(cpu_gemv.kernel().jds_has_bf16dot())}
-    read = host_read(read_mb << 20, threads, args.repeats)
+    read = host_probes.host_read(read_mb << 20, threads, args.repeats)
     res.update(host_read_GBps=read["GBps"], host_read_best_GBps=read["best_GBps"], host_read=read)
     _progress(f"host read {read['GBps']:.2f} GB/s")
     numba_rows = set(_ints(args.numba_rows)) if args.numba_rows else set()
@@ -336,7 +275,7 @@ def run(args) -> dict:
         _progress(f"CPU GEMV {f}: " + ", ".join(f"rows {g['rows']} {g['GBps']:.1f} GB/s" for g in gemv
                                                 if g["format"] == f and g["backend"] == "cpp"))
     # the read test once more after the sweep: the machine may be busier or quieter by now
-    read2 = host_read(read_mb << 20, threads, args.repeats)
+    read2 = host_probes.host_read(read_mb << 20, threads, args.repeats)
     res["host_read_after_GBps"] = read2["GBps"]
     res["cpu_gemv"] = [g for g in gemv if g["backend"] == "cpp"]
     res["cpu_gemv_numba"] = [g for g in gemv if g["backend"] == "numba"]
