@@ -6,9 +6,9 @@ Why: a cold start-up compiles every program, and most of them are the step width
 on the host's 16 cores). Target-only serving needs prefill and decode alone, so the server answers
 requests after those few compile, and speculates once the rest are built. On a GPU, where every
 step executable is already stored (a warm start-up), the engine loads them with the others instead
-(`loads_stored_at_start`). The output does not
-change: a request's tokens are lossless at any width, 0 included (a decode call also feeds the
-drafter's context, so a running request drafts as soon as the widths come).
+(`loads_stored_at_start`). The output does not change: a request's tokens are lossless at any width,
+0 included (a decode call also feeds the drafter's context, so a running request drafts as soon as
+the widths come).
 
 The thread loads or compiles the step executables (compile workers where the engine uses them) and
 calls each once, on a decode state of its own (one more state while it runs): the engine's state is
