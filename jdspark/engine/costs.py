@@ -68,11 +68,11 @@ QUEUED = 4  # calls per timed sample of the "queued" profile
 
 
 def measure(run, labels, runs: int, reset=lambda: None, clock: Callable[[], float] = time.perf_counter,
-            calls: int = 1) -> list[float]:
-    """The fastest of `runs` timed samples per label (interference only slows a call), over `calls`
-    (the calls one sample makes), in rounds that sample every label once; `run(label)` runs one
-    sample and blocks on it, `reset()` (untimed) runs before each sample; `clock` reads the time (a
-    test passes a fake one)."""
+            calls: dict[str, int] | None = None) -> list[float]:
+    """The fastest of `runs` timed samples per label (interference only slows a call), over `calls[label]`
+    (the calls one sample of it makes; default 1), in rounds that sample every label once; `run(label)`
+    runs one sample and blocks on it, `reset()` (untimed) runs before each sample; `clock` reads the
+    time (a test passes a fake one)."""
     start = clock()
     while True:  # warm-up rounds
         for label in labels:
@@ -87,11 +87,12 @@ def measure(run, labels, runs: int, reset=lambda: None, clock: Callable[[], floa
             begin = clock()
             run(label)
             times[label].append(clock() - begin)
-    return [min(times[label]) / calls for label in labels]
+    return [min(times[label]) / (calls or {}).get(label, 1) for label in labels]
 
 
 def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path | None, reprofile: bool,
-                    reset=lambda: None, clock: Callable[[], float] = time.perf_counter, calls: int = 1) -> dict[str, float]:
+                    reset=lambda: None, clock: Callable[[], float] = time.perf_counter,
+                    calls: dict[str, int] | None = None) -> dict[str, float]:
     """{label: seconds} from the cache file of `key` when it holds these labels, else measured and stored."""
     path = (cache_dir or default_cache_dir()) / f"{key}.json"
     # Several processes run every call together, so all measure (none reads a cache it alone may
@@ -118,8 +119,9 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     prefill-only bucket has only "prefill"): rows 0..n-1 active at
     full width (the prefill: a full chunk each, its executable's dense work whatever the prompts),
     greedy, on emptied state, one call or `QUEUED` at a time (`SpecOptions.profile`, while the state
-    has room for them); cached per device kind, model, dtype, engine config, bucket, profile and
-    programs (`programs_key`)."""
+    has room for them; a prefill one at a time: its long call hides no dispatch worth pricing, and on the
+    2-core CPU its queued samples were 34 of the 60 s `jdspark serve`'s 3 buckets took to profile);
+    cached per device kind, model, dtype, engine config, bucket, profile and programs (`programs_key`)."""
     config, exe, profile = engine.config, engine.exe.buckets[n], engine.options.profile
     queued = max(1, min(QUEUED, (config.max_seq_len - 1) // (config.gamma + 1))) if profile == "queued" else 1
     active = np.arange(config.max_batch) < n
@@ -133,8 +135,10 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
              **({"decode": exe.decode} if exe.decode is not None else {}),
              **{f"step{k}": exe.step[k] for k in sorted(exe.step)}}
 
+    per_sample = {label: 1 if label == "prefill" else queued for label in calls}
+
     def run(label):
-        for _ in range(queued):
+        for _ in range(per_sample[label]):
             out, engine.state, engine.draft_cache = calls[label](engine.exe.params.arrays, engine.state,
                                                                  engine.draft_cache, slots)
         jax.block_until_ready(out)
@@ -151,7 +155,7 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     options = engine.options
     cache_dir = Path(options.cost_cache_dir) if options.cost_cache_dir else None
     measured = load_or_measure(key, run, list(calls), options.profile_runs, cache_dir, options.reprofile, reset,
-                               calls=queued)
+                               calls=per_sample)
     reset()
     return measured
 

@@ -66,13 +66,14 @@ def test_reset_runs_before_every_call_and_is_not_timed(tmp_path):
 
 
 def test_a_queued_sample_is_priced_per_call():
-    """The "queued" profile times samples of several calls issued back to back: a cost is per call."""
+    """The "queued" profile times samples of several calls issued back to back: a cost is per call (a
+    label's own count: the prefill is sampled one call at a time)."""
     clock = FakeClock()
 
-    def run(label):  # one sample: 4 calls of 2 s each
-        clock.now += 4 * 2.0
+    def run(label):  # one sample: 4 calls of 2 s each, or one prefill of 3 s
+        clock.now += 4 * 2.0 if label == "step5" else 3.0
 
-    assert costs.measure(run, ["step5"], 2, clock=clock, calls=4) == [2.0]
+    assert costs.measure(run, ["step5", "prefill"], 2, clock=clock, calls={"step5": 4}) == [2.0, 3.0]
 
 
 def test_options_name_an_unknown_profile():
