@@ -138,7 +138,9 @@ def host_part(engine: Engine, layers, steps: int, read_GBps: float) -> dict:
         for layer in layers:
             layer.host_stats(reset=True)
 
+    ticks = host_probes.cpu_ticks()
     out = {"wall_ms": step_times(engine, False, steps, on_start=reset), "host_layers": len(layers), "host_ms": 0.0}
+    out |= host_probes.interference(ticks, host_probes.cpu_ticks())  # the machine's other guests and processes
     counts = [layer.host_stats() for layer in layers]
     calls = sum(c["calls"] for c in counts)
     if calls:
@@ -321,6 +323,9 @@ def print_table(res: dict) -> None:
         if "cpu_MHz" in t and "cpu_MHz" in last:
             print(f"host cores: {t['cpu_MHz']:.0f} MHz, load {t['loadavg_1min']:.1f} first; "
                   f"{last['cpu_MHz']:.0f} MHz, load {last['loadavg_1min']:.1f} at the end")
+        if t.get("steal") is not None and last.get("steal") is not None:
+            print(f"CPU time taken meanwhile by other guests (steal) / other processes: {t['steal']:.1%} / "
+                  f"{t['others']:.1%} first, {last['steal']:.1%} / {last['others']:.1%} at the end")
     walls = res["step_wall_ms"]
     print("overlapped Engine.step (ms): decode " + f"{walls['decode']:.2f}, "
           + ", ".join(f"k = {k[4:]}: {v:.2f}" for k, v in walls.items() if k != "decode"))
