@@ -129,7 +129,7 @@ def test_stored_step_executables_load_at_start_up(dspark_model, monkeypatch):
     would build in the background)."""
     monkeypatch.setattr(compiling, "all_stored", TRUE_ALL_STORED)
     monkeypatch.setattr(deferred, "loads_stored_at_start", lambda: True)
-    config = EngineConfig(max_seq_len=72, gamma=5, max_batch=2, batch_buckets=(2,))
+    config = EngineConfig(max_seq_len=72, gamma=5, max_batch=1)
     def build():
         return Engine(dspark_model, config, prefill_chunk=16, widths=(0, 5), width_policy=lambda confidence: 5,
                       defer_steps=True)
