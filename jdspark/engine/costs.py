@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -95,19 +96,44 @@ def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path
                     calls: dict[str, int] | None = None) -> dict[str, float]:
     """{label: seconds} from the cache file of `key` when it holds these labels, else measured and stored."""
     path = (cache_dir or default_cache_dir()) / f"{key}.json"
-    # Several processes run every call together, so all measure (none reads a cache it alone may
-    # have) and all take process 0's figures: every process then chooses the same widths.
-    if path.exists() and not reprofile and jax.process_count() == 1:
-        data = json.loads(path.read_text())
-        if data.get("labels") == list(labels):
-            costs = dict(zip(data["labels"], data["costs_s"]))
-            log.info("costs from %s: %s", path, _fmt(costs))
-            return costs
+    costs = stored_costs(path, labels, reprofile)
+    if costs is not None:
+        log.info("costs from %s: %s", path, _fmt(costs))
+        return costs
     costs = dict(zip(labels, distributed.from_process_0(measure(run, labels, runs, reset, clock, calls))))
     log.info("profiled costs (fastest of %d runs): %s", runs, _fmt(costs))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"labels": list(labels), "costs_s": list(costs.values()), "runs": runs}, indent=1))
     return costs
+
+
+def stored_costs(path: Path, labels: list[str], reprofile: bool) -> dict[str, float] | None:
+    """{label: seconds} of the cache file `path` where it holds these labels (and they are to be read)."""
+    # Several processes run every call together, so all measure (none reads a cache it alone may
+    # have) and all take process 0's figures: every process then chooses the same widths.
+    if not path.exists() or reprofile or jax.process_count() != 1:
+        return None
+    data = json.loads(path.read_text())
+    return dict(zip(data["labels"], data["costs_s"])) if data.get("labels") == list(labels) else None
+
+
+def profiled(engine) -> bool:
+    """Whether every batch bucket's costs are stored (`measure_bucket` would read them, not measure)."""
+    cache_dir = Path(engine.options.cost_cache_dir) if engine.options.cost_cache_dir else default_cache_dir()
+    return all(stored_costs(cache_dir / f"{key}.json", labels, engine.options.reprofile) is not None
+               for key, labels in map(functools.partial(bucket_profile, engine), engine.exe.buckets))
+
+
+def bucket_profile(engine, n: int) -> tuple[str, list[str]]:
+    """(the cost cache key, the labels) of batch bucket n's profile (`measure_bucket`)."""
+    exe, profile = engine.exe.buckets[n], engine.options.profile
+    labels = [*(["prefill"] if exe.prefill is not None else []), *(["decode"] if exe.decode is not None else []),
+              *(f"step{k}" for k in sorted(exe.step))]
+    mesh = {"mesh": dict(engine.model.mesh.shape)} if engine.model.mesh is not None else {}  # other executables
+    key = cost_key(engine.model.config.to_dict(), str(engine.model.dtype),
+                   {**dataclasses.asdict(engine.config), "bucket": n, "profile": profile, **mesh,
+                    "programs": programs_key(engine.exe)})
+    return key, labels
 
 
 def _fmt(costs: dict[str, float]) -> str:
@@ -148,13 +174,10 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
         engine.draft_cache = dspark.reset_draft_slots(engine.draft_cache, active)
         jax.block_until_ready((engine.state, engine.draft_cache))
 
-    mesh = {"mesh": dict(engine.model.mesh.shape)} if engine.model.mesh is not None else {}  # other executables
-    key = cost_key(engine.model.config.to_dict(), str(engine.model.dtype), {**dataclasses.asdict(config), "bucket": n,
-                                                                           "profile": profile, **mesh,
-                                                                           "programs": programs_key(engine.exe)})
+    key, labels = bucket_profile(engine, n)  # the labels of `calls`, in order
     options = engine.options
     cache_dir = Path(options.cost_cache_dir) if options.cost_cache_dir else None
-    measured = load_or_measure(key, run, list(calls), options.profile_runs, cache_dir, options.reprofile, reset,
+    measured = load_or_measure(key, run, labels, options.profile_runs, cache_dir, options.reprofile, reset,
                                calls=per_sample)
     reset()
     return measured

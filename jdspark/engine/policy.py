@@ -38,11 +38,12 @@ class SpeculationPolicy:
         self.selectors, self.selector, self.live = self._measured[self.options.profile]
         return self.selector
 
-    def poll(self) -> bool:
-        """Take the step executables if their build ended (`defer_steps`; `step` calls it too): their costs
-        measured where adaptive widths need them, then speculation on (unless `set_policy` turned it off).
-        Returns whether they are still being built."""
-        if self._build is not None and self._build.ready:
+    def poll(self, force: bool = False) -> bool:
+        """Take the step executables if their build ended (`defer_steps`; `step` calls it too) and now is
+        the moment (`deferred.StepBuild.may_be_taken`, or `force`): their costs measured where adaptive
+        widths need them, then speculation on (unless `set_policy` turned it off). Returns whether they
+        are still to be taken."""
+        if self._build is not None and self._build.ready and (force or self._build.may_be_taken(self)):
             build, self._build = self._build, None
             policy, widths = self._policy_when_built
             if deferred.take(self, build, lambda: setattr(self, "width_policy", self._width_policy(policy, widths, True))):
@@ -51,11 +52,11 @@ class SpeculationPolicy:
         return self._build is not None
 
     def wait_for_steps(self, timeout: float | None = None) -> bool:
-        """Block until the step executables are built (`defer_steps`), then take them (`poll`); whether
-        the build ended within `timeout` seconds."""
+        """Block until the step executables are built (`defer_steps`), then take them (`poll`, whatever
+        runs); whether the build ended within `timeout` seconds."""
         if self._build is not None and not self._build.wait(timeout):
             return False
-        self.poll()
+        self.poll(force=True)
         return True
 
     def measure_call_costs(self, bucket: int | None = None) -> dict[str, float]:

@@ -38,9 +38,10 @@ def deferred_engine(model, **kw) -> Engine:
 
 def test_serves_target_only_then_speculates_with_the_same_greedy_tokens(dspark_model, compile_counter, monkeypatch):
     """Before the step executables are taken the engine only decodes (speculation cannot be turned on);
-    a step takes them once built, and the step's read of the call issued before is not timed over the
-    taking (its cost measurement); a greedy request started before and finished speculating emits the
-    tokens of target-only decoding; nothing compiles after the engine took them."""
+    once built, with a request running and costs to measure, a step takes them only after the build
+    has waited `deferred.TAKE_WAIT_S` for an idle engine, and the step's read of the call issued before
+    is not timed over the taking (its cost measurement); a greedy request started before and finished
+    speculating emits the tokens of target-only decoding; nothing compiles after the engine took them."""
     release, built, build = threading.Event(), threading.Event(), deferred.StepBuild._build
     monkeypatch.setattr(deferred.StepBuild, "_build", lambda self: (release.wait(), build(self), built.set()))
     engine = deferred_engine(dspark_model, options=SpecOptions(reprofile=True))  # measured when taken: >= WARM_S
@@ -56,6 +57,10 @@ def test_serves_target_only_then_speculates_with_the_same_greedy_tokens(dspark_m
     assert not any(drafted) and not engine.wait_for_steps(timeout=0.01)
     release.set()
     assert built.wait(600)
+    deltas = engine.step()  # built, but the costs are to be measured and a request runs: not yet taken
+    tokens += deltas[first.request_id].tokens if first.request_id in deltas else []
+    assert not engine.speculative and engine.poll()
+    monkeypatch.setattr(deferred, "TAKE_WAIT_S", 0.0)  # ... until the build has waited this long
     begun = time.perf_counter()
     deltas = engine.step()  # overlapped: it reads the decode call issued before it took the executables
     took = time.perf_counter() - begun
@@ -144,3 +149,17 @@ def test_stored_step_executables_load_at_start_up(dspark_model, monkeypatch):
     background = build()
     assert background.poll() == (jax.default_backend() != "gpu") and background.wait_for_steps(timeout=600)
     assert background.exe.loaded == background.exe.count and background.speculative
+
+
+def test_an_idle_engine_or_stored_costs_take_at_once(dspark_model, monkeypatch):
+    """Built step executables are taken at the first poll while no request runs, or with one running
+    where their costs are stored (taking them measures nothing); else the running request goes on
+    target-only. Mutation caught: a rule that ignores the running requests or the stored costs."""
+    monkeypatch.setattr(deferred, "TAKE_WAIT_S", 3600.0)
+    idle = deferred_engine(dspark_model)
+    assert idle._build.wait(600) and not idle.poll() and idle.speculative  # nothing ran: taken
+    for stored in (False, True):
+        monkeypatch.setattr(costs, "profiled", lambda engine: stored)
+        busy = deferred_engine(dspark_model)
+        busy.add(PROMPT, GREEDY)
+        assert busy._build.wait(600) and busy.poll() != stored and busy.speculative == stored
