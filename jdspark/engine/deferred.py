@@ -30,10 +30,9 @@ import gc
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import jax
-
-from jdspark.engine import costs
 
 log = logging.getLogger(__name__)
 TAKE_WAIT_S = 30.0  # how long an ended build waits for an idle engine before it is taken anyway
@@ -59,7 +58,7 @@ class StepBuild:
         self.error: BaseException | None = None
         self.started = time.perf_counter()
         self.seconds = 0.0  # how long the build took
-        self._costs_stored: bool | None = None  # whether taking it measures nothing (`may_be_taken`)
+        self._instant: bool | None = None  # whether taking it measures nothing (`may_be_taken`)
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._build, name="jdspark-step-executables", daemon=True)
         self._thread.start()
@@ -79,15 +78,15 @@ class StepBuild:
         """Whether the build ended (built, or failed: `error`)."""
         return self._done.is_set()
 
-    def may_be_taken(self, engine) -> bool:
-        """Whether the engine takes the ended build now: at once where the costs are stored (nothing to
-        measure), else while no request holds a slot (the measurement pauses the engine's thread: 3.3 s
-        for `jdspark serve`'s engine on the H200, 19-61 s on the 2-core CPU), or once the build has
-        waited TAKE_WAIT_S for such a moment (a server that is never idle pays the pause once)."""
-        if self._costs_stored is None:
-            self._costs_stored = self.error is not None or costs.profiled(engine)  # a failure: logged at once
-        waited = time.perf_counter() - self.started - self.seconds
-        return self._costs_stored or not engine.running or waited >= TAKE_WAIT_S
+    def may_be_taken(self, idle: bool, measures: Callable[[], bool]) -> bool:
+        """Whether the engine takes the ended build now: at once where taking it measures nothing
+        (`measures()`, asked once: a fixed width, or costs stored) or it failed (logged then), else while
+        the engine is `idle` (the measurement pauses its thread: 3.3 s for `jdspark serve`'s engine on
+        the H200, 19-61 s on the 2-core CPU), or once the build has waited TAKE_WAIT_S for such a moment
+        (a server that is never idle pays the pause once)."""
+        if self._instant is None:
+            self._instant = self.error is not None or not measures()
+        return self._instant or idle or time.perf_counter() - self.started - self.seconds >= TAKE_WAIT_S
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the build ends (or `timeout` seconds pass); whether it ended."""

@@ -43,13 +43,20 @@ class SpeculationPolicy:
         the moment (`deferred.StepBuild.may_be_taken`, or `force`): their costs measured where adaptive
         widths need them, then speculation on (unless `set_policy` turned it off). Returns whether they
         are still to be taken."""
-        if self._build is not None and self._build.ready and (force or self._build.may_be_taken(self)):
-            build, self._build = self._build, None
+        build = self._build
+        if build is not None and build.ready and (force or build.may_be_taken(not self.running, self._take_measures)):
+            self._build = None
             policy, widths = self._policy_when_built
             if deferred.take(self, build, lambda: setattr(self, "width_policy", self._width_policy(policy, widths, True))):
                 self.speculative = self._speculate_when_built
             self._last_read = time.perf_counter()  # the call read next was issued before: its time is not the take's
         return self._build is not None
+
+    def _take_measures(self) -> bool:
+        """Whether taking the built step executables measures their costs: adaptive widths (the policy
+        set when built, `_width_policy`) whose costs are not stored."""
+        policy, _ = self._policy_when_built
+        return policy is None and self.options.width is None and not costs.profiled(self)
 
     def wait_for_steps(self, timeout: float | None = None) -> bool:
         """Block until the step executables are built (`defer_steps`), then take them (`poll`, whatever

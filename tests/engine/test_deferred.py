@@ -151,15 +151,17 @@ def test_stored_step_executables_load_at_start_up(dspark_model, monkeypatch):
     assert background.exe.loaded == background.exe.count and background.speculative
 
 
-def test_an_idle_engine_or_stored_costs_take_at_once(dspark_model, monkeypatch):
+def test_an_idle_engine_stored_costs_or_a_fixed_width_take_at_once(dspark_model, monkeypatch):
     """Built step executables are taken at the first poll while no request runs, or with one running
-    where their costs are stored (taking them measures nothing); else the running request goes on
-    target-only. Mutation caught: a rule that ignores the running requests or the stored costs."""
+    where taking them measures nothing (their costs stored, or a fixed width); else the running
+    request goes on target-only. Mutation caught: a rule that ignores the running requests, the
+    stored costs or the width policy."""
     monkeypatch.setattr(deferred, "TAKE_WAIT_S", 3600.0)
     idle = deferred_engine(dspark_model)
     assert idle._build.wait(600) and not idle.poll() and idle.speculative  # nothing ran: taken
-    for stored in (False, True):
+    for stored, policy in ((False, None), (True, None), (False, lambda confidence: 5)):
         monkeypatch.setattr(costs, "profiled", lambda engine: stored)
-        busy = deferred_engine(dspark_model)
+        busy = deferred_engine(dspark_model, width_policy=policy)
         busy.add(PROMPT, GREEDY)
-        assert busy._build.wait(600) and busy.poll() != stored and busy.speculative == stored
+        instant = stored or policy is not None
+        assert busy._build.wait(600) and busy.poll() != instant and busy.speculative == instant
