@@ -157,11 +157,15 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
                         width=np.full(n, config.gamma))
     chunk = (np.zeros((n, engine.exe.prefill_chunk), np.int32), np.full(n, engine.exe.prefill_chunk, np.int32),
              np.ones(n, bool))  # ids, n_valid, reset: every row a whole chunk, a prompt's first
-    calls = {**({"prefill": lambda *a: exe.prefill(*a[:3], *chunk, a[3])} if exe.prefill is not None else {}),
-             **({"decode": exe.decode} if exe.decode is not None else {}),
-             **{f"step{k}": exe.step[k] for k in sorted(exe.step)}}
+    key, labels = bucket_profile(engine, n)
 
-    per_sample = {label: 1 if label == "prefill" else queued for label in calls}
+    def program(label):
+        if label == "prefill":
+            return lambda *a: exe.prefill(*a[:3], *chunk, a[3])
+        return exe.decode if label == "decode" else exe.step[int(label.removeprefix("step"))]
+
+    calls = {label: program(label) for label in labels}
+    per_sample = {label: 1 if label == "prefill" else queued for label in labels}
 
     def run(label):
         for _ in range(per_sample[label]):
@@ -174,7 +178,6 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
         engine.draft_cache = dspark.reset_draft_slots(engine.draft_cache, active)
         jax.block_until_ready((engine.state, engine.draft_cache))
 
-    key, labels = bucket_profile(engine, n)  # the labels of `calls`, in order
     options = engine.options
     cache_dir = Path(options.cost_cache_dir) if options.cost_cache_dir else None
     measured = load_or_measure(key, run, labels, options.profile_runs, cache_dir, options.reprofile, reset,
