@@ -88,7 +88,7 @@ class Engine(SpeculationPolicy):
         if defer and deferred.loads_stored_at_start():
             defer = not compiling.all_stored(self.exe, self.state, self.draft_cache, "steps")
         which = "serving" if defer else "all"
-        if which == "serving":
+        if defer:
             self._width_policy(width_policy, widths, True, measure=False)  # a bad choice fails now, not when taken
         self.exe.compile(self.state, self.draft_cache, which)
         self.state, self.draft_cache = self.exe.warm_up(self.state, self.draft_cache, which)
@@ -96,7 +96,7 @@ class Engine(SpeculationPolicy):
         # largest bucket's, every bucket's, and as the steps take them (`costs.LiveCosts`), once measured
         self._measured: dict[str, tuple] = {}  # profile -> (selectors, selector, live) measured under it
         self._build, self._speculate_when_built = None, False  # `defer_steps`: the step executables' build
-        if which == "serving":
+        if defer:
             self._build, self.speculative = deferred.StepBuild(self.exe, self._fresh_state()), False
             self._speculate_when_built, self._policy_when_built = True, (width_policy, widths)
         self.width_policy = self._width_policy(width_policy, widths, self.speculative)
