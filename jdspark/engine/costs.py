@@ -103,7 +103,9 @@ def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path
     costs = dict(zip(labels, distributed.from_process_0(measure(run, labels, runs, reset, clock, calls))))
     log.info("profiled costs (fastest of %d runs): %s", runs, _fmt(costs))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"labels": list(labels), "costs_s": list(costs.values()), "runs": runs}, indent=1))
+    partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # whole or absent: servers may share the directory
+    partial.write_text(json.dumps({"labels": list(labels), "costs_s": list(costs.values()), "runs": runs}, indent=1))
+    os.replace(partial, path)
     return costs
 
 
@@ -113,8 +115,12 @@ def stored_costs(path: Path, labels: list[str], reprofile: bool) -> dict[str, fl
     # have) and all take process 0's figures: every process then chooses the same widths.
     if not path.exists() or reprofile or jax.process_count() != 1:
         return None
-    data = json.loads(path.read_text())
-    return dict(zip(data["labels"], data["costs_s"])) if data.get("labels") == list(labels) else None
+    try:
+        data = json.loads(path.read_text())
+        return dict(zip(data["labels"], data["costs_s"], strict=True)) if data.get("labels") == list(labels) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:  # a damaged file: measure again
+        log.warning("cost cache %s unreadable (%s: %s); measuring the costs again", path, type(error).__name__, error)
+        return None
 
 
 def profiled(engine) -> bool:

@@ -80,13 +80,17 @@ class StepBuild:
 
     def may_be_taken(self, idle: bool, measures: Callable[[], bool]) -> bool:
         """Whether the engine takes the ended build now: at once where taking it measures nothing
-        (`measures()`, asked once: a fixed width, or costs stored) or it failed (logged then), else while
+        (`measures()`, asked once until `reconsider`: a fixed width, or costs stored) or it failed (logged then), else while
         the engine is `idle` (the measurement pauses its thread: 3.3 s for `jdspark serve`'s engine on
         the H200, 19-61 s on the 2-core CPU), or once the build has waited TAKE_WAIT_S for such a moment
         (a server that is never idle pays the pause once)."""
         if self._instant is None:
             self._instant = self.error is not None or not measures()
         return self._instant or idle or time.perf_counter() - self.started - self.seconds >= TAKE_WAIT_S
+
+    def reconsider(self) -> None:
+        """Ask `measures()` again at the next `may_be_taken` (the width policy or the options changed)."""
+        self._instant = None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the build ends (or `timeout` seconds pass); whether it ended."""

@@ -62,9 +62,9 @@ class Engine(SpeculationPolicy):
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
         buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU; `overlap`: a step issues
         its calls before it reads the previous step's (`step`); `batch_prefills`: new prompts may wait;
-        `defer_steps`: serve target-only at once and speculate when the step executables, built (or loaded:
-        `deferred.loads_stored_at_start`) in the background, are ready (`jdspark.engine.deferred`; `poll`,
-        `wait_for_steps`)."""
+        `defer_steps`: serve target-only at once and speculate when the step executables, built or loaded
+        in the background, are ready (`jdspark.engine.deferred`; `poll`, `wait_for_steps`); on a GPU where
+        all are stored they load at start-up instead (`deferred.loads_stored_at_start`)."""
         widths = compiled_widths(model.config, config, speculative, widths, options.width)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
         self.overlap, self.batch_prefills = overlap, batch_prefills

@@ -38,13 +38,14 @@ class SpeculationPolicy:
         self.selectors, self.selector, self.live = self._measured[self.options.profile]
         return self.selector
 
-    def poll(self, force: bool = False) -> bool:
+    def poll(self, force: bool = False, queued: bool = False) -> bool:
         """Take the step executables if their build ended (`defer_steps`; `step` calls it too) and now is
         the moment (`deferred.StepBuild.may_be_taken`, or `force`): their costs measured where adaptive
-        widths need them, then speculation on (unless `set_policy` turned it off). Returns whether they
-        are still to be taken."""
-        build = self._build
-        if build is not None and build.ready and (force or build.may_be_taken(not self.running, self._take_measures)):
+        widths need them, then speculation on (unless `set_policy` turned it off). `queued`: requests wait
+        to be admitted (a server's queue), so the engine is not idle even with no request running.
+        Returns whether they are still to be taken."""
+        build, idle = self._build, not (self.running or queued)
+        if build is not None and build.ready and (force or build.may_be_taken(idle, self._take_measures)):
             self._build = None
             policy, widths = self._policy_when_built
             if deferred.take(self, build, lambda: setattr(self, "width_policy", self._width_policy(policy, widths, True))):
@@ -111,6 +112,8 @@ class SpeculationPolicy:
             self.width_policy = width_policy
             if self._build is not None:  # what the engine takes the step executables with
                 self._policy_when_built = (width_policy, self._policy_when_built[1])
+        if self._build is not None and (width_policy is not None or options is not None):
+            self._build.reconsider()  # whether taking them measures may have changed
 
     def _adaptive(self) -> bool:
         return self.selector is not None and self.width_policy is self.selector

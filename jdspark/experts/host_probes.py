@@ -24,12 +24,15 @@ def ram_bytes() -> int:
 
 def cpu_ticks() -> np.ndarray | None:
     """The machine's CPU time so far by kind (/proc/stat: user nice system idle iowait irq softirq
-    steal), then this process's own (user + system), in clock ticks; None where there is none."""
+    steal), then this process's own (user + system), in clock ticks; None where there is none. In a
+    container without its own /proc/stat (LXCFS) the machine is the whole host: "others" then counts
+    other containers too."""
     try:
         with open("/proc/stat") as stat:
             machine = [int(t) for t in stat.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
+    machine += [0] * (8 - len(machine))  # kernels before 2.6.11 count no steal (nor irq and softirq before 2.6)
     mine = os.times()
     return np.array([*machine, round((mine.user + mine.system) * os.sysconf("SC_CLK_TCK"))], np.int64)
 

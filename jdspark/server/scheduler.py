@@ -135,8 +135,10 @@ class Scheduler:
     # ---- the engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            try:
-                building = self.engine.poll()  # takes the step executables once built (defer_steps), outside the lock
+            with self._cond:
+                queued = bool(self._waiting)
+            try:  # takes the step executables once built (defer_steps), outside the lock, never past a queue
+                building = self.engine.poll(queued=queued)
             except Exception:  # the engine thread must live on: it serves every request
                 log.exception("taking the step executables failed")
                 building = False

@@ -65,6 +65,23 @@ def test_reset_runs_before_every_call_and_is_not_timed(tmp_path):
                                  clock=clock) == {"step0": 6.0}  # reprofile: measured although cached
 
 
+def test_a_damaged_cost_file_is_measured_again_and_rewritten_whole(tmp_path, caplog):
+    """A cost file cut short (a process killed while writing, a full disk) or of another shape is
+    measured again, not an error at every step; the file is then replaced whole (written aside first)."""
+    clock, path = FakeClock(), tmp_path / "key.json"
+
+    def run(label):
+        clock.now += 2.0
+
+    for text in ("", '{"labels": ["step0"]', '{"labels": ["step0"], "costs_s": []}', "[1, 2]", '{"costs_s": [1]}'):
+        path.write_text(text)
+        assert costs.stored_costs(path, ["step0"], reprofile=False) is None
+    assert "unreadable" in caplog.text
+    assert costs.load_or_measure("key", run, ["step0"], 2, tmp_path, reprofile=False, clock=clock) == {"step0": 2.0}
+    assert costs.stored_costs(path, ["step0"], reprofile=False) == {"step0": 2.0}
+    assert list(tmp_path.iterdir()) == [path]
+
+
 def test_a_queued_sample_is_priced_per_call():
     """The "queued" profile times samples of several calls issued back to back: a cost is per call (a
     label's own count: the prefill is sampled one call at a time)."""

@@ -152,16 +152,22 @@ def test_stored_step_executables_load_at_start_up(dspark_model, monkeypatch):
 
 
 def test_an_idle_engine_stored_costs_or_a_fixed_width_take_at_once(dspark_model, monkeypatch):
-    """Built step executables are taken at the first poll while no request runs, or with one running
-    where taking them measures nothing (their costs stored, or a fixed width); else the running
-    request goes on target-only. Mutation caught: a rule that ignores the running requests, the
-    stored costs or the width policy."""
+    """Built step executables are taken at the first poll while no request runs or waits, or with one
+    running where taking them measures nothing (their costs stored, or a fixed width, also one set
+    after the engine first looked); else the running request goes on target-only. Mutation caught: a
+    rule that ignores the running requests, a server's queue, the stored costs or the width policy."""
     monkeypatch.setattr(deferred, "TAKE_WAIT_S", 3600.0)
+    monkeypatch.setattr(costs, "profiled", lambda engine: False)
     idle = deferred_engine(dspark_model)
-    assert idle._build.wait(600) and not idle.poll() and idle.speculative  # nothing ran: taken
+    assert idle._build.wait(600) and idle.poll(queued=True) and not idle.speculative  # a request waits to be admitted
+    assert not idle.poll() and idle.speculative  # nothing runs or waits: taken
+    waiting = []
     for stored, policy in ((False, None), (True, None), (False, lambda confidence: 5)):
         monkeypatch.setattr(costs, "profiled", lambda engine: stored)
         busy = deferred_engine(dspark_model, width_policy=policy)
         busy.add(PROMPT, GREEDY)
         instant = stored or policy is not None
         assert busy._build.wait(600) and busy.poll() != instant and busy.speculative == instant
+        waiting += [] if instant else [busy]
+    waiting[0].set_policy(width_policy=lambda confidence: 5)  # the adaptive one, still running its request
+    assert not waiting[0].poll() and waiting[0].speculative  # a fixed width now: nothing to measure, taken

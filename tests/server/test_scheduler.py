@@ -192,7 +192,7 @@ def test_an_idle_engine_thread_takes_the_step_executables_once_built(monkeypatch
     class Building:  # an engine whose build is taken at its fifth poll
         tokenizer, config = object(), types.SimpleNamespace(max_batch=1, gamma=5)
 
-        def poll(self):
+        def poll(self, queued=False):
             polls.append(time.monotonic())
             return len(polls) < 5
 
@@ -217,7 +217,7 @@ def test_the_engine_thread_outlives_a_failure_taking_the_step_executables(monkey
     class Failing:
         tokenizer, config = object(), types.SimpleNamespace(max_batch=1, gamma=5)
 
-        def poll(self):
+        def poll(self, queued=False):
             polls.append(1)
             raise RuntimeError("failed on purpose")
 
@@ -229,3 +229,46 @@ def test_the_engine_thread_outlives_a_failure_taking_the_step_executables(monkey
         assert serving._thread.is_alive()
     finally:
         serving.close()
+
+
+def test_requests_waiting_to_be_admitted_keep_the_engine_from_looking_idle():
+    """The engine thread tells `engine.poll` whether requests wait in its queue: with one slot and two
+    requests one always waits, so a build whose take measures costs is not taken as if at idle (the
+    measurement would hold the waiting request). Mutation caught: polling with queued=False."""
+    import asyncio
+    import types
+
+    from jdspark.engine.request import SamplingParams
+    from jdspark.server import scheduler
+    from jdspark.server.metrics import Metrics
+    queued_at = []
+
+    class Busy:  # one slot; its request never ends
+        tokenizer, config, last_step = object(), types.SimpleNamespace(max_batch=1, gamma=5), None
+
+        def poll(self, queued=False):
+            queued_at.append(queued)
+            return True
+
+        def admit(self, requests):
+            return list(range(len(requests)))
+
+        def step(self):
+            time.sleep(0.005)
+            return {}
+
+        def reset(self):  # the shutdown fails what runs
+            pass
+
+    serving = scheduler.Scheduler(Busy(), Metrics(5), QUEUE)
+
+    async def submit_two():
+        for _ in range(2):
+            serving.submit([1, 2], SamplingParams(max_tokens=4))
+    asyncio.run(submit_two())
+    serving.start()
+    try:
+        wait_for(lambda: len(queued_at) >= 3)
+    finally:
+        serving.close()
+    assert all(queued_at)
