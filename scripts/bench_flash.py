@@ -129,15 +129,19 @@ def hybrid_layers(model: Model) -> list[HybridExperts]:
     return [node for _, node in nnx.iter_graph(model.module()) if isinstance(node, HybridExperts)]
 
 
-def host_part(engine: Engine, layers, steps: int, read_GBps: float) -> dict:
+def host_part(engine: Engine, layers, steps: int, read_GBps: float, read_bytes: int, threads: int) -> dict:
     """Target-only Engine.step() (overlapped, median ms) and its host part: the CPU calls' own
     seconds and distinct host experts per call, one call per hybrid layer a step. With a PCIe share q
     the GPU reads round(q n) of a call's n distinct host experts at the same time, so the step's host
-    bytes are about the CPU's / (1 - q), all read while the CPU computes (`host_GBps`)."""
+    bytes are about the CPU's / (1 - q), all read while the CPU computes (`host_GBps`). The floor is
+    taken twice: at the run's host read (`read_GBps`, measured before the weights were made) and at
+    the mean of reads right before and after these steps (`host_vs_read_beside`): the host's speed
+    varied ~1.5x within a session, and a floor measured minutes apart mixes that in."""
     def reset():
         for layer in layers:
             layer.host_stats(reset=True)
 
+    before = host_probes.host_read(read_bytes, threads, 3)["GBps"]
     ticks = host_probes.cpu_ticks()
     out = {"wall_ms": step_times(engine, False, steps, on_start=reset), "host_layers": len(layers), "host_ms": 0.0}
     out |= host_probes.interference(ticks, host_probes.cpu_ticks())  # the machine's other guests and processes
@@ -152,6 +156,9 @@ def host_part(engine: Engine, layers, steps: int, read_GBps: float) -> dict:
                 "pcie_share": share, "host_floor_ms": total / (read_GBps * 1e9) * 1e3}
         out["host_GBps"] = total / (out["host_ms"] * 1e6)
         out["host_vs_read"] = out["host_ms"] / out["host_floor_ms"]
+    out["read_beside_GBps"] = (before + host_probes.host_read(read_bytes, threads, 3)["GBps"]) / 2
+    if calls:
+        out["host_vs_read_beside"] = out["host_vs_read"] * out["read_beside_GBps"] / read_GBps
     return out
 
 
@@ -283,7 +290,7 @@ def measure(args) -> dict:
            "device_weights_GB": device_bytes(model) / 1e9}
     print(f"costs (ms): {out['costs_ms']}; D {out['D_ms']:.2f}; V {out['V_ms']}", flush=True)
     out["banks_huge_page_share"] = huge_page_share(layers)
-    out["target_only"] = host_part(engine, layers, args.steps, read["GBps"]) | host_speed()
+    out["target_only"] = host_part(engine, layers, args.steps, read["GBps"], read["bytes"], threads) | host_speed()
     out["target_only"]["sync_ms"] = step_times(engine, False, args.steps, overlap=False)
     out["target_only"]["tok_s"] = 1e3 / out["target_only"]["wall_ms"]
     if args.acceptance is not None:
@@ -298,7 +305,7 @@ def measure(args) -> dict:
     out["trace"] = trace(engine, min(args.steps, 10)) if args.trace and jax.default_backend() == "gpu" else None
     if layers:  # the host part again, minutes later: does it drift (huge pages, the host's other load)?
         out["banks_huge_page_share_last"] = huge_page_share(layers)
-        out["target_only_last"] = host_part(engine, layers, args.steps, read["GBps"]) | host_speed()
+        out["target_only_last"] = host_part(engine, layers, args.steps, read["GBps"], read["bytes"], threads) | host_speed()
     return out
 
 
@@ -316,9 +323,11 @@ def print_table(res: dict) -> None:
         print(f"host part: {t['host_layers']} host layers/step, CPU {t['host_ms']:.2f} ms for {t['cpu_MB']:.0f} MB; "
               f"with the GPU's PCIe share ({t['pcie_share']:.2f}) ~{t['host_MB']:.0f} MB read while the CPU "
               f"computes ({t['host_GBps']:.1f} GB/s); floor {t['host_floor_ms']:.2f} ms at "
-              f"{res['host_read_GBps']:.1f} GB/s: {t['host_vs_read']:.2f}x")
+              f"{res['host_read_GBps']:.1f} GB/s: {t['host_vs_read']:.2f}x; at the host read beside it "
+              f"({t['read_beside_GBps']:.1f} GB/s): {t['host_vs_read_beside']:.2f}x")
         last, huge = res["target_only_last"], (res["banks_huge_page_share"], res["banks_huge_page_share_last"])
-        print(f"host part at the end: CPU {last['host_ms']:.2f} ms, {last['host_vs_read']:.2f}x; banks in huge "
+        print(f"host part at the end: CPU {last['host_ms']:.2f} ms, {last['host_vs_read']:.2f}x; beside it "
+              f"{last['read_beside_GBps']:.1f} GB/s, {last['host_vs_read_beside']:.2f}x; banks in huge "
               f"pages {'n/a' if huge[0] is None else f'{huge[0]:.0%} first, {huge[1]:.0%} at the end'}")
         if "cpu_MHz" in t and "cpu_MHz" in last:
             print(f"host cores: {t['cpu_MHz']:.0f} MHz, load {t['loadavg_1min']:.1f} first; "
