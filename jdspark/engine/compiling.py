@@ -84,14 +84,6 @@ def load_all(store: ExecutableCache | None, arguments: dict, outputs) -> dict:
         return {key: future.result() for key, future in futures.items()}
 
 
-def all_stored(exe, decode, draft_cache, which: str) -> bool:
-    """Whether every program of `which` (`Executables.programs`) is in the executable store: a start-up
-    loads them in seconds (`Engine`'s `defer_steps` then loads the step executables at once)."""
-    with exe.precision():  # part of the store's key, as when they were compiled (`Executables.compile`)
-        store = ExecutableCache.default(exe.static_key())
-    return store is not None and all(store.has(str(key), args)
-                                     for key, (_, args) in exe.programs(decode, draft_cache, which).items())
-
 
 def compiler_options(config) -> dict:
     """XLA options of the engine's executables for a model of `config`. On the GPU XLA's Triton GEMM

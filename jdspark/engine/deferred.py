@@ -4,9 +4,10 @@ decode executables while a background thread builds the step[k] executables, the
 Why: a cold start-up compiles every program, and most of them are the step widths (the embedded
 8-slot engine: 18 of 24 programs; on the H200 its cold start took 93.8-129 s, nearly all of it compiling
 on the host's 16 cores). Target-only serving needs prefill and decode alone, so the server answers
-requests after those few compile, and speculates once the rest are built. On a GPU, where every
-step executable is already stored (a warm start-up), the engine loads them with the others instead
-(`loads_stored_at_start`). The output does not change: a request's tokens are lossless at any width,
+requests after those few compile, and speculates once the rest are built. A warm start-up loads the
+stored step executables in the background too: serving comes first (paired on an H100, loading all 24
+at start-up served and speculated at 26-28 s, the background load served at 11 s and speculated at
+25-28 s; docs/BENCHMARKS.md). The output does not change: a request's tokens are lossless at any width,
 0 included (a decode call also feeds the drafter's context, so a running request drafts as soon as
 the widths come).
 
@@ -32,20 +33,10 @@ import threading
 import time
 from collections.abc import Callable
 
-import jax
 
 log = logging.getLogger(__name__)
 TAKE_WAIT_S = 30.0  # how long an ended build waits for an idle engine before it is taken anyway
 
-
-def loads_stored_at_start() -> bool:
-    """Whether the engine loads stored step executables at start-up with the others rather than in the
-    background. On a GPU: loaded in parallel threads they cost little (the H200's warm start-up loaded
-    all 24 in 7.3-8.9 s, where loading the 18 step executables in the background after the 6 others
-    speculated at 26.1 s and served at 10.3 s). Not on the CPU, where deserializing an executable
-    links its code (the 2-core CPU's 24: serving and speculating at 13.2 s, against serving at 3.8 s
-    and speculating at 13.4 s in the background; docs/BENCHMARKS.md, start-up)."""
-    return jax.default_backend() == "gpu"
 
 
 class StepBuild:

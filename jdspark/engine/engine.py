@@ -24,7 +24,7 @@ import numpy as np
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
-from jdspark.engine import calls, compiling, costs, deferred
+from jdspark.engine import calls, costs, deferred
 from jdspark.engine.batch import (IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs, call_slots,
                                   prefill_inputs, prompts_this_step)
 from jdspark.engine.errors import CapacityError, EngineError
@@ -63,8 +63,7 @@ class Engine(SpeculationPolicy):
         buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU; `overlap`: a step issues
         its calls before it reads the previous step's (`step`); `batch_prefills`: new prompts may wait;
         `defer_steps`: serve target-only at once and speculate when the step executables, built or loaded
-        in the background, are ready (`jdspark.engine.deferred`; `poll`, `wait_for_steps`); on a GPU where
-        all are stored they load at start-up instead (`deferred.loads_stored_at_start`)."""
+        in the background, are ready (`jdspark.engine.deferred`; `poll`, `wait_for_steps`)."""
         widths = compiled_widths(model.config, config, speculative, widths, options.width)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
         self.overlap, self.batch_prefills = overlap, batch_prefills
@@ -82,11 +81,8 @@ class Engine(SpeculationPolicy):
         self._slot_of: dict[int, int] = {}  # request id -> slot
         self._pending: dict[int, PendingPrompt] = {}  # slot -> prompt still being prefilled, oldest first
         self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
-        # several processes must issue the same calls: none takes executables a step apart from the others;
-        # on a GPU stored step executables load with the others (`deferred.loads_stored_at_start`)
+        # several processes must issue the same calls: none takes executables a step apart from the others
         start, defer = time.perf_counter(), defer_steps and speculative and jax.process_count() == 1
-        if defer and deferred.loads_stored_at_start():
-            defer = not compiling.all_stored(self.exe, self.state, self.draft_cache, "steps")
         which = "serving" if defer else "all"
         if defer:
             self._width_policy(width_policy, widths, True, measure=False)  # a bad choice fails now, not when taken

@@ -127,10 +127,6 @@ class ExecutableCache:
         key = hashlib.sha256(f"{self._static}|{name}|{_arguments(args)}".encode()).hexdigest()
         return self.root / f"{key}.exe"
 
-    def has(self, name: str, args) -> bool:
-        """Whether program `name` called with `args` is stored (a file that may still fail to load)."""
-        return self._path(name, args).exists()
-
     def load(self, name: str, args, outputs) -> jax.stages.Compiled | None:
         """The stored executable of program `name` called with `args` (returning a pytree shaped like
         `outputs`), or None if there is none or it does not load."""

@@ -1,34 +1,25 @@
 """Speculation that comes online after start-up (`Engine(defer_steps=True)`, `jdspark.engine.deferred`):
 target-only serving from the start, the step executables taken once built, the same greedy tokens
 across the switch, nothing compiled after it, a failed build that leaves target-only serving, and
-stored step executables loaded at start-up instead."""
+the moment the built executables are taken."""
 
 import logging
 import threading
 import time
 
-import jax
 import numpy as np
 import pytest
 
 from jdspark.config import EngineConfig
-from jdspark.engine import compiling, costs, deferred, executables
+from jdspark.engine import costs, deferred, executables
 from jdspark.engine.engine import Engine
 from jdspark.engine.errors import EngineError
 from jdspark.engine.options import SpecOptions
 from jdspark.engine.request import SamplingParams
 from tests.conftest import generate_to_end
 
-TRUE_ALL_STORED = compiling.all_stored
 PROMPT = np.array([5, 9, 2, 14], np.int32)
 GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(autouse=True)
-def nothing_stored(monkeypatch):
-    """The run's executable store may hold these engines' step programs (other tests build the same
-    configuration): each test here builds them in the background, unless it says otherwise."""
-    monkeypatch.setattr(compiling, "all_stored", lambda *args: False)
 
 
 def deferred_engine(model, **kw) -> Engine:
@@ -123,32 +114,6 @@ def test_a_failure_keeps_serving_target_only(dspark_model, monkeypatch, caplog, 
     assert "failed on purpose" in caplog.text
     assert not engine.speculative and not engine.poll()
     assert engine.complete([first])[0].token_ids == generate_to_end(engine, PROMPT, GREEDY).token_ids
-
-
-def test_stored_step_executables_load_at_start_up(dspark_model, monkeypatch):
-    """Where every step executable is stored (a warm start-up) and the backend loads them fast (a GPU:
-    `deferred.loads_stored_at_start`), the engine loads them with the others and speculates at once: no
-    background build; on the CPU it loads them in the background. A configuration no other test
-    builds, so the first engine compiles (on the CPU what XLA's run-wide cache hands back is not
-    stored) and the second loads. Mutation caught: a check that ignores the store (the second engine
-    would build in the background)."""
-    monkeypatch.setattr(compiling, "all_stored", TRUE_ALL_STORED)
-    monkeypatch.setattr(deferred, "loads_stored_at_start", lambda: True)
-    config = EngineConfig(max_seq_len=72, gamma=5, max_batch=1)
-    def build():
-        return Engine(dspark_model, config, prefill_chunk=16, widths=(0, 5), width_policy=lambda confidence: 5,
-                      defer_steps=True)
-    first = build()
-    assert first.poll() and not first.speculative
-    assert first.wait_for_steps(timeout=600) and first.speculative
-    again = build()
-    assert not again.poll() and again.speculative and sorted(again.exe.step) == [0, 5]
-    assert again.exe.loaded == again.exe.count
-    assert generate_to_end(again, PROMPT, GREEDY).stats.widths[5] > 0
-    monkeypatch.undo()
-    background = build()
-    assert background.poll() == (jax.default_backend() != "gpu") and background.wait_for_steps(timeout=600)
-    assert background.exe.loaded == background.exe.count and background.speculative
 
 
 def test_an_idle_engine_stored_costs_or_a_fixed_width_take_at_once(dspark_model, monkeypatch):
