@@ -253,7 +253,8 @@ for part in "$@"; do
         --out "$OUT/serve_ab.json" 2>&1 | grep -E "^round|^\||start-up|Error|error" | cut -c1-600 | tee "$OUT/serve_ab.log" ;;
     prefill-ab)  # issue 26: the Flash-dims engine (decode buckets 16 64) prefilling in its decode buckets, then in
       # prefill buckets of its own (1 4 16 64); the second process loads the first's executables and compiles two
-      # prefills; PREFILL_AB_SECONDS each, CONCURRENCY, REQUESTS, ROUNDS, MODES; PREFILL_AB_ENGINE and
+      # prefills; per_request_queued_eager: prompts never held back to share a call (is the hold still worth its
+      # wait with cheap bucket-1 prefills?); PREFILL_AB_SECONDS each, CONCURRENCY, REQUESTS, ROUNDS, MODES; PREFILL_AB_ENGINE and
       # PREFILL_AB_BUCKETS replace the engine's arguments and the prefill buckets (e.g. "... --max-running 16
       # --buckets 16 ..." and "1 4 16": fewer programs)
       F=${PREFILL_AB_ENGINE:---synthetic flash --layers 8 --acceptance 0.8 --max-running 64 --buckets 16 64 --widths 3 5}
@@ -261,7 +262,7 @@ for part in "$@"; do
         label=$([ -z "$extra" ] && echo decode_buckets || echo own_buckets)
         XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 JDSPARK_CACHE=$WORK/flash-cache timeout ${PREFILL_AB_SECONDS:-290} \
           python3 scripts/bench_serve_engine.py $F $extra --concurrency ${CONCURRENCY:-16} --requests ${REQUESTS:-64} \
-          --modes ${MODES:-none fixed5 per_request_queued} --rounds ${ROUNDS:-2} --out "$OUT/prefill_ab_$label.json" 2>&1 \
+          --modes ${MODES:-none fixed5 per_request_queued per_request_queued_eager} --rounds ${ROUNDS:-2} --out "$OUT/prefill_ab_$label.json" 2>&1 \
           | grep -E "^round|^\||start-up|Error|error" | cut -c1-600 | tee "$OUT/prefill_ab_$label.log"
       done ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
