@@ -84,7 +84,6 @@ def load_all(store: ExecutableCache | None, arguments: dict, outputs) -> dict:
         return {key: future.result() for key, future in futures.items()}
 
 
-
 def compiler_options(config) -> dict:
     """XLA options of the engine's executables for a model of `config`. On the GPU XLA's Triton GEMM
     fusions stay on for models of real width and are off below TRITON_GEMM_MIN_HIDDEN (cuBLAS runs

@@ -33,10 +33,8 @@ import threading
 import time
 from collections.abc import Callable
 
-
 log = logging.getLogger(__name__)
 TAKE_WAIT_S = 30.0  # how long an ended build waits for an idle engine before it is taken anyway
-
 
 
 class StepBuild:
@@ -71,10 +69,10 @@ class StepBuild:
 
     def may_be_taken(self, idle: bool, measures: Callable[[], bool]) -> bool:
         """Whether the engine takes the ended build now: at once where taking it measures nothing
-        (`measures()`, asked once until `reconsider`: a fixed width, or costs stored) or it failed (logged then), else while
-        the engine is `idle` (the measurement pauses its thread: 3.3 s for `jdspark serve`'s engine on
-        the H200, 19-61 s on the 2-core CPU), or once the build has waited TAKE_WAIT_S for such a moment
-        (a server that is never idle pays the pause once)."""
+        (`measures()`, asked once until `reconsider`: a fixed width, or costs stored) or it failed
+        (logged then), else while the engine is `idle` (the measurement pauses its thread: 3.3 s for
+        `jdspark serve`'s engine on the H200, 19-61 s on the 2-core CPU), or once the build has waited
+        TAKE_WAIT_S for such a moment (a server that is never idle pays the pause once)."""
         if self._instant is None:
             self._instant = self.error is not None or not measures()
         return self._instant or idle or time.perf_counter() - self.started - self.seconds >= TAKE_WAIT_S
