@@ -99,7 +99,9 @@ class Generator:
 
 class Run:
     """One request's generation as an iterator of text deltas; `completion` is set at the end. A
-    run abandoned before its end (an exception, a closed generator) leaves the engine's slot free."""
+    run abandoned before its end (an exception, a closed generator) leaves the engine's slot free.
+    Its end is where a library's engine is idle: step executables built in the background
+    (`defer_steps`) are taken there (`Engine.poll`), not mid-request after `deferred.TAKE_WAIT_S`."""
 
     def __init__(self, engine: Engine, ids: list[int], params: SamplingParams):
         self.engine = engine
@@ -125,3 +127,4 @@ class Run:
         finally:
             if self.completion is None:
                 self.engine.cancel(rid)
+            self.engine.poll()  # idle now unless other runs are in flight (then it waits)

@@ -136,3 +136,17 @@ def test_an_idle_engine_stored_costs_or_a_fixed_width_take_at_once(dspark_model,
         waiting += [] if instant else [busy]
     waiting[0].set_policy(width_policy=lambda confidence: 5)  # the adaptive one, still running its request
     assert not waiting[0].poll() and waiting[0].speculative  # a fixed width now: nothing to measure, taken
+
+
+def test_a_generator_takes_the_built_executables_when_a_run_ends(dspark_model, monkeypatch):
+    """A library's engine has no idle loop polling it: the Python API takes the built step executables
+    at the end of a run (the engine idle, its costs measured there), not mid-request once
+    `deferred.TAKE_WAIT_S` has passed. Mutation caught: no poll at a run's end."""
+    from jdspark.generator import Generator
+    monkeypatch.setattr(deferred, "TAKE_WAIT_S", 3600.0)
+    monkeypatch.setattr(costs, "profiled", lambda engine: False)  # taking them measures: waits for idle
+    generator = Generator(deferred_engine(dspark_model))
+    assert generator.engine._build.wait(600)
+    first = generator.generate(list(PROMPT), GREEDY)
+    assert not any(first.stats.widths[1:]) and generator.engine.speculative  # target-only, then taken
+    assert generator.generate(list(PROMPT), GREEDY).token_ids == first.token_ids
