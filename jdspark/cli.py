@@ -159,7 +159,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "--batch-buckets'); small ones make prompts that come a few at a time cheap to prefill")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens one prefill row takes per call")
     p.add_argument("--prefill-budget", type=int,
-                   help="prompt tokens one step prefills, whole chunks (default: a chunk of every pending prompt)")
+                   help="prompt tokens one step prefills beside running requests, whole chunks (default: a chunk of "
+                        "every pending prompt on a GPU, one chunk on the CPU)")
     p.add_argument("--no-prefill-wait", dest="prefill_wait", action="store_false",
                    help="prefill new prompts at the next step; by default, where the engine measured its calls' "
                         "costs (adaptive widths), a prefill call beside running requests waits for more prompts to "

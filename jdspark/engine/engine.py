@@ -55,8 +55,11 @@ class Engine(SpeculationPolicy):
                  overlap: bool = True, batch_prefills: bool = True, defer_steps: bool = False):
         """`tokenizer` turns tokens into text deltas and enables stop strings; `widths`: the step
         widths to compile (default 0..gamma; only 0 without speculation; a row's width rounds up to
-        the next compiled one's executable); `prefill_budget`: prompt tokens a `step` prefills
-        (whole chunks of `prefill_chunk`; default: a chunk of every pending prompt); `width_policy` overrides
+        the next compiled one's executable); `prefill_budget`: prompt tokens a `step` prefills beside
+        running requests (whole chunks of `prefill_chunk`; default: a chunk of every pending prompt on
+        a GPU, where a call's rows share its weight reads, one chunk on the CPU, where its cost grows
+        with its rows, so spreading prompts over steps costs nothing and keeps steps even: 4 slots at
+        c = 4, inter-token p99 / p50 2.1-2.2 against 2.6-3.0, the same tok/s); `width_policy` overrides
         the width choice (a function of a request's stale confidences); `implementation` ("auto",
         "pallas", "xla") picks the Pallas kernels or their jnp references (rejection sampler,
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
@@ -74,7 +77,8 @@ class Engine(SpeculationPolicy):
         on_gpu = jax.default_backend() == "gpu"
         pack_params = on_gpu if pack_params is None else pack_params
         chunk = min(prefill_chunk, config.max_seq_len)
-        self.prefill_rows = config.max_batch if prefill_budget is None else max(1, prefill_budget // chunk)
+        default_rows = config.max_batch if on_gpu else 1  # prompts prefilled beside running requests
+        self.prefill_rows = default_rows if prefill_budget is None else max(1, prefill_budget // chunk)
         self.exe = Executables(model, config, chunk, implementation, widths if speculative else (), pack_params)
         self.state, self.draft_cache = self._fresh_state()
         self._slots: list[Sequence | None] = [None] * config.max_batch

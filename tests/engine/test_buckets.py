@@ -8,6 +8,7 @@ buckets of its own (1 and 4) beside a decode bucket of 4."""
 
 import collections
 
+import jax
 import numpy as np
 import pytest
 
@@ -85,16 +86,22 @@ def test_a_new_prompt_is_prefilled_a_chunk_per_step_while_others_decode(engine, 
     assert got[running.request_id] == alone[1] and got[new] == reference
 
 
-@pytest.mark.parametrize("budget_rows,waves", [(None, [5]), (1, [1, 4])], ids=["default", "one_chunk"])
+def test_the_default_prefill_budget_is_every_pending_prompt_on_a_gpu_and_one_chunk_on_the_cpu(engine):
+    """Beside running requests a GPU prefills every pending prompt in one call (its rows share the
+    weights' reads), the CPU one chunk a step (a call costs by its rows: steps stay even)."""
+    assert engine.prefill_rows == (engine.config.max_batch if jax.default_backend() == "gpu" else 1)
+
+
+@pytest.mark.parametrize("budget_rows,waves", [(None, [5]), (1, [1, 4])], ids=["every_prompt", "one_chunk"])
 def test_a_wave_admitted_with_nothing_running_is_prefilled_in_the_largest_bucket_it_fills(engine, alone,
                                                                                           budget_rows, waves):
-    """Five one-chunk prompts admitted to an idle engine. Under the default budget (every pending
-    prompt) one call prefills all five. Under a budget of one chunk the first step prefills four of
-    them in one bucket-4 call (no padded row, and no running request waits on it), the fifth goes a
-    step later beside their first verify. Each emits what it emits alone. Mutation caught: one prompt
-    a step with nothing running (five first tokens in five steps)."""
+    """Five one-chunk prompts admitted to an idle engine. Under a budget of every pending prompt (a
+    GPU's default) one call prefills all five. Under a budget of one chunk (the CPU's) the first step
+    prefills four of them in one bucket-4 call (no padded row, and no running request waits on it),
+    the fifth goes a step later beside their first verify. Each emits what it emits alone. Mutation
+    caught: one prompt a step with nothing running (five first tokens in five steps)."""
     default = engine.prefill_rows
-    engine.prefill_rows = budget_rows or default
+    engine.prefill_rows = budget_rows or engine.config.max_batch
     try:
         short = [0, 2, 0, 2, 0]
         ids = engine.admit([(PROMPTS[i], GREEDY) for i in short])
