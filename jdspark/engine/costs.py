@@ -47,6 +47,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("JDSPARK_CACHE", Path.home() / ".cache" / "jdspark")) / "costs"
 
 
+def cache_dir_of(options) -> Path:
+    """Where an engine's `SpecOptions` keep its cost profiles."""
+    return Path(options.cost_cache_dir) if options.cost_cache_dir else default_cache_dir()
+
+
 def cost_key(model_config: dict, dtype: str, engine_config: dict) -> str:
     """A stable key: the device kind plus a hash of everything that changes the executables."""
     blob = json.dumps({"model": model_config, "dtype": dtype, "engine": engine_config, "profile": "interleaved rounds"},
@@ -125,7 +130,7 @@ def stored_costs(path: Path, labels: list[str], reprofile: bool) -> dict[str, fl
 
 def profiled(engine) -> bool:
     """Whether every batch bucket's costs are stored (`measure_bucket` would read them, not measure)."""
-    cache_dir = Path(engine.options.cost_cache_dir) if engine.options.cost_cache_dir else default_cache_dir()
+    cache_dir = cache_dir_of(engine.options)
     return all(stored_costs(cache_dir / f"{key}.json", labels, engine.options.reprofile) is not None
                for key, labels in map(functools.partial(bucket_profile, engine), engine.exe.buckets))
 
@@ -185,9 +190,8 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
         jax.block_until_ready((engine.state, engine.draft_cache))
 
     options = engine.options
-    cache_dir = Path(options.cost_cache_dir) if options.cost_cache_dir else None
-    measured = load_or_measure(key, run, labels, options.profile_runs, cache_dir, options.reprofile, reset,
-                               calls=per_sample)
+    measured = load_or_measure(key, run, labels, options.profile_runs, cache_dir_of(options), options.reprofile,
+                               reset, calls=per_sample)
     reset()
     return measured
 
