@@ -79,34 +79,37 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     proposal (a decode call would bring none to correct it)."""
     rows = list(widths)
     expected = policy.expected_tokens(np.array([stale[b] for b in rows]))
-    own = np.array([widths[b] for b in rows])[:, None]
-    probe, lift = (np.array([b in group for b in rows])[:, None] for group in (probing, lifted))
+    own = np.array([widths[b] for b in rows])
+    any_lifted = any(b in lifted for b in rows)
+    clipped = None if all(b in lifted for b in rows) else np.array([b not in lifted for b in rows])[:, None]
+    probe = np.array([b in probing for b in rows])[:, None] if any(b in probing for b in rows) else None
     stay, switch_cost = switch
-    step_costs = np.array([c + (switch_cost if k != stay else 0.0) for k, c in enumerate(policy.step_costs)])
-    row_index = np.arange(len(rows))[:, None]
+    step_costs = np.array(policy.step_costs)
+    if switch_cost:
+        step_costs += switch_cost * np.array([k != stay for k in range(len(step_costs))])
 
-    def tokens_per_second(ks: np.ndarray, probe_tokens: np.ndarray | None = None, table=expected) -> np.ndarray:
-        """Expected tokens per second of the step at each executable width of `ks`, in one pass, from
-        the rows' E(k) `table`; probing rows at `probe_tokens` (E(k) per width) where given. (Plain
-        indexing: the choice is host time in every step, and np.take_along_axis's checks cost more.)"""
-        tokens = table[row_index, np.where(lift, ks[None], np.minimum(own, ks[None]))]
+    def tokens_per_second(table: np.ndarray, probe_tokens: np.ndarray | None = None) -> np.ndarray:
+        """Expected tokens per second of the step at every width 0..gamma, in one pass, from the rows'
+        E(k) `table` (non-decreasing in k, so a row that verifies min(own, k) brings min(E(k), E(own)));
+        probing rows at `probe_tokens` (E(k) per width) where given."""
+        tokens = table
+        if clipped is not None:
+            tokens = np.where(clipped, np.minimum(table, table[np.arange(len(rows)), own][:, None]), table)
         if probe_tokens is not None:
-            tokens = np.where(probe, probe_tokens[ks][None], tokens)
-        return tokens.sum(axis=0) / step_costs[ks]
+            tokens = np.where(probe, probe_tokens[None], tokens)
+        return tokens.sum(axis=0) / step_costs
 
     first = executable_width(widths, compiled)
-    # the rows' own width first, then the others in ascending order: argmax keeps the first best
-    any_lifted = any(b in lifted for b in rows)
-    ks = np.array([first, *sorted(k for k in compiled if k != first and (any_lifted or k < first))])
-    rates = tokens_per_second(ks).tolist()
-    best_rate = max(rates)
-    best = int(ks[rates.index(best_rate)])
+    # the rows' own width first, then the others in ascending order: max keeps the first best
+    ks = [first, *sorted(k for k in compiled if k != first and (any_lifted or k < first))]
+    rates = tokens_per_second(expected).tolist()
+    best = max(ks, key=rates.__getitem__)
     if may_decode and policy.decode_cost is not None:
         table = expected if typical is None else policy.expected_tokens(np.array([typical[b] for b in rows]))
-        could = best_rate if table is expected else float(tokens_per_second(ks, table=table).max())
-        if any(b in probing for b in rows):
+        could = rates[best] if table is expected else max(tokens_per_second(table)[ks].tolist())
+        if probe is not None:
             start = np.ones((1, expected.shape[1] - 1)) if probe_confidence is None else probe_confidence[None]
-            could = float(tokens_per_second(np.array(sorted(compiled)), policy.expected_tokens(start)[0], table).max())
+            could = max(tokens_per_second(table, policy.expected_tokens(start)[0])[sorted(compiled)].tolist())
         if len(rows) / (policy.decode_cost + switch_cost * (stay != "decode")) > could:
             return None, {b: 0 for b in rows}
     return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}

@@ -137,6 +137,65 @@ def test_a_lone_row_keeps_its_own_width():
         assert price_the_step({7: width}, {7: c[0]}, costs, COMPILED, may_decode=True) == (width, {7: width})
 
 
+def priced_one_row_at_a_time(widths, stale, policy, compiled, may_decode, probing, lifted, probe_confidence, switch,
+                             typical):
+    """`price_the_step` as its docstring says it, in plain Python loops: the oracle of the test below."""
+    def expected(c):
+        table, survival = [1.0], 1.0
+        for x in c:
+            survival *= float(x)
+            table.append(table[-1] + survival)
+        return table
+
+    stay, switch_cost = switch
+    cost = [c + (switch_cost if k != stay else 0.0) for k, c in enumerate(policy.step_costs)]
+
+    def rate(k, tables, probe_table=None):
+        tokens = [probe_table[k] if probe_table is not None and b in probing
+                  else tables[b][k if b in lifted else min(widths[b], k)] for b in widths]
+        return sum(tokens) / cost[k]
+
+    tables = {b: expected(stale[b]) for b in widths}
+    first = min(k for k in compiled if k >= max(widths.values()))
+    ks = [first, *sorted(k for k in compiled if k != first and (lifted & set(widths) or k < first))]
+    best = max(ks, key=lambda k: rate(k, tables))
+    if may_decode and policy.decode_cost is not None:
+        judge = tables if typical is None else {b: expected(typical[b]) for b in widths}
+        could = max(rate(k, judge) for k in ks)
+        if probing & set(widths):
+            start = expected(np.ones(len(cost) - 1) if probe_confidence is None else probe_confidence)
+            could = max(rate(k, judge, start) for k in sorted(compiled))
+        if len(widths) / (policy.decode_cost + switch_cost * (stay != "decode")) > could:
+            return None, dict.fromkeys(widths, 0)
+    return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}
+
+
+def test_the_step_price_matches_a_row_by_row_reading_of_its_rule():
+    """Fresh random batches (rows lifted, clipped, probing; switch costs; typical proposals; confidences
+    of exactly 0 and 1, whose flat E(k) at the flat V(k) of a host-paced bucket make ties) priced by
+    `price_the_step` and by the oracle above."""
+    rng = np.random.default_rng(7)
+    for _ in range(400):
+        gamma, rows = int(rng.choice([3, 5])), int(rng.integers(1, 7))
+        verify = rng.uniform(0.001, 0.004, gamma + 1) if rng.uniform() < 0.6 else np.full(gamma + 1, 0.002)
+        policy = AdaptiveWidth(verify, rng.uniform(0, 0.002), gamma=gamma, decode_cost=rng.uniform(0.0005, 0.003))
+        compiled = dict.fromkeys(sorted({gamma, *rng.choice(gamma, int(rng.integers(0, gamma)), replace=False)}))
+        slots = rng.choice(16, rows, replace=False).tolist()
+        confidences = lambda: rng.choice([0.0, 1.0, *rng.uniform(0, 1, 4)], gamma)  # noqa: E731
+        stale = {b: confidences() for b in slots}
+        widths = {b: int(rng.integers(0, gamma + 1)) for b in slots}
+        pick = lambda p: {b for b in slots if rng.uniform() < p}  # noqa: E731
+        lifted, probing = pick(0.5), pick(0.2)
+        switch = [(None, 0.0), (int(rng.choice(list(compiled))), 0.0005), ("decode", 0.0005)][int(rng.integers(3))]
+        typical = {b: confidences() for b in slots} if rng.uniform() < 0.5 else None
+        probe_confidence = rng.uniform(0.3, 1, gamma) if rng.uniform() < 0.5 else None
+        args = (widths, stale, policy, compiled, bool(rng.integers(2)), probing, lifted, probe_confidence, switch,
+                typical)
+        assert price_the_step(*args[:4], may_decode=args[4], probing=probing, lifted=lifted,
+                              probe_confidence=probe_confidence, switch=switch,
+                              typical=typical) == priced_one_row_at_a_time(*args)
+
+
 def test_rows_are_lifted_to_the_step_width_where_it_costs_nothing():
     """per_request under adaptive widths: the executable is padded, so every speculating row
     verifies the step's width, which may exceed every row's own choice; a row that is not
