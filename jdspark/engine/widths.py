@@ -21,6 +21,8 @@ drafts makes every row pay for the draft.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from jdspark.engine.errors import EngineError
@@ -87,17 +89,7 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     step_costs = np.array(policy.step_costs)
     if switch_cost:
         step_costs += switch_cost * np.array([k != stay for k in range(len(step_costs))])
-
-    def tokens_per_second(table: np.ndarray, probe_tokens: np.ndarray | None = None) -> np.ndarray:
-        """Expected tokens per second of the step at every width 0..gamma, in one pass, from the rows'
-        E(k) `table` (non-decreasing in k, so a row that verifies min(own, k) brings min(E(k), E(own)));
-        probing rows at `probe_tokens` (E(k) per width) where given."""
-        tokens = table
-        if clipped is not None:
-            tokens = np.where(clipped, np.minimum(table, table[np.arange(len(rows)), own][:, None]), table)
-        if probe_tokens is not None:
-            tokens = np.where(probe, probe_tokens[None], tokens)
-        return tokens.sum(axis=0) / step_costs
+    tokens_per_second = functools.partial(step_rates, own=own, clipped=clipped, step_costs=step_costs, probe=probe)
 
     first = executable_width(widths, compiled)
     # the rows' own width first, then the others in ascending order: max keeps the first best
@@ -109,10 +101,24 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
         could = rates[best] if table is expected else max(tokens_per_second(table)[ks].tolist())
         if probe is not None:
             start = np.ones((1, expected.shape[1] - 1)) if probe_confidence is None else probe_confidence[None]
-            could = max(tokens_per_second(table, policy.expected_tokens(start)[0])[sorted(compiled)].tolist())
+            could = max(tokens_per_second(table, probe_tokens=policy.expected_tokens(start)[0])[sorted(compiled)].tolist())
         if len(rows) / (policy.decode_cost + switch_cost * (stay != "decode")) > could:
             return None, {b: 0 for b in rows}
     return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}
+
+
+def step_rates(table: np.ndarray, own: np.ndarray, clipped: np.ndarray | None, step_costs: np.ndarray,
+               probe: np.ndarray | None = None, probe_tokens: np.ndarray | None = None) -> np.ndarray:
+    """Expected tokens per second of a step at every width 0..gamma, in one pass (the choice is host time
+    in every step), from its rows' E(k) `table`: rows in `clipped` ([R, 1] bool; None: none) verify
+    min(own, k), so bring min(E(k), E(own)) (E does not decrease in k); rows in `probe` bring
+    `probe_tokens` (E(k) per width) where given."""
+    tokens = table
+    if clipped is not None:
+        tokens = np.where(clipped, np.minimum(table, table[np.arange(len(own)), own][:, None]), table)
+    if probe_tokens is not None:
+        tokens = np.where(probe, probe_tokens[None], tokens)
+    return tokens.sum(axis=0) / step_costs
 
 
 def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], policy: AdaptiveWidth, compiled,
