@@ -101,7 +101,8 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
         could = rates[best] if table is expected else max(tokens_per_second(table)[ks].tolist())
         if probe is not None:
             start = np.ones((1, expected.shape[1] - 1)) if probe_confidence is None else probe_confidence[None]
-            could = max(tokens_per_second(table, probe_tokens=policy.expected_tokens(start)[0])[sorted(compiled)].tolist())
+            probed = tokens_per_second(table, probe_tokens=policy.expected_tokens(start)[0])
+            could = max(probed[sorted(compiled)].tolist())
         if len(rows) / (policy.decode_cost + switch_cost * (stay != "decode")) > could:
             return None, {b: 0 for b in rows}
     return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}
