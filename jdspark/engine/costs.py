@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jdspark.drafter import dspark
@@ -155,7 +156,8 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     """{"prefill": s, "decode": s, "step{k}": s} of an engine's batch bucket n (those it compiled: a
     prefill-only bucket has only "prefill"): rows 0..n-1 active at
     full width (the prefill: a full chunk each, its executable's dense work whatever the prompts),
-    greedy, on emptied state, one call or `QUEUED` at a time (`SpecOptions.profile`, while the state
+    greedy, on emptied state, each row from tokens of its own (rows alike would route alike: one row's
+    experts priced), one call or `QUEUED` at a time (`SpecOptions.profile`, while the state
     has room for them; a prefill one at a time: its long call hides no dispatch worth pricing, and on the
     2-core CPU its queued samples were 34 of the 60 s `jdspark serve`'s 3 buckets took to profile);
     cached per device kind, model, dtype, engine config, bucket, profile and programs (`programs_key`)."""
@@ -166,8 +168,10 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     slots = slot_inputs(active=np.ones(n, bool), temperature=np.zeros(n, np.float32), top_k=zeros,
                         top_p=np.ones(n, np.float32), seed=zeros, counter=zeros, slot=np.arange(n),
                         width=np.full(n, config.gamma))
-    chunk = (np.zeros((n, engine.exe.prefill_chunk), np.int32), np.full(n, engine.exe.prefill_chunk, np.int32),
-             np.ones(n, bool))  # ids, n_valid, reset: every row a whole chunk, a prompt's first
+    rng, vocab = np.random.default_rng(n), engine.model.config.vocab_size
+    anchors = rng.choice(vocab, config.max_batch, replace=vocab < config.max_batch).astype(np.int32)
+    chunk = (rng.integers(0, vocab, (n, engine.exe.prefill_chunk), dtype=np.int32),
+             np.full(n, engine.exe.prefill_chunk, np.int32), np.ones(n, bool))  # ids, n_valid, reset: whole chunks
     key, labels = bucket_profile(engine, n)
 
     def program(label):
@@ -186,6 +190,7 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
 
     def reset():
         engine.state = state.reset_slots(engine.state, active)
+        engine.state = engine.state.replace(anchor=jnp.where(active, anchors, engine.state.anchor))
         engine.draft_cache = dspark.reset_draft_slots(engine.draft_cache, active)
         jax.block_until_ready((engine.state, engine.draft_cache))
 
