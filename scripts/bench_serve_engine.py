@@ -42,7 +42,7 @@ concurrency), and the engine's start-up.
 The model is the embedded one, a checkpoint (`--model`), or with `--synthetic PRESET` a random
 model of the 0731 layout (`bench_flash.flash_0731_config`: `--layers` main layers, FP8 linears +
 ds_fp4 experts, a 3-stage DSpark drafter) made on the device, every weight on the GPU, prompts of
-random ids. Random drafts are never accepted, so such a model needs `--acceptance a`: drafts
+random ids, one per slot (rows of one prompt would route alike). Random drafts are never accepted, so such a model needs `--acceptance a`: drafts
 accepted by script at a per position and confidences of a (`EngineConfig.scripted_acceptance`),
 so each mode's calls cost what they would on text that accepts a.
 
@@ -115,8 +115,10 @@ def checkpoint_model(args):
 
 
 def synthetic_model(args):
-    """(model, no tokenizer, 8 prompts of `--prompt-len` random ids) of `--synthetic`'s 0731 layout,
-    its random weights drawn on the device in the checkpoint's storage."""
+    """(model, no tokenizer, a prompt of `--prompt-len` random ids per slot, at least 8) of `--synthetic`'s
+    0731 layout, its random weights drawn on the device in the checkpoint's storage. Greedy rows of one
+    prompt route alike, so fewer prompts than slots would price a batch's routed experts below what
+    distinct requests read (until 1cdc10b: 8 prompts, so 16 slots served pairs)."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_decode import STORAGES, random_params
@@ -126,8 +128,8 @@ def synthetic_model(args):
     config = flash_0731_config(args.synthetic, args.layers, args.experts)
     model = Model(*random_params(config, args.dtype, STORAGES["fp8+fp4"], seed=0))
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, config.vocab_size, args.prompt_len, dtype=np.int32) for _ in PROMPT_TEXTS]
-    return model, None, prompts
+    count = max(len(PROMPT_TEXTS), args.max_running or max(args.concurrency))
+    return model, None, [rng.integers(2, config.vocab_size, args.prompt_len, dtype=np.int32) for _ in range(count)]
 
 
 def set_mode(engine, mode: str) -> None:
