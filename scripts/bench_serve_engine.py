@@ -118,7 +118,7 @@ def synthetic_model(args):
     """(model, no tokenizer, a prompt of `--prompt-len` random ids per slot, at least 8) of `--synthetic`'s
     0731 layout, its random weights drawn on the device in the checkpoint's storage. Greedy rows of one
     prompt route alike, so fewer prompts than slots would price a batch's routed experts below what
-    distinct requests read (until 1cdc10b: 8 prompts, so 16 slots served pairs)."""
+    distinct requests read (with 8 prompts, 16 slots had served pairs)."""
     import sys
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_decode import STORAGES, random_params
