@@ -42,9 +42,10 @@ concurrency), and the engine's start-up.
 The model is the embedded one, a checkpoint (`--model`), or with `--synthetic PRESET` a random
 model of the 0731 layout (`bench_flash.flash_0731_config`: `--layers` main layers, FP8 linears +
 ds_fp4 experts, a 3-stage DSpark drafter) made on the device, every weight on the GPU, prompts of
-random ids, one per slot (rows of one prompt would route alike). Random drafts are never accepted, so such a model needs `--acceptance a`: drafts
-accepted by script at a per position and confidences of a (`EngineConfig.scripted_acceptance`),
-so each mode's calls cost what they would on text that accepts a.
+random ids, one per slot (rows of one prompt would route alike). Random drafts are never accepted,
+so such a model needs `--acceptance a`: drafts accepted by script at a per position and confidences
+of a (`EngineConfig.scripted_acceptance`), so each mode's calls cost what they would on text that
+accepts a.
 
     python scripts/bench_serve_engine.py --concurrency 1 4 16 64 --requests 64 --max-tokens 64
     python scripts/bench_serve_engine.py --synthetic flash --layers 8 --acceptance 0.8 --concurrency 1 16 64
