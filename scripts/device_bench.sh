@@ -181,7 +181,8 @@ for part in "$@"; do
         cp "$f" "$OUT/moe_dump/"; ptxas -arch=sm_90a -v "$f" -o "$WORK/moe.cubin" 2>&1 | grep -iE "moe|registers|spill" \
           | tee -a "$OUT/moe_dump/ptxas.log"
         cuobjdump -sass "$WORK/moe.cubin" > "$OUT/moe_dump/$(basename "$f" .ptx).sass" 2>&1
-      done; gzip -r "$OUT/moe_dump"
+        python3 scripts/probe_moe_kernel.py --ptx "$f" 2>&1 | tee -a "$OUT/moe_dump/ptx_opcodes.log" | cut -c1-700
+      done; ls "$WORK/moe_dump" > "$OUT/moe_dump/files.txt"; gzip -r "$OUT/moe_dump"
       if [ "${PROBE_NCU:-1}" = 1 ]; then
         for r in 6 1; do
           XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout 150 ncu --clock-control none -k regex:moe \

@@ -74,6 +74,18 @@ def kernel_ms(fn, args, runs: int) -> dict[str, float]:
     return totals
 
 
+def ptx_opcodes(path: str, top: int = 40) -> None:
+    """Per kernel entry of a PTX file: its instructions counted by opcode (the static mix: shared
+    memory stores / loads around the dots say whether decoded tiles go through shared memory)."""
+    import collections
+    import re
+    text = Path(path).read_text()
+    for entry in re.split(r"\n(?=\.visible \.entry|\.entry)", text)[1:]:
+        name = re.search(r"\.entry\s+(\w+)", entry).group(1)
+        ops = collections.Counter(m.group(1) for m in re.finditer(r"^\s+(?:@%p\d+\s+)?([a-z][\w.]*)", entry, re.M))
+        print(f"{name}: {sum(ops.values())} instructions; " + ", ".join(f"{op} {n}" for op, n in ops.most_common(top)))
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 6])
@@ -83,7 +95,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--dims", type=int, nargs=3, default=[256, 4096, 2048], metavar=("E", "D", "F"),
                     help="experts, model width, expert width (Flash: 256 4096 2048)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ptx", default=None, help="only print the opcode mix of each kernel in this PTX file")
     args = ap.parse_args(argv)
+    if args.ptx:
+        return ptx_opcodes(args.ptx)
     E, D, F = args.dims
     tilings = [(text or "default", parse_tiles(text)) for text in args.tiles]
     interpret = jax.default_backend() == "cpu"
