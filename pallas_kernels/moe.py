@@ -71,9 +71,21 @@ class Tiles:
     gemv_out: int = 0  # output features per program in the gemv form (0: `out`)
     swap: bool = False  # the dot form as w_tile @ x^T (weights the MMA's M side, rows its N side) instead of x @ w^T
     skip_rows: bool = False  # the gemv form skips, per expert, the rows that did not select it
+    down_out: int = 0  # `out` of the down kernel (0: the same as gate/up's)
+    down_step_fp4: int = 0  # `step_fp4` of the down kernel (0: the same as gate/up's)
 
     def step(self, fmt: str) -> int:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
+
+    def for_down(self) -> Tiles:
+        """The tiling of the down kernel."""
+        return dataclasses.replace(self, out=self.down_out or self.out, step_fp4=self.down_step_fp4 or self.step_fp4)
+
+    def fitted(self, d: int, f: int) -> Tiles:
+        """Loop steps no longer than the loop (gate/up runs over D, down over F): a model narrower
+        than a step runs one step of its width."""
+        return dataclasses.replace(self, step_bf16=min(self.step_bf16, d), step_fp4=min(self.step_fp4, d),
+                                   down_step_fp4=min(self.down_step_fp4 or self.step_fp4, f))
 
     def for_rows(self, rows: int) -> Tiles:
         """The tiling a call of `rows` rows runs: the gemv form's (its `gemv_out`) or the dot form's."""
@@ -82,14 +94,15 @@ class Tiles:
         return dataclasses.replace(self, gemv_rows=0)
 
 
-# The tiling `moe` uses unless given one: the fastest of bench_decode --sweep on the H200 (2026-12-02,
-# Flash dims, ds_fp4, one layer, 6 experts per row, device time) among the forms that give a row the
-# same bits whatever the call's row count (1..16: rows are padded to 16): E2M1 by byte permutes
-# ("prmt"; R = 6: 0.404 ms against 0.569 by offset bits, then 0.310 with the bytes decoded as
-# loaded), the swapped dot form (R = 2: 0.119 ms). One row alone is faster in the gemv form (0.065
-# against 0.079 ms, same run), but a decode would then round differently from the verify of the same
-# row, so greedy speculative decoding would drift from greedy target-only: not the default.
-TILES = Tiles(out=64, num_stages=3, decode="prmt", swap=True)
+# The tiling `moe` uses unless given one: the fastest of scripts/probe_moe_kernel.py on an H100
+# (2026-12-06, Flash dims, ds_fp4, one layer, 6 experts a row, device time per kernel) among the
+# forms that give a row the same bits whatever the call's row count (1..16: rows are padded to 16):
+# E2M1 by byte permutes ("prmt", decoded in the layout the bytes load in), rows on the MMA's M side
+# (not swapped). R = 6: gate/up 170 us (out 32, 512 inputs a step; swapped, out 64: 211 us), down
+# 81 us (out 64, 256 inputs a step; swapped: 98 us); R = 1: 34.5 + 17.6 us against 53.3 + 20.8.
+# One row alone is faster still in the gemv form, but a decode would then round differently from
+# the verify of the same row, so greedy speculative decoding would drift from greedy target-only.
+TILES = Tiles(out=32, step_fp4=512, num_stages=3, decode="prmt", down_out=64, down_step_fp4=256)
 GEMV_MAX_ROWS = 8  # the gemv form unrolls its rows in the kernel
 MAX_ELEMENTS = 2 ** 31  # a stored array the kernels index must have int32 offsets
 
@@ -147,13 +160,13 @@ def supported(fmt: str, d: int, f: int, rows: int, tiles: Tiles | None = None, n
     """Whether `moe` handles these sizes (else use `ref_moe`): tiles dividing D and F, at most 64
     rows, and every stored array under 2^31 elements (Triton's int32 offsets; Pro's ds_fp4 experts,
     384 x 3072 x 3584 bytes, are over it)."""
-    tiles = tiles or TILES
+    tiles = (tiles or TILES).fitted(d, f).for_rows(rows)
     if fmt not in FORMATS or n_experts * d * f // (2 if fmt == "fp4" else 1) > MAX_ELEMENTS:
         return False
-    step = tiles.step(fmt)
-    out = tiles.for_rows(rows).out
-    return rows <= 64 and d % out == 0 and f % out == 0 and d % step == 0 and f % step == 0 \
-        and (fmt != "fp8" or FP8_BLOCK % out == 0)
+    down = tiles if tiles.gemv_rows else tiles.for_down()  # the gemv form: one tiling for both kernels
+    return rows <= 64 and all(
+        n_out % t.out == 0 and n_in % t.step(fmt) == 0 and (fmt != "fp8" or FP8_BLOCK % t.out == 0)
+        for t, n_out, n_in in ((tiles, f, d), (down, d, f)))
 
 
 def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpret: bool = False,
@@ -162,10 +175,10 @@ def moe(x, experts, dense, slot, w1, w3, w2, *, fmt: str, limit: float, interpre
     A slot whose expert is negative (a padding slot of `jdspark.model.moe.expert_slots`, a host
     expert the PCIe share does not take) reads nothing and outputs zeros: re-reading an expert in
     its place would cost the decode of its tiles, which bounds the kernel."""
-    tiles = tiles or TILES
     r, d = x.shape
     m = experts.shape[0]
     f = w1[0].shape[1]
+    tiles = (tiles or TILES).fitted(d, f)
     if not supported(fmt, d, f, r, tiles, w1[0].shape[0]):
         raise ValueError(f"moe kernel: unsupported sizes fmt={fmt} D={d} F={f} rows={r}; use ref_moe")
     tiles = tiles.for_rows(r)
@@ -195,10 +208,11 @@ def _gate_up_down(act, experts, dense_t, w1, w3, w2, fmt, limit, interpret, tile
         grid=(m, f // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
     )(experts, dense_t, *_activations(fmt, act), *w1, *w3)
+    down = tiles.for_down()
     return pl.pallas_call(
-        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(w2), tiles=tiles),
+        functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(w2), tiles=down),
         out_shape=jax.ShapeDtypeStruct((m, rp, d), dtype),
-        grid=(m, d // tiles.out),
+        grid=(m, d // down.out),
         interpret=interpret, compiler_params=params, name="moe_down",
     )(experts, *_activations(fmt, h), *w2)
 
@@ -264,8 +278,8 @@ def grouped_moe(x, idx, weights, w1, w3, w2, *, fmt: str, limit: float, interpre
     slot form, always with 16-row tiles: a row's output has the same bits whatever the call's size,
     and the slot form's for calls of up to 16 rows (a `gpu` test). The combine sums each row's K pair
     outputs in router order (as `_combine`)."""
-    tiles = dataclasses.replace(tiles or TILES, gemv_rows=0)
     r, d = x.shape
+    tiles = dataclasses.replace(tiles or TILES, gemv_rows=0).fitted(d, w1[0].shape[1])
     if not grouped_supported(fmt, d, w1[0].shape[1], tiles, w1[0].shape[0]):
         raise ValueError(f"grouped moe kernel: unsupported sizes fmt={fmt} D={d} F={w1[0].shape[1]}; use ref_moe")
     if interpret and tiles.decode == "prmt":

@@ -28,29 +28,29 @@ def stored(fmt, rng, out_f, in_f, scale_dtype="e8m0"):
     return ((rng.standard_normal((E, out_f, in_f)) * in_f ** -0.5).astype(ml_dtypes.bfloat16),)
 
 
-def inputs(fmt, rows, seed, dtype, scale_dtype="e8m0"):
+def inputs(fmt, rows, seed, dtype, scale_dtype="e8m0", d=D, f=F):
     rng = np.random.default_rng(seed)
     pool = rng.permutation(E)[:max(K, min(E, rows))]  # few experts for many rows: repeats
     idx = np.stack([rng.choice(pool, K, replace=False) for _ in range(rows)]).astype(np.int32)
     weights = jnp.asarray(rng.uniform(0.1, 1.0, (rows, K)), jnp.float32)
     experts, dense = routed_slots(weights, jnp.asarray(idx), E)
     slot = expert_slots(jnp.asarray(idx), E)[1]
-    x = jnp.asarray(rng.standard_normal((rows, D)), dtype)
-    ws = [tuple(jnp.asarray(a) for a in stored(fmt, rng, *shape, scale_dtype)) for shape in ((F, D), (F, D), (D, F))]
+    x = jnp.asarray(rng.standard_normal((rows, d)), dtype)
+    ws = [tuple(jnp.asarray(a) for a in stored(fmt, rng, *shape, scale_dtype)) for shape in ((f, d), (f, d), (d, f))]
     return (x, experts, dense, slot, *ws)
 
 
 CASES = [("fp4", "e8m0"), ("fp8", "e8m0"), ("fp8", "float32"), ("bf16", None)]
 
 
-def check(fmt, scale_dtype, rows, dtype, interpret, tiles=None):
-    args = inputs(fmt, rows, seed=rows, dtype=dtype, scale_dtype=scale_dtype)
-    assert supported(fmt, D, F, rows, tiles)
+def check(fmt, scale_dtype, rows, dtype, interpret, tiles=None, d=D, f=F):
+    args = inputs(fmt, rows, seed=rows, dtype=dtype, scale_dtype=scale_dtype, d=d, f=f)
+    assert supported(fmt, d, f, rows, tiles)
     run = jax.jit(lambda *a: moe(*a, fmt=fmt, limit=4.0, interpret=interpret, tiles=tiles))
     got = np.asarray(run(*args))
     want = np.asarray(jax.jit(lambda *a: ref_moe(*a, fmt=fmt, limit=4.0))(*args))
     scale = np.abs(want).max()
-    assert got.shape == (rows, D) and scale > 0
+    assert got.shape == (rows, d) and scale > 0
     tol = 1e-5 if dtype == jnp.float32 else 2e-2  # bf16: h and each expert's output round to bf16
     np.testing.assert_allclose(got, want, atol=tol * scale, rtol=0)
 
@@ -119,6 +119,17 @@ def test_e2m1_decodings_agree_on_every_code():
             if how in ("offset", "e4m3"):  # code 8 decodes to -0.0, which sums as +0.0
                 want = np.where(code == 8, np.float32(-0.0), want)
             np.testing.assert_array_equal(np.asarray(got).view(np.uint32), want.view(np.uint32), err_msg=how)
+
+
+def test_down_tiled_apart_and_steps_fitted_to_the_model():
+    """The down kernel's own tiling (`Tiles.down_out`, `down_step_fp4`) and loop steps cut to a model
+    narrower than them (`Tiles.fitted`): the default's 512-input gate/up step runs as 256 at D = 256."""
+    tiles = Tiles(out=16, step_fp4=512, down_out=32, down_step_fp4=128, decode="offset")
+    assert tiles.fitted(256, 256).step_fp4 == 256 and tiles.fitted(1024, 64).for_down().step_fp4 == 64
+    assert tiles.for_down().out == 32 and Tiles(out=16).for_down().out == 16
+    check("fp4", "e8m0", 3, jnp.float32, interpret=True, tiles=tiles, d=1024, f=256)
+    check("fp4", "e8m0", 3, jnp.float32, interpret=True, tiles=tiles)
+    assert not supported("fp4", 1024, 256, 3, dataclasses.replace(tiles, down_out=48))
 
 
 def test_other_tiling_interpret():
@@ -257,7 +268,7 @@ def check_grouped(fmt, scale_dtype, rows, dtype, interpret):
     got = np.asarray(jax.jit(lambda *a: grouped_moe(*a, fmt=fmt, limit=4.0, interpret=interpret))(*args))
     want = np.asarray(jax.jit(lambda *a: ref_moe(*a, fmt=fmt, limit=4.0))(*slot_args))
     scale = np.abs(want).max()
-    assert got.shape == (rows, D) and scale > 0
+    assert got.shape == (rows, d) and scale > 0
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(got, want, atol=tol * scale, rtol=0)
 
