@@ -29,7 +29,8 @@ every expert decoded and run on every row), `dequant_linear` (FP8 linears but `w
 bfloat16 weight per call), `fp8_scaled_x` (FP8 linears but `wo_a` of <= 16 rows as one batched dot
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
 former MoE and linears), `pallas` (the routed experts through the in-place kernel
-`pallas_kernels.moe`), `grouped` (that kernel's grouped form at every row count: the model
+`pallas_kernels.moe`), `swapped_tiles` (that kernel's tiling before ceec0a2), `grouped` (that kernel's grouped
+form at every row count: the model
 takes it from `moe.GROUPED_MIN_ROWS` rows), `padding_read` (the kernel's unused slots re-reading
 expert E-1, as before they were missing), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
 faster alone, but a decode then rounds differently from the verify of the same row), `per_layer`
@@ -271,6 +272,8 @@ PATCHES["pallas"] = PATCHES["xla"] = []
 # "pallas_gemv": one row in the kernel's gemv form (faster alone, not batch-invariant with the dot form).
 PATCHES["pallas_gemv"] = [(moe_kernels, "TILES", dataclasses.replace(moe_kernels.TILES, gemv_rows=1, gemv_out=16))]
 EXPERTS_IMPLEMENTATION["pallas_gemv"] = "pallas"
+# "swapped_tiles": the kernel's tiling before ceec0a2 (weights on the MMA's M side, 64 outputs x 256 inputs a step).
+PATCHES["swapped_tiles"] = [(moe_kernels, "TILES", moe_kernels.Tiles(out=64, num_stages=3, decode="prmt", swap=True))]
 
 
 def _slots_padded_with_last_expert(idx, n_experts):
