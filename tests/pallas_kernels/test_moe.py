@@ -268,7 +268,7 @@ def check_grouped(fmt, scale_dtype, rows, dtype, interpret):
     got = np.asarray(jax.jit(lambda *a: grouped_moe(*a, fmt=fmt, limit=4.0, interpret=interpret))(*args))
     want = np.asarray(jax.jit(lambda *a: ref_moe(*a, fmt=fmt, limit=4.0))(*slot_args))
     scale = np.abs(want).max()
-    assert got.shape == (rows, d) and scale > 0
+    assert got.shape == (rows, D) and scale > 0
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(got, want, atol=tol * scale, rtol=0)
 
