@@ -484,7 +484,7 @@ def moe_layer_rows(config, storage, dtype, rows_list, runs, bandwidth) -> list[d
 
 _T = moe_kernels.Tiles
 _G16 = dict(out=16, num_stages=3, decode="prmt", gemv_rows=moe_kernels.GEMV_MAX_ROWS)  # the R = 1 winner
-_S64 = dict(out=64, num_stages=3, decode="prmt", swap=True)  # the R = 6 winner
+_S64 = dict(out=64, num_stages=3, decode="prmt", swap=True)  # the R = 6 winner until ceec0a2
 SWEEP = [moe_kernels.TILES, _T(**_G16), _T(**{**_G16, "out": 8}), _T(**_S64), _T(**{**_S64, "step_fp4": 512}),
          _T(**{**_S64, "out": 32}), _T(**{**_S64, "num_stages": 2}), _T(**{**_S64, "num_warps": 2})]
 
