@@ -49,12 +49,14 @@ TARGET_PROGRAMS = 256  # enough programs to keep every multiprocessor of an H200
 class Tiles:
     """`out` output features per program (divides 128: one block scale per tile and step); `split`
     K chunks in separate programs (0: as many as make about TARGET_PROGRAMS programs); Triton warps
-    and pipeline stages."""
+    and pipeline stages; `swap`: each product as w_tile @ x^T (the weights on the MMA's M side),
+    else x @ w_tile^T (the rows on it)."""
 
     out: int = 64
     split: int = 0
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = True
 
     def splits(self, n: int, k: int) -> int:
         """K chunks for an [N, K] weight: a power of two dividing K / 128."""
@@ -101,7 +103,7 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, *, interpret: 
     xp = jnp.pad(x.reshape(r, groups, k), ((0, rp - r), (0, 0), (0, 0)))  # a pad fuses into x's producer
     split = tiles.splits(n, k)
     partial = pl.pallas_call(
-        functools.partial(_kernel, steps=k // BLOCK // split, out=tiles.out, group_rows=n // groups),
+        functools.partial(_kernel, steps=k // BLOCK // split, out=tiles.out, group_rows=n // groups, swap=tiles.swap),
         out_shape=jax.ShapeDtypeStruct((split, rp, n), jnp.float32),
         grid=(n // tiles.out, split),
         interpret=interpret, name="fp8_linear",
@@ -110,7 +112,7 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale: jax.Array, *, interpret: 
     return functools.reduce(jnp.add, [partial[i, :r] for i in range(split)])  # one order for every shape
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, steps: int, out: int, group_rows: int):
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, steps: int, out: int, group_rows: int, swap: bool):
     tile, part = pl.program_id(0), pl.program_id(1)
     row0 = pl.multiple_of(tile * out, out)
     rows = pl.ds(row0, out)
@@ -122,9 +124,11 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, steps: int, out: int, group_rows: int
         block = part * steps + c
         cols = pl.ds(pl.multiple_of(block * BLOCK, BLOCK), BLOCK)
         w = w_ref[rows, cols].astype(dtype)  # exact: e4m3 values are bf16 values
-        y = jax.lax.dot_general(w, x_ref[:, group, cols], (((1,), (1,)), ((), ())), precision=precision,
-                                preferred_element_type=jnp.float32)  # [out, Rp]
+        a, b = (w, x_ref[:, group, cols]) if swap else (x_ref[:, group, cols], w)
+        y = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                                preferred_element_type=jnp.float32)  # [out, Rp], or [Rp, out]
         return acc + y * scale_f32(s_ref[row0 // BLOCK, block])
 
-    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros((out, x_ref.shape[0]), jnp.float32))
-    o_ref[part, :, rows] = acc.T
+    shape = (out, x_ref.shape[0]) if swap else (x_ref.shape[0], out)
+    acc = jax.lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
+    o_ref[part, :, rows] = acc.T if swap else acc

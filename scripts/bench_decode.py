@@ -29,7 +29,8 @@ every expert decoded and run on every row), `dequant_linear` (FP8 linears but `w
 bfloat16 weight per call), `fp8_scaled_x` (FP8 linears but `wo_a` of <= 16 rows as one batched dot
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
 former MoE and linears), `pallas` (the routed experts through the in-place kernel
-`pallas_kernels.moe`), `swapped_tiles` (that kernel's tiling before ceec0a2), `grouped` (that kernel's grouped
+`pallas_kernels.moe`), `swapped_tiles` (that kernel's tiling before ceec0a2), `fp8_rows_first` (the FP8
+linear kernel with the rows on the MMA's M side), `grouped` (that kernel's grouped
 form at every row count: the model
 takes it from `moe.GROUPED_MIN_ROWS` rows), `padding_read` (the kernel's unused slots re-reading
 expert E-1, as before they were missing), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
@@ -272,6 +273,8 @@ PATCHES["pallas"] = PATCHES["xla"] = []
 # "pallas_gemv": one row in the kernel's gemv form (faster alone, not batch-invariant with the dot form).
 PATCHES["pallas_gemv"] = [(moe_kernels, "TILES", dataclasses.replace(moe_kernels.TILES, gemv_rows=1, gemv_out=16))]
 EXPERTS_IMPLEMENTATION["pallas_gemv"] = "pallas"
+# "fp8_rows_first": the FP8 linear kernel with the rows on the MMA's M side (x @ w_tile^T).
+PATCHES["fp8_rows_first"] = [(fp8_kernels, "TILES", dataclasses.replace(fp8_kernels.TILES, swap=False))]
 # "swapped_tiles": the kernel's tiling before ceec0a2 (weights on the MMA's M side, 64 outputs x 256 inputs a step).
 PATCHES["swapped_tiles"] = [(moe_kernels, "TILES", moe_kernels.Tiles(out=64, num_stages=3, decode="prmt", swap=True))]
 
@@ -559,8 +562,8 @@ def kernel_sweep(experts, rows_list, runs, bandwidth) -> list[dict]:
 # FP8 linears of DeepSeek-V4-Flash, [N, K]: attention wq_a, wq_b, wkv, wo_b; indexer wq_b; shared expert w1 / w2.
 FP8_SHAPES = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
               "index_wq_b": (8192, 1024), "shared_w1": (2048, 4096), "shared_w2": (4096, 2048)}
-FP8_SWEEP = [fp8_kernels.TILES, fp8_kernels.Tiles(out=32), fp8_kernels.Tiles(out=128),
-             fp8_kernels.Tiles(num_stages=4), fp8_kernels.Tiles(num_warps=8)]
+_F8 = fp8_kernels.Tiles
+FP8_SWEEP = [fp8_kernels.TILES, _F8(swap=False), _F8(swap=False, out=32), _F8(swap=False, out=128), _F8(out=32)]
 
 
 def fp8_sweep(rows_list, runs, bandwidth) -> list[dict]:

@@ -39,7 +39,8 @@ def test_kernel_equals_ref_interpret(scale_dtype, dtype, rows):
     check(rows, dtype, scale_dtype, interpret=True)
 
 
-@pytest.mark.parametrize("tiles", [Tiles(out=32, split=4), Tiles(out=128, split=1)], ids=["split4", "nosplit"])
+@pytest.mark.parametrize("tiles", [Tiles(out=32, split=4), Tiles(out=128, split=1), Tiles(swap=False)],
+                         ids=["split4", "nosplit", "rows-first"])
 def test_other_tilings_interpret(tiles):
     check(3, jnp.bfloat16, "e8m0", interpret=True, tiles=tiles)
 
