@@ -4,8 +4,8 @@ Draws one layer of ds_fp4 experts (E = 256, D = 4096, F = 2048, the checkpoint's
 device, routes R rows to 6 experts each at random, and for each tiling given (`--tiles`, `Tiles`
 fields as key=value pairs; the first: the default) prints the gate/up and the down kernel's device
 time (`jax.profiler` trace), each against the bytes of the distinct experts it reads at the copy
-bandwidth measured in the same run, and the error against `ref_moe`. Written for `ncu` too:
-`--runs 0 --calls N` runs each tiling N times untraced (CUPTI is ncu's then).
+bandwidth measured in the same run, and the error against `ref_moe`. `--runs 0 --calls N` runs each
+tiling N times untraced, for a profiler of its own (Nsight Compute).
 
     PYTHONPATH=$PWD python scripts/probe_moe_kernel.py --rows 1 6 --tiles "" "out=128,num_warps=8"
     PYTHONPATH=$PWD python scripts/probe_moe_kernel.py --dims 16 512 256 --rows 1 3 --runs 2   # CPU smoke test
@@ -74,18 +74,6 @@ def kernel_ms(fn, args, runs: int) -> dict[str, float]:
     return totals
 
 
-def ptx_opcodes(path: str, top: int = 40) -> None:
-    """Per kernel entry of a PTX file: its instructions counted by opcode (the static mix: shared
-    memory stores / loads around the dots say whether decoded tiles go through shared memory)."""
-    import collections
-    import re
-    text = Path(path).read_text()
-    for entry in re.split(r"\n(?=\.visible \.entry|\.entry)", text)[1:]:
-        name = re.search(r"\.entry\s+(\w+)", entry).group(1)
-        ops = collections.Counter(m.group(1) for m in re.finditer(r"^\s+(?:@%p\d+\s+)?([a-z][\w.]*)", entry, re.M))
-        print(f"{name}: {sum(ops.values())} instructions; " + ", ".join(f"{op} {n}" for op, n in ops.most_common(top)))
-
-
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 6])
@@ -95,10 +83,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--dims", type=int, nargs=3, default=[256, 4096, 2048], metavar=("E", "D", "F"),
                     help="experts, model width, expert width (Flash: 256 4096 2048)")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--ptx", default=None, help="only print the opcode mix of each kernel in this PTX file")
     args = ap.parse_args(argv)
-    if args.ptx:
-        return ptx_opcodes(args.ptx)
     E, D, F = args.dims
     tilings = [(text or "default", parse_tiles(text)) for text in args.tiles]
     interpret = jax.default_backend() == "cpu"
