@@ -492,10 +492,8 @@ SWEEP = [moe_kernels.TILES, _T(**_G16), _T(**{**_G16, "out": 8}), _T(**_S64), _T
          _T(**{**_S64, "out": 32}), _T(**{**_S64, "num_stages": 2}), _T(**{**_S64, "num_warps": 2})]
 
 
-def device_ms(fn, args, runs) -> float:
-    """Device time of one call: the kernels' durations in a `jax.profiler` trace of `runs` calls
-    (after warm-up), summed and divided by `runs`. Launch gaps and dispatch do not count, so
-    kernels compare on what they cost the GPU."""
+def traced_kernels(fn, args, runs, python: bool = True) -> list[dict]:
+    """The GPU kernels of a `jax.profiler` trace of `runs` calls of fn(*args), after 3 untraced ones."""
     for _ in range(3):
         jax.block_until_ready(fn(*args))
 
@@ -503,7 +501,14 @@ def device_ms(fn, args, runs) -> float:
         for _ in range(runs):
             out = fn(*args)
         jax.block_until_ready(out)
-    return sum(k["dur"] for k in gpu_kernel_events(calls)) / runs / 1e3
+    return gpu_kernel_events(calls, python=python)
+
+
+def device_ms(fn, args, runs) -> float:
+    """Device time of one call: the kernels' durations in a trace of `runs` calls (`traced_kernels`),
+    summed and divided by `runs`. Launch gaps and dispatch do not count, so kernels compare on what
+    they cost the GPU."""
+    return sum(k["dur"] for k in traced_kernels(fn, args, runs)) / runs / 1e3
 
 
 def _median_ms(fn, args, runs) -> float:

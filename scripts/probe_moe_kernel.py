@@ -25,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import copy_bandwidth  # noqa: E402
+from bench_decode import copy_bandwidth, traced_kernels  # noqa: E402
 
 from jdspark.model.moe import expert_slots, routed_slots  # noqa: E402
-from jdspark.profile import gpu_kernel_events  # noqa: E402
 from pallas_kernels import moe as moe_kernels  # noqa: E402
 
 K = 6
@@ -60,15 +59,8 @@ def parse_tiles(text: str) -> moe_kernels.Tiles:
 
 def kernel_ms(fn, args, runs: int) -> dict[str, float]:
     """Device ms per call of each kernel of fn, by name (gate_up, down, other)."""
-    for _ in range(3):
-        jax.block_until_ready(fn(*args))
-
-    def calls():
-        for _ in range(runs):
-            out = fn(*args)
-        jax.block_until_ready(out)
     totals: dict[str, float] = {}
-    for k in gpu_kernel_events(calls, python=False):
+    for k in traced_kernels(fn, args, runs, python=False):
         name = "gate_up" if "gate_up" in k["name"] else "down" if "moe_down" in k["name"] else "other"
         totals[name] = totals.get(name, 0.0) + k["dur"] / runs / 1e3
     return totals
