@@ -30,9 +30,8 @@ bfloat16 weight per call), `fp8_scaled_x` (FP8 linears but `wo_a` of <= 16 rows 
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
 former MoE and linears), `pallas` (the routed experts through the in-place kernel
 `pallas_kernels.moe`), `swapped_tiles` (that kernel's tiling before ceec0a2), `fp8_rows_first` (the FP8
-linear kernel with the rows on the MMA's M side), `grouped` (that kernel's grouped
-form at every row count: the model
-takes it from `moe.GROUPED_MIN_ROWS` rows), `padding_read` (the kernel's unused slots re-reading
+linear kernel with the rows on the MMA's M side), `grouped` (the routed-expert kernel's grouped form at
+every row count: the model takes it from `moe.GROUPED_MIN_ROWS` rows), `padding_read` (the kernel's unused slots re-reading
 expert E-1, as before they were missing), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
 faster alone, but a decode then rounds differently from the verify of the same row), `per_layer`
 (every block traced and lowered on its own, not once per kind: `block.shared_extend`; compile time

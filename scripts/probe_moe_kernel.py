@@ -46,7 +46,7 @@ def experts_fp4(E: int, D: int, F: int, seed: int = 0):
 
 def parse_tiles(text: str) -> moe_kernels.Tiles:
     """"out=128,num_warps=8" -> the default Tiles with those fields replaced ("" -> the default)."""
-    fields = {f.name: f.type for f in dataclasses.fields(moe_kernels.Tiles)}
+    fields = [f.name for f in dataclasses.fields(moe_kernels.Tiles)]
     over = {}
     for pair in filter(None, text.split(",")):
         key, value = pair.split("=")
@@ -110,9 +110,9 @@ def main(argv=None) -> list[dict]:
                     rows_out.append(row)
                     continue
                 row["ms"] = kernel_ms(fn, call, args.runs)
-                parts = "  ".join(f"{name} {row['ms'].get(name, 0) * 1e3:6.1f} us "
-                                  f"({floors[name] / row['ms'][name]:5.1%} of floor)" for name in floors
-                                  if name in row["ms"])
+                parts = "  ".join(f"{kernel} {row['ms'][kernel] * 1e3:6.1f} us "
+                                  f"({floors[kernel] / row['ms'][kernel]:5.1%} of floor)" for kernel in floors
+                                  if kernel in row["ms"])
                 print(f"R={rows} [{row['tiles']}] {parts}  other {row['ms'].get('other', 0) * 1e3:5.1f} us  "
                       f"err {row['rel_err']:.1e}", flush=True)
             except Exception as exc:  # a tiling Triton refuses: say so, go on with the others
