@@ -65,7 +65,7 @@ def _generator(args, max_batch: int = 1, defer_steps: bool = False):
                                           expert_parallel_size=args.expert_parallel_size,
                                           gpu_memory=None if args.gpu_memory is None else args.gpu_memory * 1e9,
                                           pcie_share=args.pcie_share)
-    generator.engine.batch_prefills = args.prefill_wait
+    generator.engine.batch_prefills, generator.engine.ride_prompts = args.prefill_wait, args.ride_prompts
     return generator
 
 
@@ -167,6 +167,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "share it while their waits cost less than its stall of the running ones, each at most 8 "
                         "such calls (without it: a shorter time to first token, less throughput and longer "
                         "inter-token gaps under load)")
+    p.add_argument("--ride-prompts", type=int, default=0,
+                   help="beside running requests, prompts of at most this many tokens ride in the verify calls, the "
+                        "step's width + 1 tokens a call, instead of taking prefill calls of their own (0: never)")
     p.add_argument("--fallback-acceptance", type=float, default=0.0,
                    help="acceptance breaker threshold in (0, 1]; 0 disables (reference starting point: 0.60)")
     p.add_argument("--fallback-min-drafted", type=int, default=32)

@@ -28,7 +28,10 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
                switching executables between steps costs, against fixed3 and fixed5);
 - none_eager, fixed5_eager, per_request_queued_eager: those modes with every pending prompt
                prefilled at the next step (`Engine.batch_prefills` off: the engine before
-               `batch.prefill_waits` held prefill calls back to share them).
+               `batch.prefill_waits` held prefill calls back to share them);
+- none_riding, fixed5_riding, per_request_queued_riding: those modes with prompts of at most
+               `--ride-prompts` tokens riding in the verify calls beside running requests instead
+               of taking prefill calls of their own (`Engine.ride_prompts`).
 
 `--max-tokens-spread f` draws each request's max_tokens from max_tokens x [1 - f, 1 + f] (seeded by the
 request's index, the same in every mode): with one length for all, target-only requests admitted
@@ -71,7 +74,8 @@ import numpy as np
 
 MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "per_request_queued",
          "per_request_queued_unpriced", "per_request_queued_profiled", "per_request_queued_remembering", "budget",
-         "fixed3", "alternate35", "none_eager", "fixed5_eager", "per_request_queued_eager")
+         "fixed3", "alternate35", "none_eager", "fixed5_eager", "per_request_queued_eager", "none_riding",
+         "fixed5_riding", "per_request_queued_riding")
 PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
                 "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"", "for i in range(10):", "with open(path) as f:",
                 "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
@@ -133,9 +137,10 @@ def synthetic_model(args):
     return model, None, [rng.integers(2, config.vocab_size, args.prompt_len, dtype=np.int32) for _ in range(count)]
 
 
-def set_mode(engine, mode: str) -> None:
+def set_mode(engine, mode: str, ride_prompts: int = 0) -> None:
     engine.batch_prefills = not mode.endswith("_eager")
-    mode = mode.removesuffix("_eager")
+    engine.ride_prompts = ride_prompts if mode.endswith("_riding") else 0
+    mode = mode.removesuffix("_eager").removesuffix("_riding")
     profile = "queued" if mode.startswith("per_request_queued") else "synchronised"
     if engine.selectors:  # an adaptive engine: its selectors measured under the mode's profile
         engine.set_policy(options=dataclasses.replace(engine.options, profile=profile))
@@ -298,7 +303,7 @@ def lone_request(args, engine, prompts) -> list[dict]:
     for round_ in range(args.rounds):
         for mode in args.modes:
             for name, e in (("many", engine), ("few", small)):
-                set_mode(e, mode)
+                set_mode(e, mode, args.ride_prompts)
                 if round_ == 0:
                     run_level(e, prompts, 1, argparse.Namespace(**{**vars(args), "requests": 1}))
                 level = run_level(e, prompts, 1, args)
@@ -358,6 +363,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, help="engine slots (default: the largest concurrency)")
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--prefill-budget", type=int, help="prompt tokens a step prefills (default: the engine's)")
+    p.add_argument("--ride-prompts", type=int, default=256,
+                   help="the *_riding modes: prompts of at most this many tokens ride in the verify calls")
     p.add_argument("--prefill-budgets", type=int, nargs="+",
                    help="run every mode under each of these prefill budgets (prompt tokens a step prefills beside "
                    "running requests; 0: --prefill-budget's), interleaved, labelled 'mode bN'")
@@ -432,7 +439,7 @@ def main(argv=None) -> int:
     for concurrency in args.concurrency:
         for round_ in range(args.rounds):  # rounds interleave the modes, so drift hits them alike
             for mode, budget in itertools.product(args.modes, budgets):
-                set_mode(engine, mode)
+                set_mode(engine, mode, args.ride_prompts)
                 engine.prefill_rows = max(1, budget // engine.exe.prefill_chunk) if budget else default_rows
                 label = f"{mode} b{budget}" if len(budgets) > 1 else mode
                 if round_ == 0:  # a warm-up round first

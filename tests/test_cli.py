@@ -52,9 +52,10 @@ def test_serve_errors_exit_2(tmp_path, capsys, monkeypatch):
     assert "nowhere" in capsys.readouterr().err
 
 
-def test_no_prefill_wait_turns_the_engines_batch_prefills_off(monkeypatch):
-    """`--no-prefill-wait` reaches `Engine.batch_prefills` through `cli._generator` (the engine itself
-    stood in for: this checks the wiring, `tests/engine/test_buckets.py` what the flag does)."""
+def test_prefill_flags_reach_the_engine(monkeypatch):
+    """`--no-prefill-wait` and `--ride-prompts` reach `Engine.batch_prefills` and `Engine.ride_prompts`
+    through `cli._generator` (the engine itself stood in for: this checks the wiring,
+    `tests/engine/test_buckets.py` what the flags do)."""
     import types
 
     from jdspark import cli
@@ -67,6 +68,8 @@ def test_no_prefill_wait_turns_the_engines_batch_prefills_off(monkeypatch):
     assert cli._generator(parser.parse_args(["serve"])).engine.batch_prefills is True
     assert cli._generator(parser.parse_args(["serve", "--no-prefill-wait"])).engine.batch_prefills is False
     assert cli._generator(parser.parse_args(["generate", "--no-prefill-wait", "x"])).engine.batch_prefills is False
+    assert cli._generator(parser.parse_args(["serve"])).engine.ride_prompts == 0
+    assert cli._generator(parser.parse_args(["serve", "--ride-prompts", "128"])).engine.ride_prompts == 128
 
 
 def test_serve_defers_speculation_unless_told_not_to(monkeypatch):

@@ -32,7 +32,7 @@ class EngineConfig:
 
     `twin_executables` loads every executable twice and alternates the two call by call, so that each
     sees the same buffer addresses every call under overlapped steps (no CUDA graph update;
-    `executables.Twins`; on the CPU each is loaded once: there is no graph to update). Measured on the H200 (embedded
+    `twins.Twins`; on the CPU each is loaded once: there is no graph to update). Measured on the H200 (embedded
     model, docs/BENCHMARKS.md): the graph update on every call (0.39-0.42 ms of host time) gone, an
     overlapped speculative step 1.76 -> 1.65 ms and a target-only one 1.47 -> 1.24 ms.
     """

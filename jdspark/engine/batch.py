@@ -91,14 +91,19 @@ def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:
 
 
 def call_inputs(slots: np.ndarray, sequences: list[Sequence | None], active: set[int],
-                widths: dict[int, int] | None = None) -> np.ndarray:
+                widths: dict[int, int] | None = None, gamma: int = 0,
+                prompts: dict[int, tuple[np.ndarray, bool]] | None = None) -> np.ndarray:
     """slot_inputs for rows `slots`: sampling and widths of the active ones; padding rows are greedy
     and inactive. The counter is the request's own count of calls, so its noise does not depend on
-    the other rows (and never repeats, however many calls are in flight)."""
+    the other rows (and never repeats, however many calls are in flight). `prompts`: {slot: (its
+    prompt's next tokens, <= gamma + 1; whether they are its first)} of rows that carry a prompt chunk
+    in a verify call (`prompt_len`, `reset`)."""
     n = len(slots)
     columns = {"active": np.zeros(n, bool), "temperature": np.zeros(n, np.float32),
                "top_k": np.zeros(n, np.int32), "top_p": np.ones(n, np.float32), "seed": np.zeros(n, np.uint32),
-               "counter": np.zeros(n, np.int32), "slot": slots, "width": np.zeros(n, np.int32)}
+               "counter": np.zeros(n, np.int32), "slot": slots, "width": np.zeros(n, np.int32),
+               "prompt_len": np.zeros(n, np.int32), "reset": np.zeros(n, bool)}
+    prompt = np.zeros((n, gamma + 1), np.int32)
     for i, b in enumerate(slots.tolist()):
         seq = sequences[b]
         if seq is None:
@@ -109,7 +114,10 @@ def call_inputs(slots: np.ndarray, sequences: list[Sequence | None], active: set
         if b in active:
             columns["active"][i] = True
             columns["width"][i] = (widths or {}).get(b, 0)
-    return slot_inputs(**columns)
+        elif b in (prompts or {}):
+            chunk, columns["reset"][i] = prompts[b]
+            prompt[i, :len(chunk)], columns["prompt_len"][i] = chunk, len(chunk)
+    return slot_inputs(prompt, **columns)
 
 
 def advance_prompts(rows: np.ndarray, live: list[int], n_valid: np.ndarray, pending: dict[int, PendingPrompt],
@@ -165,3 +173,4 @@ class IssuedVerify:
     drafted: bool  # a step[k] call (else a plain decode)
     started: float  # perf_counter before its width choice
     costs: dict  # Engine.cost_summary when it was chosen: what the choice read
+    prompts: dict = dataclasses.field(default_factory=dict)  # slot -> (request, prompt, its last chunk): riders

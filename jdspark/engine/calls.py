@@ -1,6 +1,7 @@
 """A call's inputs and outputs: what crosses between the host and an engine executable.
 
-Per-slot inputs go in as `slot_inputs` (int32 [n, 8], floats bit-cast), results come back as one int32
+Per-slot inputs go in as `slot_inputs` (int32 [n, 10 + gamma + 1]: the fields, floats bit-cast, then
+the prompt tokens a row carries in a verify call), results come back as one int32
 array: per slot n_accepted, the emitted token, the invalid flag (1: the slot's logits, temperature
 or draft probabilities were not finite; its token is -1 and it must end with an error), then for
 step[k] the gamma drafted tokens and the gamma confidences (float32 bits); `read_output` splits it
@@ -23,10 +24,12 @@ from flax import struct
 
 from jdspark.speculative.verify import Verdict
 
-# Per-slot inputs of every call, in column order, with the dtype each is bit-cast from (active: 0/1).
+# Per-slot inputs of every call, in column order, with the dtype each is bit-cast from (active, reset: 0/1).
+# prompt_len > 0: the row carries that many prompt tokens (the columns after the fields) instead of
+# [anchor, drafts] (`executables.Executables.verify`); reset: the slot is emptied first (a prompt's first chunk).
 SLOT_FIELDS = {"active": jnp.int32, "temperature": jnp.float32, "top_k": jnp.int32,
                "top_p": jnp.float32, "seed": jnp.uint32, "counter": jnp.int32, "slot": jnp.int32,
-               "width": jnp.int32}
+               "width": jnp.int32, "prompt_len": jnp.int32, "reset": jnp.int32}
 
 
 @struct.dataclass
@@ -47,6 +50,9 @@ class Rows(NamedTuple):
     active: jax.Array  # bool: the row runs (False: padding, its slot is left as it was)
     width: jax.Array  # i32: drafts this row verifies (clipped to the executable's width)
     sampling: SlotSampling
+    prompt_len: jax.Array  # i32: prompt tokens the row carries in a verify call (0: a running request's row)
+    reset: jax.Array  # bool: the slot is emptied before the call (a prompt's first chunk)
+    prompt: jax.Array  # i32 [n, gamma + 1]: those prompt tokens
 
 
 class StepOutput(NamedTuple):
@@ -62,9 +68,16 @@ class StepOutput(NamedTuple):
     ready: bool = False  # whether the device had finished it before the read began (the host set the pace)
 
 
-def slot_inputs(**fields) -> np.ndarray:
-    """Every per-row input of a call (the SLOT_FIELDS, each [n]) as one int32 [n, 8] host array."""
-    return np.stack([np.asarray(fields[name], dtype).view(np.int32) for name, dtype in SLOT_FIELDS.items()], axis=1)
+def slot_columns(gamma: int) -> int:
+    """Columns of a call's slot inputs: the SLOT_FIELDS, then gamma + 1 prompt tokens."""
+    return len(SLOT_FIELDS) + gamma + 1
+
+
+def slot_inputs(prompt: np.ndarray, **fields) -> np.ndarray:
+    """Every per-row input of a call (the SLOT_FIELDS, each [n]; prompt [n, gamma + 1]) as one int32 host
+    array [n, slot_columns(gamma)]."""
+    columns = [np.asarray(fields[name], dtype).view(np.int32) for name, dtype in SLOT_FIELDS.items()]
+    return np.concatenate([np.stack(columns, axis=1), np.asarray(prompt, np.int32)], axis=1)
 
 
 def unpack_slots(slots: jax.Array) -> Rows:
@@ -72,7 +85,8 @@ def unpack_slots(slots: jax.Array) -> Rows:
     column = {name: jax.lax.bitcast_convert_type(slots[:, i], dtype)
               for i, (name, dtype) in enumerate(SLOT_FIELDS.items())}
     sampling = SlotSampling(**{name: column[name] for name in ("temperature", "top_k", "top_p", "seed", "counter")})
-    return Rows(column["slot"], column["active"] != 0, column["width"], sampling)
+    return Rows(column["slot"], column["active"] != 0, column["width"], sampling, column["prompt_len"],
+                column["reset"] != 0, slots[:, len(SLOT_FIELDS):])
 
 
 def take_rows(tree, rows: Rows, batch: int):

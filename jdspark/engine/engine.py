@@ -8,7 +8,7 @@ drafted tokens and their confidences come back to the host, as one small array. 
 free slot and leave it when they finish. `add_many` prefills its prompts at once (offline use);
 `admit` spreads them over the coming steps, `prefill_budget` prompt tokens per step, so running
 requests keep decoding while a new one is prefilled (serving), and new prompts may wait to share a
-call (`batch.prefill_waits`). With overlap (the default) a step reads the previous step's calls
+call (`batch.prefill_waits`) or, short ones, ride in the verify calls (`ride_prompts`). With overlap (the default) a step reads the previous step's calls
 after issuing its own (docs/ARCHITECTURE.md, "Overlapped steps").
 """
 
@@ -52,7 +52,7 @@ class Engine(SpeculationPolicy):
                  speculative: bool = True, prefill_chunk: int = 256, options: SpecOptions = SpecOptions(),
                  width_policy: WidthPolicy | None = None, widths: tuple[int, ...] | None = None,
                  implementation: str = "auto", pack_params: bool | None = None, prefill_budget: int | None = None,
-                 overlap: bool = True, batch_prefills: bool = True, defer_steps: bool = False):
+                 overlap: bool = True, batch_prefills: bool = True, defer_steps: bool = False, ride_prompts: int = 0):
         """`tokenizer` turns tokens into text deltas and enables stop strings; `widths`: the step
         widths to compile (default 0..gamma; only 0 without speculation; a row's width rounds up to
         the next compiled one's executable); `prefill_budget`: prompt tokens a `step` prefills beside
@@ -66,10 +66,13 @@ class Engine(SpeculationPolicy):
         buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU; `overlap`: a step issues
         its calls before it reads the previous step's (`step`); `batch_prefills`: new prompts may wait;
         `defer_steps`: serve target-only at once and speculate when the step executables, built or loaded
-        in the background, are ready (`jdspark.engine.deferred`; `poll`, `wait_for_steps`)."""
+        in the background, are ready (`jdspark.engine.deferred`; `poll`, `wait_for_steps`); `ride_prompts`:
+        beside running requests, a prompt with at most this many tokens left rides in the verify calls,
+        the step's width + 1 tokens a call, instead of taking prefill calls of its own (0: never; `step`)."""
         widths = compiled_widths(model.config, config, speculative, widths, options.width)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
-        self.overlap, self.batch_prefills = overlap, batch_prefills
+        self.overlap, self.batch_prefills, self.ride_prompts = overlap, batch_prefills, ride_prompts
+        self._last_width = None  # the executable width of the last verify call (0: a decode; None: none yet)
         self._unread: list[IssuedPrefill | IssuedVerify] = []  # calls issued and not yet read (the previous step's)
         self._last_read = 0.0  # when a call was last read (perf_counter): where an overlapped step's time starts
         self.tokenizer = tokenizer
@@ -179,7 +182,7 @@ class Engine(SpeculationPolicy):
         ids, n_valid, reset = prefill_inputs(rows, {b: self._pending[b] for b in live}, self.exe.prefill_chunk)
         out, self.state, self.draft_cache = calls.fetch_early(self.exe.buckets[bucket].prefill(
             self.exe.params.arrays, self.state, self.draft_cache, ids, n_valid, reset,
-            call_inputs(rows, self._slots, set())))
+            call_inputs(rows, self._slots, set(), gamma=self.config.gamma)))
         self.live.issued(bucket, "prefill")
         prompts = advance_prompts(rows, live, n_valid, self._pending, self._slots)
         for seq, _, last in prompts.values():
@@ -190,17 +193,23 @@ class Engine(SpeculationPolicy):
     def _read_prefill(self, call: IssuedPrefill) -> dict[int, Delta]:
         """The first Delta of each request whose prompt ended in the call (an error for non-finite logits)."""
         out = calls.read_output(call.out, self.config.gamma)
+        deltas = self._first_deltas(call.rows, call.prompts, out.token, out.invalid)
+        self._last_read = time.perf_counter()  # the verify read next is timed from here, not over this prefill
+        return deltas
+
+    def _first_deltas(self, rows: np.ndarray, prompts: dict, token: np.ndarray, invalid: np.ndarray) -> dict:
+        """Of a call's rows that carried prompt chunks ({slot: (request, prompt, its last chunk)}): the
+        first Delta of each request whose prompt ended there and still holds its slot."""
         deltas = {}
-        for i, b in enumerate(call.rows.tolist()):
-            seq, pending, last = call.prompts.get(b, (None, None, False))
+        for i, b in enumerate(rows.tolist()):
+            seq, pending, last = prompts.get(b, (None, None, False))
             if seq is None or self._slots[b] is not seq:
                 continue
-            pending.invalid |= bool(out.invalid[i])
+            pending.invalid |= bool(invalid[i])
             if last:
                 seq.first_read()
                 seq.stats.time_to_first_token_s = time.perf_counter() - seq.started
-                deltas[seq.request_id] = self._emit(b, [int(out.token[i])], pending.invalid)
-        self._last_read = time.perf_counter()  # the verify read next is timed from here, not over this prefill
+                deltas[seq.request_id] = self._emit(b, [int(token[i])], pending.invalid)
         return deltas
 
     def check_prompt(self, prompt_ids, params: SamplingParams) -> np.ndarray:
@@ -247,7 +256,8 @@ class Engine(SpeculationPolicy):
     def step(self) -> dict[int, Delta]:
         """One step: issue a prefill call for the prompts still coming in (`prefill_budget` tokens;
         `batch.prefill_waits` may hold it back for more) and one draft + verify call for every running request,
-        those whose prompt that prefill ends included (it leaves their first token as the anchor), then read
+        those whose prompt that prefill ends included (it leaves their first token as the anchor), with the
+        prompts that ride in it (`ride_prompts`: their next width + 1 tokens, no prefill call), then read
         calls: with `overlap` the previous step's (these run meanwhile; a request that ended in them has its
         extra call's tokens dropped), else these. Returns each request's Delta by request id (a request whose
         prompt ended gets its first, with what its first verify emitted); finished requests' slots are then
@@ -256,12 +266,14 @@ class Engine(SpeculationPolicy):
         self.poll()
         running = [b for b, seq in enumerate(self._slots)
                    if seq is not None and b not in self._pending and seq.may_issue()]
-        rows = prompts_this_step(self._pending, len(running), self.prefill_rows, self.config.prefill_buckets,
+        riders = self._riders(len(running))
+        waiting = {b: prompt for b, prompt in self._pending.items() if b not in riders}
+        rows = prompts_this_step(waiting, len(running), self.prefill_rows, self.config.prefill_buckets,
                                  self.live.prefill_s if self.batch_prefills else {}, self.live.prefill_row_s)
-        issued = [self._issue_prefill(list(self._pending)[:rows])] if rows else []
+        issued = [self._issue_prefill(list(waiting)[:rows])] if rows else []
         running += [b for call in issued for b, (seq, _, last) in call.prompts.items() if last and seq.may_issue()]
         if running:
-            issued.append(self._issue_verify(sorted(running)))
+            issued.append(self._issue_verify(sorted(running), riders))
         if self.overlap:
             issued, self._unread = self._unread, issued
         deltas: dict[int, Delta] = {}
@@ -270,22 +282,39 @@ class Engine(SpeculationPolicy):
             deltas.update({rid: deltas[rid].then(d) if rid in deltas else d for rid, d in read.items()})
         return deltas
 
-    def _issue_verify(self, active: list[int]) -> IssuedVerify:
+    def _riders(self, running: int) -> list[int]:
+        """The pending prompts that ride in this step's verify call (`ride_prompts`): beside running
+        requests, while the last verify call drafted (a decode call would carry one token of each: on the
+        2-core CPU target-only riding cost 8% of tok/s), those with at most `ride_prompts` tokens left, as
+        many as the largest bucket holds; a prompt begun riding goes on in prefill calls when it stops."""
+        if not self.ride_prompts or not running or not self._last_width:
+            return []
+        short = [b for b, prompt in self._pending.items() if len(prompt.ids) - prompt.done <= self.ride_prompts]
+        return short[:max(self.config.buckets) - running]
+
+    def _issue_verify(self, active: list[int], riders: list[int] = ()) -> IssuedVerify:
         started = time.perf_counter()
-        bucket = self.config.bucket(len(active))
+        bucket = self.config.bucket(len(active) + len(riders))
         stale = {b: self._slots[b].confidence for b in active}  # the last read proposal's: what the choice reads
         width, widths, call = self._choose(stale, bucket)
-        rows = call_slots(active, bucket, self.config.max_batch)
-        inputs = call_inputs(rows, self._slots, set(active), widths)
+        self._last_width = width
+        rows = call_slots(sorted([*active, *riders]), bucket, self.config.max_batch)
+        chunks = {b: (self._pending[b].chunk(width + 1), self._pending[b].done == 0) for b in riders}
+        inputs = call_inputs(rows, self._slots, set(active), widths, self.config.gamma, chunks)
         out, self.state, self.draft_cache = calls.fetch_early(call(self.exe.params.arrays, self.state, self.draft_cache,
                                                                    inputs))
+        prompts = advance_prompts(rows, riders, np.array([len(chunks[b][0]) if b in chunks else 0 for b in rows]),
+                                  self._pending, self._slots)
+        for seq, _, last in prompts.values():
+            if last:
+                seq.issued(None)  # its first token, unread until this call is
         drafted = call is not self.exe.buckets[bucket].decode
         self.live.issued(bucket, width if drafted else "decode")
         sequences = {b: self._slots[b] for b in active}
         for b, seq in sequences.items():
             seq.issued(widths.get(b, 0))
         return IssuedVerify(out, rows, sequences, stale, width, widths, bucket, drafted, started,
-                            self.cost_summary(bucket))
+                            self.cost_summary(bucket), prompts)
 
     def _read_verify(self, call: IssuedVerify) -> dict[int, Delta]:
         """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
@@ -293,11 +322,11 @@ class Engine(SpeculationPolicy):
         n_acc, token, drafts, confidence, invalid, waited, ready = calls.read_output(call.out, self.config.gamma)
         row_of = {b: i for i, b in enumerate(call.rows.tolist())}
         live = {b: seq for b, seq in call.sequences.items() if self._slots[b] is seq}
+        deltas = self._first_deltas(call.rows, call.prompts, token, invalid)  # prompts that ended riding in it
         if not live:  # every request it ran for ended before it was read: a call wasted, no step to record
             self._last_read = time.perf_counter()
             self.live.close_window()
-            return {}
-        deltas = {}
+            return deltas
         for b, seq in live.items():
             i = row_of[b]
             new = [*drafts[i, :n_acc[i]].tolist(), int(token[i])] if call.width else [int(token[i])]

@@ -58,9 +58,10 @@ from flax import nnx
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import compiling, packed
-from jdspark.engine.calls import (SLOT_FIELDS, Rows, SlotSampling, pack_output, put_rows, take_rows, unpack_slots,
+from jdspark.engine.calls import (Rows, SlotSampling, pack_output, put_rows, slot_columns, take_rows, unpack_slots,
                                   with_anchor)
-from jdspark.engine.exe_cache import ExecutableCache, twin
+from jdspark.engine.exe_cache import ExecutableCache
+from jdspark.engine.twins import Twins, twins_of
 from jdspark.model import hyper, state
 from jdspark.model.model import Model
 from jdspark.speculative.sampling import exponential_noise, uniform_noise
@@ -95,46 +96,6 @@ def _keys(sampling: SlotSampling, purpose: int) -> jax.Array:
 
 def _exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jax.vmap(lambda k: exponential_noise(k, shape))(keys)
-
-
-class Twins:
-    """Two loaded instances of one compiled executable, taken in turn by the parity of a call count the
-    engine's verify and decode executables share (prefills count apart; `twins_of`,
-    `EngineConfig.twin_executables`).
-
-    Overlapped, a call is issued while the previous call's slot inputs and output are still alive, so
-    those buffers take two addresses in turn, and an executable whose buffers are not where they were
-    on its last call has XLA update its CUDA graph before it runs (`command_buffer::update` on the
-    H200: 0.42 ms a speculative step, 0.39 a decode step, on every call; docs/BENCHMARKS.md). Each of
-    two instances called on alternate calls sees one of the two addresses every time, and the updates
-    are gone."""
-
-    def __init__(self, pair: tuple, calls: itertools.count):
-        self.pair, self.calls = pair, calls
-
-    def __call__(self, *args):
-        return self.pair[next(self.calls) % 2](*args)
-
-    def __getattr__(self, name):  # as_text, cost_analysis, ...: the first instance's
-        if name == "pair":  # not yet set (a copy being built): no recursion through the line below
-            raise AttributeError(name)
-        return getattr(self.pair[0], name)
-
-
-def twins_of(compiled: dict, calls: itertools.count, prefills: itertools.count) -> dict:
-    """{(bucket, name): executable} as `Twins` of it and its second instance (`exe_cache.twin`: it
-    deserialized again, no second compile): the verify and decode calls share the parity of `calls`, the
-    prefills that of `prefills` (a step that prefills and verifies would otherwise put every verify on one
-    instance). An executable with no second instance (the CPU, where there is no graph to update; host
-    callbacks) stays as it is."""
-    with compiling.thread_pool(len(compiled)) as pool:  # loading leaves the GIL (H200: ~0.9 s each one by one)
-        second_of = dict(zip(compiled, pool.map(twin, compiled.values())))
-    out = {}
-    for key, program in compiled.items():
-        second = second_of[key]
-        parity = prefills if key[1] == "prefill" else calls
-        out[key] = program if second is program else Twins((program, second), parity)
-    return out
 
 
 @dataclasses.dataclass
@@ -272,7 +233,7 @@ class Executables:
         params, programs = self.params.arrays, {}
         serving, steps = which != "steps", which != "serving"
         for b in self.buckets:
-            slots = jnp.zeros((b, len(SLOT_FIELDS)), jnp.int32)
+            slots = jnp.zeros((b, slot_columns(self.gamma)), jnp.int32)
             if b in self.prefill_sizes and serving:
                 ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
                 counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
@@ -336,22 +297,34 @@ class Executables:
         logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
         if draft_cache is not None:
             draft_cache = dspark.push_context(model, dspark.reset_draft_slots(draft_cache, reset), features, n_valid)
-        last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)
-        b, v = last.shape[0], self.config.vocab_size
-        noise = _exponentials(_keys(sampling, _PREFILL), (v,))
-        verdict = rejection_sample(last, jnp.zeros((b, 0, v), jnp.float32), jnp.zeros((b, 0), jnp.int32),
-                                   jnp.zeros((b, 0), jnp.float32), noise, sampling.temperature, sampling.top_k,
-                                   sampling.top_p, implementation=self.implementation)  # width 0: a draw from p
+        verdict = self.first_token(logits, n_valid, sampling)
         decode = with_anchor(decode, verdict, n_valid > 0)  # a prompt's last chunk leaves its first token
         return (pack_output(verdict), put_rows(full_state, decode, rows, batch),
                 put_rows(full_cache, draft_cache, rows, batch))
+
+    def first_token(self, logits, n_valid, sampling: SlotSampling):
+        """A draw from p at each row's last real position (n_valid - 1): the token a prompt's last
+        chunk samples (width 0: no drafts). Verdict with n_accepted 0."""
+        last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)
+        b, v = last.shape[0], self.config.vocab_size
+        noise = _exponentials(_keys(sampling, _PREFILL), (v,))
+        return rejection_sample(last, jnp.zeros((b, 0, v), jnp.float32), jnp.zeros((b, 0), jnp.int32),
+                                jnp.zeros((b, 0), jnp.float32), noise, sampling.temperature, sampling.top_k,
+                                sampling.top_p, implementation=self.implementation)
+
+    def _rows_in(self, full_state, full_cache, rows: Rows):
+        """The call's rows of the state and draft cache, a prompt's slot emptied at its first chunk."""
+        batch = full_state.batch
+        decode, draft_cache = take_rows(full_state, rows, batch), take_rows(full_cache, rows, batch)
+        return (state.reset_slots(decode, rows.reset),
+                None if draft_cache is None else dspark.reset_draft_slots(draft_cache, rows.reset))
 
     def _decode(self, params, full_state, full_cache, slots):
         rows, batch = unpack_slots(slots), full_state.batch
         b = rows.slot.shape[0]
         no_drafts = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, self.config.vocab_size), jnp.float32)
-        verdict, decode, draft_cache = self.verify(self.module(params), take_rows(full_state, rows, batch),
-                                                   take_rows(full_cache, rows, batch), rows, *no_drafts)
+        verdict, decode, draft_cache = self.verify(self.module(params), *self._rows_in(full_state, full_cache, rows),
+                                                   rows, *no_drafts)
         return (pack_output(verdict), put_rows(full_state, decode, rows, batch),
                 put_rows(full_cache, draft_cache, rows, batch))
 
@@ -360,7 +333,7 @@ class Executables:
         def step(params, full_state, full_cache, slots):
             model = self.module(params)
             rows, batch = unpack_slots(slots), full_state.batch
-            decode, draft_cache = take_rows(full_state, rows, batch), take_rows(full_cache, rows, batch)
+            decode, draft_cache = self._rows_in(full_state, full_cache, rows)
             proposal = self.propose(model, draft_cache, decode.anchor, rows.sampling)
             verdict, decode, draft_cache = self.verify(model, decode, draft_cache, rows, proposal.tokens[:, :k],
                                                        proposal.q[:, :k])
@@ -377,12 +350,15 @@ class Executables:
 
     def verify(self, model, decode, draft_cache, rows: Rows, drafts, q):
         """Target extend over [anchor, drafts] (each row's first width + 1 count), exact rejection
-        sampling at each row's width, commit, drafter context. -> (Verdict, decode, draft_cache)."""
+        sampling at each row's width, commit, drafter context. -> (Verdict, decode, draft_cache).
+        A row with prompt_len > 0 extends over its prompt tokens instead, keeps them all and samples
+        from p after the last (what a prefill call does for that chunk; the host reads the token only
+        after a prompt's last chunk)."""
         k = drafts.shape[1]
-        sampling, width = rows.sampling, jnp.clip(rows.width, 0, k)
-        ids = jnp.concatenate([decode.anchor[:, None], drafts], axis=1)
-        logits, features, decode = model.extend(ids, decode, jnp.where(rows.active, width + 1, 0),
-                                                self.feature_layers)
+        sampling, width, prompt = rows.sampling, jnp.clip(rows.width, 0, k), rows.prompt_len > 0
+        ids = jnp.where(prompt[:, None], rows.prompt[:, :k + 1], jnp.concatenate([decode.anchor[:, None], drafts], 1))
+        n_valid = jnp.where(prompt, rows.prompt_len, jnp.where(rows.active, width + 1, 0))
+        logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
         keys = _keys(sampling, _VERIFY)
         uniforms = jax.vmap(lambda key: uniform_noise(jax.random.fold_in(key, 0), (self.gamma,)))(keys)[:, :k]
         noise = jax.vmap(lambda key: exponential_noise(jax.random.fold_in(key, 1), (self.config.vocab_size,)))(keys)
@@ -391,8 +367,11 @@ class Executables:
         if self.scripted_acceptance is not None:
             verdict = verdict._replace(n_accepted=scripted_accepted(uniforms, width, self.scripted_acceptance,
                                                                     verdict.invalid))
-        n_keep = jnp.where(rows.active, verdict.n_accepted + 1, 0)
-        decode = with_anchor(state.commit(decode, n_keep), verdict, rows.active)
+        first = self.first_token(logits, n_valid, sampling)
+        verdict = type(verdict)(*(jnp.where(prompt, a, b) for a, b in zip(first._replace(n_accepted=n_valid - 1),
+                                                                           verdict)))
+        n_keep = jnp.where(rows.active | prompt, verdict.n_accepted + 1, 0)
+        decode = with_anchor(state.commit(decode, n_keep), verdict, rows.active | prompt)
         if draft_cache is not None:
             draft_cache = dspark.push_context(model, draft_cache, features, n_keep)
         return verdict, decode, draft_cache

@@ -86,6 +86,61 @@ def test_a_new_prompt_is_prefilled_a_chunk_per_step_while_others_decode(engine, 
     assert got[running.request_id] == alone[1] and got[new] == reference
 
 
+def test_a_short_prompt_rides_in_the_verify_calls_while_others_decode(engine, alone, monkeypatch):
+    """`ride_prompts`: a prompt admitted beside a running request takes no prefill call of its own but
+    rides in the verify calls, the step's width + 1 tokens a call (its slot emptied at the first, its
+    first token drawn after the last), and both requests emit what they emit alone. Mutation caught:
+    the rows' prompt tokens ignored (the request then starts from an empty state: other tokens), and
+    the slot not emptied at the first chunk (it continues the state of the request before it)."""
+    monkeypatch.setattr(engine, "ride_prompts", 16)
+    prefills = []
+    issue = engine._issue_prefill
+    monkeypatch.setattr(engine, "_issue_prefill", lambda live: prefills.append(live) or issue(live))
+    engine.complete(engine.add_many([(PROMPTS[0], GREEDY), (PROMPTS[2], GREEDY)]))  # slots 0 and 1 hold old state
+    running = engine.add(PROMPTS[1], GREEDY)
+    got = {running.request_id: list(running.tokens)}
+    new = engine.admit([(PROMPTS[3], GREEDY)])[0]  # 14 tokens: rides
+    prefills.clear()
+    steps_to_first = 0
+    while new not in got:
+        deltas = engine.step()
+        assert running.request_id in deltas or not steps_to_first  # it decoded in every step meanwhile
+        steps_to_first += 1
+        for rid, d in deltas.items():
+            got.setdefault(rid, []).extend(d.tokens)
+    assert not prefills and steps_to_first >= 3  # no prefill call; 14 tokens, at most 6 a call
+    while engine.running:
+        for rid, d in engine.step().items():
+            got[rid].extend(d.tokens)
+    assert got[running.request_id] == alone[1] and got[new] == alone[3]
+
+
+def test_a_prompt_stops_riding_when_the_steps_decode_and_ends_in_prefill_calls(engine, alone, monkeypatch):
+    """A prompt that rode in drafting steps goes on in prefill calls once the steps decode (a decode call
+    would carry one token of it), from where it stopped: the request emits what it emits alone."""
+    reference = engine.complete([engine.add(LONG, GREEDY)])[0].token_ids
+    monkeypatch.setattr(engine, "ride_prompts", 64)
+    prefills = []
+    issue = engine._issue_prefill
+    monkeypatch.setattr(engine, "_issue_prefill", lambda live: prefills.append(live) or issue(live))
+    running = engine.add(PROMPTS[1], GREEDY)
+    got = {running.request_id: list(running.tokens)}
+    new = engine.admit([(LONG, GREEDY)])[0]
+    prefills.clear()
+    for rid, d in engine.step().items():  # the new prompt rides (the running request drafts)
+        got[rid].extend(d.tokens)
+    begun = engine._pending[engine.slot_of(new)].done
+    engine.set_policy(speculative=False)
+    try:
+        while engine.running:
+            for rid, d in engine.step().items():
+                got.setdefault(rid, []).extend(d.tokens)
+    finally:
+        engine.set_policy(speculative=True)
+    assert 0 < begun < len(LONG) and prefills  # it rode a chunk, then prefill calls took the rest
+    assert got[running.request_id] == alone[1] and got[new] == reference
+
+
 def test_the_default_prefill_budget_is_every_pending_prompt_on_a_gpu_and_one_chunk_on_the_cpu(engine):
     """Beside running requests a GPU prefills every pending prompt in one call (its rows share the
     weights' reads), the CPU one chunk a step (a call costs by its rows: steps stay even)."""

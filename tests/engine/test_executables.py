@@ -18,6 +18,7 @@ from flax import nnx
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import calls, executables
+from jdspark.engine import twins as twins_module
 from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.engine.request import SamplingParams
 from jdspark.model import hyper
@@ -32,12 +33,15 @@ def test_slot_inputs_unpack_exactly_on_the_device():
     seed = np.array([2 ** 32 - 1, 0, 2 ** 31], np.uint32)
     counter = np.array([0, 5, 123456], np.int32)
     slot, width = np.array([3, 0, 15], np.int32), np.array([5, 0, 2], np.int32)
-    packed = calls.slot_inputs(active=active, temperature=temperature, top_k=top_k,
-                                     top_p=top_p, seed=seed, counter=counter, slot=slot, width=width)
-    assert packed.dtype == np.int32 and packed.shape == (3, len(calls.SLOT_FIELDS))
+    prompt_len, reset = np.array([0, 6, 2], np.int32), np.array([False, True, False])
+    prompt = np.arange(18, dtype=np.int32).reshape(3, 6)
+    packed = calls.slot_inputs(prompt, active=active, temperature=temperature, top_k=top_k, top_p=top_p,
+                               seed=seed, counter=counter, slot=slot, width=width, prompt_len=prompt_len, reset=reset)
+    assert packed.dtype == np.int32 and packed.shape == (3, calls.slot_columns(5))
     rows = jax.jit(calls.unpack_slots)(packed)
     sampling = rows.sampling
-    for got, want in ((rows.active, active), (rows.slot, slot), (rows.width, width)):
+    for got, want in ((rows.active, active), (rows.slot, slot), (rows.width, width), (rows.prompt_len, prompt_len),
+                      (rows.reset, reset), (rows.prompt, prompt)):
         np.testing.assert_array_equal(got, want)
     for name, want in [("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed),
                        ("counter", counter)]:
@@ -96,9 +100,9 @@ def test_non_finite_logits_come_back_as_the_invalid_flag(dspark_engine):
     assert not engine.running
     b = engine.config.max_batch
     poisoned = jax.tree.map(lambda a: a * jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else a, exe.params.arrays)
-    slots = calls.slot_inputs(active=np.ones(b, bool), temperature=np.ones(b),
-                                    top_k=np.zeros(b), top_p=np.ones(b), seed=np.arange(b), counter=np.zeros(b),
-                                    slot=np.arange(b), width=np.full(b, 3))
+    slots = calls.slot_inputs(np.zeros((b, engine.config.gamma + 1)), active=np.ones(b, bool), temperature=np.ones(b),
+                              top_k=np.zeros(b), top_p=np.ones(b), seed=np.arange(b), counter=np.zeros(b),
+                              slot=np.arange(b), width=np.full(b, 3), prompt_len=np.zeros(b), reset=np.zeros(b))
     ids = np.full((b, exe.prefill_chunk), 5, np.int32)
     n_valid, reset = np.full(b, 3, np.int32), np.ones(b, bool)
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # the calls donate state and cache: the engine's stay
@@ -155,7 +159,7 @@ def test_auto_lowers_to_the_pallas_kernels_on_the_gpu_and_xla_does_not(dspark_mo
     with "xla" neither appears (the lowered program, before XLA's own fusions)."""
     config = EngineConfig(max_seq_len=64, gamma=5, max_batch=1)
     decode, cache = dspark_model.init_state(config), dspark.init_draft_cache(DSPARK_CONFIG, 1, dspark_model.dtype)
-    slots = jnp.zeros((1, len(calls.SLOT_FIELDS)), jnp.int32)
+    slots = jnp.zeros((1, calls.slot_columns(5)), jnp.int32)
     texts = {}
     for name in ("auto", "xla"):
         exe = executables.Executables(dspark_model, config, 8, name, (5,), pack_params=False)
@@ -201,7 +205,7 @@ def test_twins_take_turns_by_the_parity_of_every_call(monkeypatch):
         return lambda *args: ran.append(name) or args
 
     calls = itertools.count()
-    a, b = (executables.Twins((fake(name), fake(name + "'")), calls) for name in "ab")
+    a, b = (twins_module.Twins((fake(name), fake(name + "'")), calls) for name in "ab")
     for call in (a, a, b, a, b, b):
         assert call(1, 2) == (1, 2)
     assert ran == ["a", "a'", "b", "a'", "b", "b'"]
@@ -217,8 +221,8 @@ def test_verify_and_decode_calls_alternate_whatever_prefills_run_between(monkeyp
         program.__name__ = name
         return program
 
-    monkeypatch.setattr(executables, "twin", lambda compiled: fake(compiled.__name__ + "'"))
-    twins = executables.twins_of({(1, "prefill"): fake("p"), (1, "decode"): fake("d"), (1, 5): fake("s")},
+    monkeypatch.setattr(twins_module, "twin", lambda compiled: fake(compiled.__name__ + "'"))
+    twins = twins_module.twins_of({(1, "prefill"): fake("p"), (1, "decode"): fake("d"), (1, 5): fake("s")},
                                   itertools.count(), itertools.count())
     for key in [(1, "prefill"), (1, 5), (1, "prefill"), (1, 5), (1, "decode"), (1, "prefill"), (1, 5)]:
         twins[key]()
@@ -229,8 +233,8 @@ def test_an_executable_without_a_second_instance_is_left_as_it_is(monkeypatch):
     """Where `twin` gives back the executable itself (the CPU, host callbacks) `twins_of` adds no
     wrapper: nothing to alternate, and no work added to every call."""
     program = lambda *args: args  # noqa: E731
-    monkeypatch.setattr(executables, "twin", lambda compiled: compiled)
-    assert executables.twins_of({(1, "decode"): program}, itertools.count(), itertools.count())[(1, "decode")] is program
+    monkeypatch.setattr(twins_module, "twin", lambda compiled: compiled)
+    assert twins_module.twins_of({(1, "decode"): program}, itertools.count(), itertools.count())[(1, "decode")] is program
 
 
 @pytest.mark.slow  # the session dspark_engine
@@ -256,7 +260,7 @@ def test_an_engine_with_twins_emits_the_same_tokens(dspark_engine, monkeypatch):
     for mode in modes:
         engine.set_policy(**mode)
         expected.append(generate())
-    monkeypatch.setattr(executables, "twin", recording)
+    monkeypatch.setattr(twins_module, "twin", recording)
     every = []
 
     def counted(compiled):  # both instances run through it: `every` counts all calls
@@ -269,7 +273,7 @@ def test_an_engine_with_twins_emits_the_same_tokens(dspark_engine, monkeypatch):
         for n, bucket in engine.exe.buckets.items():
             programs = {(n, "decode"): bucket.decode, **{(n, k): c for k, c in bucket.step.items()},
                         **({(n, "prefill"): bucket.prefill} if bucket.prefill else {})}
-            twins = executables.twins_of({key: counted(c) for key, c in programs.items()}, itertools.count(),
+            twins = twins_module.twins_of({key: counted(c) for key, c in programs.items()}, itertools.count(),
                                           itertools.count())
             bucket.decode, bucket.prefill = twins[n, "decode"], twins.get((n, "prefill"))
             bucket.step = {k: twins[n, k] for k in bucket.step}
@@ -309,7 +313,7 @@ def test_warm_up_calls_every_executable_and_leaves_every_slot_empty(dspark_engin
     calls_of = collections.Counter()
 
     def counted(key, program):  # a twin stays one, each of its instances counted
-        if isinstance(program, executables.Twins):
+        if isinstance(program, twins_module.Twins):
             monkeypatch.setattr(program, "pair", tuple(counted(key, instance) for instance in program.pair))
             return program
 
@@ -320,7 +324,7 @@ def test_warm_up_calls_every_executable_and_leaves_every_slot_empty(dspark_engin
 
     twins = {(n, name) for n, b in engine.exe.buckets.items()
              for name, c in (("prefill", b.prefill), ("decode", b.decode), *b.step.items())
-             if isinstance(c, executables.Twins)}
+             if isinstance(c, twins_module.Twins)}
     for n, bucket in engine.exe.buckets.items():
         monkeypatch.setattr(bucket, "prefill", counted((n, "prefill"), bucket.prefill))
         monkeypatch.setattr(bucket, "decode", counted((n, "decode"), bucket.decode))
