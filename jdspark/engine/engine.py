@@ -8,9 +8,9 @@ drafted tokens and their confidences come back to the host, as one small array. 
 free slot and leave it when they finish. `add_many` prefills its prompts at once (offline use);
 `admit` spreads them over the coming steps, `prefill_budget` prompt tokens per step, so running
 requests keep decoding while a new one is prefilled (serving), and new prompts may wait to share a
-call (`batch.prefill_waits`) or, short ones, ride in the verify calls (`ride_prompts`). With overlap (the default) a step reads the previous step's calls
-after issuing its own (docs/ARCHITECTURE.md, "Overlapped steps").
-"""
+call (`batch.prefill_waits`) or, short ones, ride in the verify calls (`ride_prompts`). With overlap
+(the default) a step reads the previous step's calls after issuing its own (docs/ARCHITECTURE.md,
+"Overlapped steps")."""
 
 from __future__ import annotations
 

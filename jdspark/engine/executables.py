@@ -10,7 +10,9 @@ instead of tracing and compiling (`exe_cache`).
   token the slot's last call sampled, kept in the state), exact rejection
   sampling with each row at its own width <= k (the `width` slot input), commit of the accepted
   prefix + 1 in the target state and the committed rows' features pushed into the drafter's
-  context. Width 0 drafts too: its confidences choose the next step's width.
+  context. Width 0 drafts too: its confidences choose the next step's width. A row may carry a
+  prompt chunk instead (up to k + 1 of its tokens, `Engine.ride_prompts`): extended over them, all
+  kept, the token after the last drawn as a prefill would draw it (`verify`).
 
 Batch buckets: decode and step[k] exist once per batch size n in `EngineConfig.buckets`, prefill
 once per n in `EngineConfig.prefill_buckets` (by default the same sizes). A call's n

@@ -234,7 +234,8 @@ def test_an_executable_without_a_second_instance_is_left_as_it_is(monkeypatch):
     wrapper: nothing to alternate, and no work added to every call."""
     program = lambda *args: args  # noqa: E731
     monkeypatch.setattr(twins_module, "twin", lambda compiled: compiled)
-    assert twins_module.twins_of({(1, "decode"): program}, itertools.count(), itertools.count())[(1, "decode")] is program
+    wired = twins_module.twins_of({(1, "decode"): program}, itertools.count(), itertools.count())
+    assert wired[(1, "decode")] is program
 
 
 @pytest.mark.slow  # the session dspark_engine
