@@ -91,7 +91,11 @@ def test_a_short_prompt_rides_in_the_verify_calls_while_others_decode(engine, al
     rides in the verify calls, the step's width + 1 tokens a call (its slot emptied at the first, its
     first token drawn after the last), and both requests emit what they emit alone. Mutation caught:
     the rows' prompt tokens ignored (the request then starts from an empty state: other tokens), and
-    the slot not emptied at the first chunk (it continues the state of the request before it)."""
+    the slot not emptied at the first chunk (it continues the state of the request before it). A
+    sampled request's tokens too: its first is drawn with the prefill's keys (mutation caught: the
+    verify's keys)."""
+    sampled = [SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True) for seed in (7, 8, 9)]
+    sampled_alone = [engine.complete([engine.add(PROMPTS[3], params)])[0].token_ids for params in sampled]
     monkeypatch.setattr(engine, "ride_prompts", 16)
     prefills = []
     issue = engine._issue_prefill
@@ -99,7 +103,7 @@ def test_a_short_prompt_rides_in_the_verify_calls_while_others_decode(engine, al
     engine.complete(engine.add_many([(PROMPTS[0], GREEDY), (PROMPTS[2], GREEDY)]))  # slots 0 and 1 hold old state
     running = engine.add(PROMPTS[1], GREEDY)
     got = {running.request_id: list(running.tokens)}
-    new = engine.admit([(PROMPTS[3], GREEDY)])[0]  # 14 tokens: rides
+    new, *others = engine.admit([(PROMPTS[3], GREEDY), *((PROMPTS[3], p) for p in sampled)])  # 14 tokens: they ride
     prefills.clear()
     steps_to_first = 0
     while new not in got:
@@ -111,8 +115,9 @@ def test_a_short_prompt_rides_in_the_verify_calls_while_others_decode(engine, al
     assert not prefills and steps_to_first >= 3  # no prefill call; 14 tokens, at most 6 a call
     while engine.running:
         for rid, d in engine.step().items():
-            got[rid].extend(d.tokens)
+            got.setdefault(rid, []).extend(d.tokens)
     assert got[running.request_id] == alone[1] and got[new] == alone[3]
+    assert [got[rid] for rid in others] == sampled_alone
 
 
 def test_a_prompt_stops_riding_when_the_steps_decode_and_ends_in_prefill_calls(engine, alone, monkeypatch):
