@@ -91,7 +91,7 @@ def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:
 
 
 def call_inputs(slots: np.ndarray, sequences: list[Sequence | None], active: set[int],
-                widths: dict[int, int] | None = None, gamma: int = 0,
+                widths: dict[int, int] | None = None, *, gamma: int,
                 prompts: dict[int, tuple[np.ndarray, bool]] | None = None) -> np.ndarray:
     """slot_inputs for rows `slots`: sampling and widths of the active ones; padding rows are greedy
     and inactive. The counter is the request's own count of calls, so its noise does not depend on

@@ -290,7 +290,7 @@ class Engine(SpeculationPolicy):
         if not self.ride_prompts or not running or not self._last_width:
             return []
         short = [b for b, prompt in self._pending.items() if len(prompt.ids) - prompt.done <= self.ride_prompts]
-        return short[:max(self.config.buckets) - running]
+        return short[:self.config.max_batch - running]
 
     def _issue_verify(self, active: list[int], riders: list[int] = ()) -> IssuedVerify:
         started = time.perf_counter()
@@ -300,7 +300,7 @@ class Engine(SpeculationPolicy):
         self._last_width = width
         rows = call_slots(sorted([*active, *riders]), bucket, self.config.max_batch)
         chunks = {b: (self._pending[b].chunk(width + 1), self._pending[b].done == 0) for b in riders}
-        inputs = call_inputs(rows, self._slots, set(active), widths, self.config.gamma, chunks)
+        inputs = call_inputs(rows, self._slots, set(active), widths, gamma=self.config.gamma, prompts=chunks)
         out, self.state, self.draft_cache = calls.fetch_early(call(self.exe.params.arrays, self.state, self.draft_cache,
                                                                    inputs))
         prompts = advance_prompts(rows, riders, np.array([len(chunks[b][0]) if b in chunks else 0 for b in rows]),

@@ -6,7 +6,7 @@ import itertools
 from jdspark.engine import twins as twins_module
 
 
-def test_twins_take_turns_by_the_parity_of_every_call(monkeypatch):
+def test_twins_take_turns_by_the_parity_of_every_call():
     """Two executables' twins share one call count: the instance a call runs is the parity of its
     place among all calls, whichever executable it is (so each instance meets the same buffer
     addresses under overlapped steps)."""
