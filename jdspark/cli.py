@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from jdspark.engine.options import BATCH_WIDTHS
+from jdspark.engine.options import BATCH_WIDTHS, RIDE_PROMPTS
 
 
 def _info(args) -> int:
@@ -167,9 +167,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "share it while their waits cost less than its stall of the running ones, each at most 8 "
                         "such calls (without it: a shorter time to first token, less throughput and longer "
                         "inter-token gaps under load)")
-    p.add_argument("--ride-prompts", type=int, default=0,
-                   help="beside running requests, prompts of at most this many tokens ride in the verify calls, the "
-                        "step's width + 1 tokens a call, instead of taking prefill calls of their own (0: never)")
+    p.add_argument("--ride-prompts", type=int, default=RIDE_PROMPTS,
+                   help="beside running requests, prompts with at most this many tokens left ride in the verify calls, "
+                        "the step's width + 1 tokens a call, instead of taking prefill calls of their own (0: never)")
     p.add_argument("--fallback-acceptance", type=float, default=0.0,
                    help="acceptance breaker threshold in (0, 1]; 0 disables (reference starting point: 0.60)")
     p.add_argument("--fallback-min-drafted", type=int, default=32)

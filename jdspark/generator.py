@@ -11,6 +11,7 @@ from jdspark.checkpoint.loader import decode_at_load_by_default, load_model
 from jdspark.config import EngineConfig
 from jdspark.engine.engine import Engine, SpecOptions
 from jdspark.engine.errors import EngineError
+from jdspark.engine.options import RIDE_PROMPTS
 from jdspark.engine.request import Completion, SamplingParams
 from jdspark.model.model import Model
 from jdspark.parallel.mesh import make_mesh
@@ -31,7 +32,7 @@ class Generator:
                    batch_buckets: tuple[int, ...] = (), prefill_chunk: int = 256, prefill_budget: int | None = None,
                    options: SpecOptions = SpecOptions(), implementation: str = "auto",
                    widths: tuple[int, ...] | None = None, prefill_buckets: tuple[int, ...] = (),
-                   defer_steps: bool = False, ride_prompts: int = 0) -> "Generator":
+                   defer_steps: bool = False, ride_prompts: int = RIDE_PROMPTS) -> "Generator":
         """Compile an engine for `model`. `widths` to verify: default every width 0..gamma for the
         adaptive width, the one width of a fixed `options.width`; `batch_buckets`, `prefill_buckets`
         (`EngineConfig.prefill_batch_buckets`), `prefill_budget`, `defer_steps` (serve target-only

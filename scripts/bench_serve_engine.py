@@ -14,8 +14,8 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
                at the engine's recent average (`SpecOptions.first_confidence="recent"`);
 - per_request_ones: the same with new requests at confidences of 1 (`first_confidence="ones"`);
 - per_request_queued: per_request priced with costs of queued calls (`SpecOptions.profile="queued"`:
-               the executables' rate when issued back to back, as overlapped steps run them): the
-               engine's default;
+               the executables' rate when issued back to back, as overlapped steps run them), no
+               prompt riding (the engine's default before `RIDE_PROMPTS`);
 - per_request_queued_unpriced: the same with switching executables free (`SpecOptions.price_switches`
                off: the engine before the switch cost was learnt);
 - per_request_queued_profiled: per_request_queued with widths priced by the profile's shape where the
@@ -31,7 +31,8 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
                `batch.prefill_waits` held prefill calls back to share them);
 - none_riding, fixed5_riding, per_request_queued_riding: those modes with prompts of at most
                `--ride-prompts` tokens riding in the verify calls beside running requests instead
-               of taking prefill calls of their own (`Engine.ride_prompts`).
+               of taking prefill calls of their own (`Engine.ride_prompts`; every other mode rides
+               none). per_request_queued_riding at the default `--ride-prompts` is the engine's default.
 
 `--max-tokens-spread f` draws each request's max_tokens from max_tokens x [1 - f, 1 + f] (seeded by the
 request's index, the same in every mode): with one length for all, target-only requests admitted
@@ -347,6 +348,7 @@ def print_medians(results: list[dict]) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The command line (also what `eval_calibration.py` builds its engine from)."""
+    from jdspark.engine.options import RIDE_PROMPTS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="checkpoint directory (default: the embedded model)")
     p.add_argument("--synthetic", choices=("tiny", "flash", "pro"),
@@ -363,8 +365,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=int, help="engine slots (default: the largest concurrency)")
     p.add_argument("--prefill-chunk", type=int, default=64)
     p.add_argument("--prefill-budget", type=int, help="prompt tokens a step prefills (default: the engine's)")
-    p.add_argument("--ride-prompts", type=int, default=256,
-                   help="the *_riding modes: prompts of at most this many tokens ride in the verify calls")
+    p.add_argument("--ride-prompts", type=int, default=RIDE_PROMPTS,
+                   help="the *_riding modes: prompts with at most this many tokens left ride in the verify calls "
+                        "(default: the engine's)")
     p.add_argument("--prefill-budgets", type=int, nargs="+",
                    help="run every mode under each of these prefill budgets (prompt tokens a step prefills beside "
                    "running requests; 0: --prefill-budget's), interleaved, labelled 'mode bN'")

@@ -60,6 +60,7 @@ def test_prefill_flags_reach_the_engine(monkeypatch):
 
     from jdspark import cli
     from jdspark.engine import executables
+    from jdspark.engine.options import RIDE_PROMPTS
     from jdspark.generator import Generator
     monkeypatch.setattr(executables, "enable_compile_cache", lambda: None)
     monkeypatch.setattr(Generator, "from_pretrained", classmethod(
@@ -68,7 +69,8 @@ def test_prefill_flags_reach_the_engine(monkeypatch):
     assert cli._generator(parser.parse_args(["serve"])).engine.batch_prefills is True
     assert cli._generator(parser.parse_args(["serve", "--no-prefill-wait"])).engine.batch_prefills is False
     assert cli._generator(parser.parse_args(["generate", "--no-prefill-wait", "x"])).engine.batch_prefills is False
-    assert cli._generator(parser.parse_args(["serve"])).engine.ride_prompts == 0
+    assert cli._generator(parser.parse_args(["serve"])).engine.ride_prompts == RIDE_PROMPTS > 0
+    assert cli._generator(parser.parse_args(["serve", "--ride-prompts", "0"])).engine.ride_prompts == 0
     assert cli._generator(parser.parse_args(["serve", "--ride-prompts", "128"])).engine.ride_prompts == 128
 
 

@@ -174,3 +174,4 @@ class IssuedVerify:
     started: float  # perf_counter before its width choice
     costs: dict  # Engine.cost_summary when it was chosen: what the choice read
     prompts: dict = dataclasses.field(default_factory=dict)  # slot -> (request, prompt, its last chunk): riders
+    prompt_tokens: int = 0  # the riders' prompt tokens it prefills

@@ -29,7 +29,7 @@ from jdspark.engine.batch import (IssuedPrefill, IssuedVerify, PendingPrompt, ad
                                   prefill_inputs, prompts_this_step)
 from jdspark.engine.errors import CapacityError, EngineError
 from jdspark.engine.executables import Executables
-from jdspark.engine.options import SpecOptions, WidthPolicy
+from jdspark.engine.options import RIDE_PROMPTS, SpecOptions, WidthPolicy
 from jdspark.engine.policy import SpeculationPolicy
 from jdspark.engine.request import Completion, Delta, SamplingParams, check_prompt, room
 from jdspark.engine.sequence import NON_FINITE, ConfidencePrior, Sequence
@@ -52,7 +52,8 @@ class Engine(SpeculationPolicy):
                  speculative: bool = True, prefill_chunk: int = 256, options: SpecOptions = SpecOptions(),
                  width_policy: WidthPolicy | None = None, widths: tuple[int, ...] | None = None,
                  implementation: str = "auto", pack_params: bool | None = None, prefill_budget: int | None = None,
-                 overlap: bool = True, batch_prefills: bool = True, defer_steps: bool = False, ride_prompts: int = 0):
+                 overlap: bool = True, batch_prefills: bool = True, defer_steps: bool = False,
+                 ride_prompts: int = RIDE_PROMPTS):
         """`tokenizer` turns tokens into text deltas and enables stop strings; `widths`: the step
         widths to compile (default 0..gamma; only 0 without speculation; a row's width rounds up to
         the next compiled one's executable); `prefill_budget`: prompt tokens a `step` prefills beside
@@ -284,13 +285,13 @@ class Engine(SpeculationPolicy):
 
     def _riders(self, running: int) -> list[int]:
         """The pending prompts that ride in this step's verify call (`ride_prompts`): beside running
-        requests, while the last verify call drafted (a decode call would carry one token of each: on the
-        2-core CPU target-only riding cost 8% of tok/s), those with at most `ride_prompts` tokens left, as
-        many as the largest bucket holds; a prompt begun riding goes on in prefill calls when it stops."""
+        requests, while the last verify call verified drafts (width > 0: a decode call would carry one token
+        of each; on the 2-core CPU target-only riding cost 8% of tok/s), those with at most `ride_prompts`
+        tokens left. The width is the last call's: this step's, chosen for the bucket the riders fill, may
+        be 0 (they then carry a token each). A prompt begun riding goes on in prefill calls when it stops."""
         if not self.ride_prompts or not running or not self._last_width:
             return []
-        short = [b for b, prompt in self._pending.items() if len(prompt.ids) - prompt.done <= self.ride_prompts]
-        return short[:self.config.max_batch - running]
+        return [b for b, prompt in self._pending.items() if len(prompt.ids) - prompt.done <= self.ride_prompts]
 
     def _issue_verify(self, active: list[int], riders: list[int] = ()) -> IssuedVerify:
         started = time.perf_counter()
@@ -303,8 +304,8 @@ class Engine(SpeculationPolicy):
         inputs = call_inputs(rows, self._slots, set(active), widths, gamma=self.config.gamma, prompts=chunks)
         out, self.state, self.draft_cache = calls.fetch_early(call(self.exe.params.arrays, self.state, self.draft_cache,
                                                                    inputs))
-        prompts = advance_prompts(rows, riders, np.array([len(chunks[b][0]) if b in chunks else 0 for b in rows]),
-                                  self._pending, self._slots)
+        ridden = np.array([len(chunks[b][0]) if b in chunks else 0 for b in rows])
+        prompts = advance_prompts(rows, riders, ridden, self._pending, self._slots)
         for seq, _, last in prompts.values():
             if last:
                 seq.issued(None)  # its first token, unread until this call is
@@ -314,7 +315,7 @@ class Engine(SpeculationPolicy):
         for b, seq in sequences.items():
             seq.issued(widths.get(b, 0))
         return IssuedVerify(out, rows, sequences, stale, width, widths, bucket, drafted, started,
-                            self.cost_summary(bucket), prompts)
+                            self.cost_summary(bucket), prompts, int(ridden.sum()))
 
     def _read_verify(self, call: IssuedVerify) -> dict[int, Delta]:
         """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
@@ -337,7 +338,8 @@ class Engine(SpeculationPolicy):
         seconds, self._last_read = (now := time.perf_counter()) - max(call.started, self._last_read), now
         record = StepRecord(call.width, seconds, records, call.costs["draft_cost_s"],
                             None if call.costs["verify_costs_s"] is None else tuple(call.costs["verify_costs_s"]),
-                            call.bucket, drafted_call=call.drafted, waited_s=waited, ready=ready)
+                            call.bucket, drafted_call=call.drafted, waited_s=waited, ready=ready,
+                            prompt_tokens=call.prompt_tokens)
         for (b, seq), row in zip(live.items(), records):
             seq.record(record, row, None if confidence is None else confidence[row_of[b]])
         if confidence is not None:

@@ -359,7 +359,7 @@ class Executables:
         k = drafts.shape[1]
         sampling, width, prompt = rows.sampling, jnp.clip(rows.width, 0, k), rows.prompt_len > 0
         ids = jnp.where(prompt[:, None], rows.prompt[:, :k + 1], jnp.concatenate([decode.anchor[:, None], drafts], 1))
-        n_valid = jnp.where(prompt, rows.prompt_len, jnp.where(rows.active, width + 1, 0))
+        n_valid = jnp.where(prompt, jnp.minimum(rows.prompt_len, k + 1), jnp.where(rows.active, width + 1, 0))
         logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
         keys = _keys(sampling, _VERIFY)
         uniforms = jax.vmap(lambda key: uniform_noise(jax.random.fold_in(key, 0), (self.gamma,)))(keys)[:, :k]

@@ -12,6 +12,12 @@ from jdspark.speculative.selector import FallbackBreaker
 WidthPolicy = Callable[[np.ndarray], int]  # stale confidences [gamma] of one request -> width k
 BATCH_WIDTHS = ("per_request", "padded", "budget")  # how a batch's rows get widths: jdspark.engine.widths
 PROFILES = ("synchronised", "queued")  # how the executables' costs are measured: jdspark.engine.costs
+# `Engine.ride_prompts`' default: a prompt with at most this many tokens left rides in the verify calls.
+# H100, 2026-12-06 (docs/BENCHMARKS.md, "Prompts riding in the verify calls, H100"): the embedded model, steady
+# tok/s at c = 16 / 4 / 1 1.07-1.08 / 1.02-1.03 / 0.97-1.00 of the better of target-only and width 5 (0.78-1.01
+# / 0.90-1.04 / 0.96-1.02 without riding); the Flash-dims model at c = 16, 16-token prompts: 0.95-0.97 (0.91-0.92);
+# there 64-token prompts riding 6 tokens a call lost (0.78 against 0.93), so longer ones take prefill calls.
+RIDE_PROMPTS = 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,8 @@ class Metrics:
                                 "(stop, length, tool_calls, abort: client gone, error)", ["finished_reason"],
                                 registry=r)
         self.prompt_tokens = Counter("jdspark:prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.riding_tokens = Counter("jdspark:prompt_tokens_riding", "Prompt tokens prefilled in verify calls beside "
+                                     "running requests (--ride-prompts), not in prefill calls", registry=r)
         self.generation_tokens = Counter("jdspark:generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("jdspark:time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY,
                               registry=r)
@@ -45,7 +47,9 @@ class Metrics:
             self.accepted_per_pos.labels(position=str(i))
 
     def record_step(self, step: StepRecord) -> None:
-        """Count one engine step's verifications (its record is the engine's, `jdspark.engine.stats`)."""
+        """Count one engine step's verifications and riding prompt tokens (its record is the engine's,
+        `jdspark.engine.stats`)."""
+        self.riding_tokens.inc(step.prompt_tokens)
         if not step.width:
             return
         accepted = [row.n_accepted for row in step.rows]

@@ -32,8 +32,9 @@ def own_width(confidence) -> int:
 
 @pytest.fixture(scope="module")
 def engine(dspark_model):
+    """Prompts ride only where a test turns it on (`ride_prompts`): the others test prefill calls."""
     return Engine(dspark_model, EngineConfig(max_seq_len=96, gamma=5, max_batch=16, batch_buckets=(1, 4, 16)),
-                  prefill_chunk=8, widths=(2, 5), width_policy=own_width)
+                  prefill_chunk=8, widths=(2, 5), width_policy=own_width, ride_prompts=0)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_a_new_prompt_is_prefilled_a_chunk_per_step_while_others_decode(engine, 
     got = {running.request_id: list(running.tokens)}
     new = engine.admit([(LONG, GREEDY)])[0]
     steps_to_first = 0
-    while new not in got:
+    while new not in got and steps_to_first < 20:
         deltas = engine.step()
         assert running.request_id in deltas or not steps_to_first  # it decoded in every step of the prefill
         steps_to_first += 1
@@ -91,7 +92,8 @@ def test_a_short_prompt_rides_in_the_verify_calls_while_others_decode(engine, al
     rides in the verify calls, the step's width + 1 tokens a call (its slot emptied at the first, its
     first token drawn after the last), and both requests emit what they emit alone. Mutation caught:
     the rows' prompt tokens ignored (the request then starts from an empty state: other tokens), and
-    the slot not emptied at the first chunk (it continues the state of the request before it). A
+    the slot not emptied at the first chunk (it continues the state of the request before it), nor its
+    drafter context (its length then differs from the target state's: the tokens cannot show it). A
     sampled request's tokens too: its first is drawn with the prefill's keys (mutation caught: the
     verify's keys)."""
     sampled = [SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True) for seed in (7, 8, 9)]
@@ -106,18 +108,58 @@ def test_a_short_prompt_rides_in_the_verify_calls_while_others_decode(engine, al
     new, *others = engine.admit([(PROMPTS[3], GREEDY), *((PROMPTS[3], p) for p in sampled)])  # 14 tokens: they ride
     prefills.clear()
     steps_to_first = 0
-    while new not in got:
-        deltas = engine.step()
-        assert running.request_id in deltas or not steps_to_first  # it decoded in every step meanwhile
-        steps_to_first += 1
-        for rid, d in deltas.items():
-            got.setdefault(rid, []).extend(d.tokens)
-    assert not prefills and steps_to_first >= 3  # no prefill call; 14 tokens, at most 6 a call
+    with engine.record_steps() as records:
+        while new not in got and steps_to_first < 20:
+            deltas = engine.step()
+            assert running.request_id in deltas or not steps_to_first  # it decoded in every step meanwhile
+            steps_to_first += 1
+            for rid, d in deltas.items():
+                got.setdefault(rid, []).extend(d.tokens)
+    assert not prefills and 3 <= steps_to_first < 20  # no prefill call; 14 tokens, at most 6 a call
+    assert sum(r.prompt_tokens for r in records) == 4 * len(PROMPTS[3])  # the steps' records count them
+    slots = [engine.slot_of(rid) for rid in (new, *others)]
+    assert engine.slot_of(new) in (0, 1)  # a slot that held an earlier request's state and drafter context
+    # the target's state and the drafter's context of each rider's slot start together at its first chunk
+    np.testing.assert_array_equal(np.asarray(engine.draft_cache.length)[slots], np.asarray(engine.state.length)[slots])
     while engine.running:
         for rid, d in engine.step().items():
             got.setdefault(rid, []).extend(d.tokens)
     assert got[running.request_id] == alone[1] and got[new] == alone[3]
     assert [got[rid] for rid in others] == sampled_alone
+
+
+def test_a_rider_cancelled_mid_prompt_leaves_its_slot_to_the_next_request(engine, alone, monkeypatch):
+    """A riding prompt cancelled after its first chunk (that call still unread: overlapped steps) and a
+    sampled request admitted into its slot: the newcomer's first chunk empties the slot again and it
+    emits what it emits alone; the running request is untouched. (A new request's first width comes from
+    the engine's recent confidences, `ConfidencePrior`: held at ones here, so the newcomer's widths, and
+    with them its noise, are those it had alone.)"""
+    monkeypatch.setattr(engine.prior, "value", np.ones(engine.config.gamma, np.float32))
+    monkeypatch.setattr(engine.prior, "update", lambda confidence: None)
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
+    reference = engine.complete([engine.add(PROMPTS[3], params)])[0].token_ids
+    monkeypatch.setattr(engine, "ride_prompts", 16)
+    prefills = []
+    issue = engine._issue_prefill
+    monkeypatch.setattr(engine, "_issue_prefill", lambda live: prefills.append(live) or issue(live))
+    running = engine.add(PROMPTS[1], GREEDY)
+    got = {running.request_id: list(running.tokens)}
+    cancelled = engine.admit([(PROMPTS[3], GREEDY)])[0]
+    slot = engine.slot_of(cancelled)
+    prefills.clear()
+    for rid, d in engine.step().items():  # its first chunk rides
+        got[rid].extend(d.tokens)
+    assert not prefills and 0 < engine._pending[slot].done < len(PROMPTS[3])
+    engine.cancel(cancelled)
+    new = engine.admit([(PROMPTS[3], params)])[0]
+    assert engine.slot_of(new) == slot
+    for _ in range(60):
+        if not engine.running:
+            break
+        for rid, d in engine.step().items():
+            got.setdefault(rid, []).extend(d.tokens)
+    assert cancelled not in got
+    assert got[running.request_id] == alone[1] and got[new] == reference
 
 
 def test_a_prompt_stops_riding_when_the_steps_decode_and_ends_in_prefill_calls(engine, alone, monkeypatch):
