@@ -249,12 +249,12 @@ for part in "$@"; do
           per_request_queued_unpriced --rounds 3 \
           --requests 8 ${SWITCH_ARGS:-} 2>&1 | grep -E "^round|^\| |start-up|Error|error" | cut -c1-260
       done 2>&1 | tee "$OUT/switch.log" ;;
-    serve-ab)  # issue 26: the engine's newest unmeasured change against the engine without it, interleaved:
-      # buckets that forget what only-decoding left them (per_request_queued) against buckets that never
-      # do (per_request_queued_remembering); SERVE_ARGS, CONCURRENCY, REQUESTS, ROUNDS, AB_MODES
+    serve-ab)  # issue 26: the engine's newest change against the engine without it, interleaved: prompts
+      # riding in the verify calls (per_request_queued_riding, the default since 90e7f04) against prefill
+      # calls for every prompt (per_request_queued); SERVE_ARGS, CONCURRENCY, REQUESTS, ROUNDS, AB_MODES
       JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-300} python3 scripts/bench_serve_engine.py \
         ${SERVE_ARGS:---max-running 16 --buckets 1 4 16} --concurrency ${CONCURRENCY:-16 4 1} --requests ${REQUESTS:-32} \
-        --modes ${AB_MODES:-none fixed5 per_request_queued per_request_queued_remembering} --rounds ${ROUNDS:-2} \
+        --modes ${AB_MODES:-none fixed5 per_request_queued per_request_queued_riding} --rounds ${ROUNDS:-2} \
         --out "$OUT/serve_ab.json" 2>&1 | grep -E "^round|^\||start-up|Error|error" | cut -c1-600 | tee "$OUT/serve_ab.log" ;;
     prefill-ab)  # issue 26: the Flash-dims engine (decode buckets 16 64) prefilling in its decode buckets, then in
       # prefill buckets of its own (1 4 16 64); the second process loads the first's executables and compiles two

@@ -59,9 +59,8 @@ class Engine(SpeculationPolicy):
         the next compiled one's executable); `prefill_budget`: prompt tokens a `step` prefills beside
         running requests (whole chunks of `prefill_chunk`; default: a chunk of every pending prompt on
         a GPU, where a call's rows share its weight reads, one chunk on the CPU, where its cost grows
-        with its rows, so spreading prompts over steps costs nothing and keeps steps even: 4 slots at
-        c = 4, inter-token p99 / p50 2.1-2.2 against 2.6-3.0, the same tok/s); `width_policy` overrides
-        the width choice (a function of a request's stale confidences); `implementation` ("auto",
+        with its rows, so spreading prompts over steps keeps steps even, docs/BENCHMARKS.md); `width_policy`
+        overrides the width choice (a function of a request's stale confidences); `implementation` ("auto",
         "pallas", "xla") picks the Pallas kernels or their jnp references (rejection sampler,
         Sinkhorn; "auto": the kernels on the GPU); `pack_params` (small parameters passed in a few
         buffers, `jdspark.engine.packed`) defaults to on exactly on the GPU; `overlap`: a step issues
