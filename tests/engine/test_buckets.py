@@ -87,6 +87,17 @@ def test_a_new_prompt_is_prefilled_a_chunk_per_step_while_others_decode(engine, 
     assert got[running.request_id] == alone[1] and got[new] == reference
 
 
+def _beside_a_running_request(engine, monkeypatch, ride_prompts: int):
+    """Riding on (prompts with at most `ride_prompts` tokens left), the engine's prefill calls recorded, and a
+    running greedy request: (the prefill calls' slots, that request, {request id: tokens so far})."""
+    monkeypatch.setattr(engine, "ride_prompts", ride_prompts)
+    prefills = []
+    issue = engine._issue_prefill
+    monkeypatch.setattr(engine, "_issue_prefill", lambda live: prefills.append(live) or issue(live))
+    running = engine.add(PROMPTS[1], GREEDY)
+    return prefills, running, {running.request_id: list(running.tokens)}
+
+
 def test_a_short_prompt_rides_in_the_verify_calls_while_others_decode(engine, alone, monkeypatch):
     """`ride_prompts`: a prompt admitted beside a running request takes no prefill call of its own but
     rides in the verify calls, the step's width + 1 tokens a call (its slot emptied at the first, its
@@ -98,13 +109,8 @@ def test_a_short_prompt_rides_in_the_verify_calls_while_others_decode(engine, al
     verify's keys)."""
     sampled = [SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True) for seed in (7, 8, 9)]
     sampled_alone = [engine.complete([engine.add(PROMPTS[3], params)])[0].token_ids for params in sampled]
-    monkeypatch.setattr(engine, "ride_prompts", 16)
-    prefills = []
-    issue = engine._issue_prefill
-    monkeypatch.setattr(engine, "_issue_prefill", lambda live: prefills.append(live) or issue(live))
     engine.complete(engine.add_many([(PROMPTS[0], GREEDY), (PROMPTS[2], GREEDY)]))  # slots 0 and 1 hold old state
-    running = engine.add(PROMPTS[1], GREEDY)
-    got = {running.request_id: list(running.tokens)}
+    prefills, running, got = _beside_a_running_request(engine, monkeypatch, 16)
     new, *others = engine.admit([(PROMPTS[3], GREEDY), *((PROMPTS[3], p) for p in sampled)])  # 14 tokens: they ride
     prefills.clear()
     steps_to_first = 0
@@ -138,12 +144,7 @@ def test_a_rider_cancelled_mid_prompt_leaves_its_slot_to_the_next_request(engine
     monkeypatch.setattr(engine.prior, "update", lambda confidence: None)
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=11, ignore_eos=True)
     reference = engine.complete([engine.add(PROMPTS[3], params)])[0].token_ids
-    monkeypatch.setattr(engine, "ride_prompts", 16)
-    prefills = []
-    issue = engine._issue_prefill
-    monkeypatch.setattr(engine, "_issue_prefill", lambda live: prefills.append(live) or issue(live))
-    running = engine.add(PROMPTS[1], GREEDY)
-    got = {running.request_id: list(running.tokens)}
+    prefills, running, got = _beside_a_running_request(engine, monkeypatch, 16)
     cancelled = engine.admit([(PROMPTS[3], GREEDY)])[0]
     slot = engine.slot_of(cancelled)
     prefills.clear()
@@ -166,12 +167,7 @@ def test_a_prompt_stops_riding_when_the_steps_decode_and_ends_in_prefill_calls(e
     """A prompt that rode in drafting steps goes on in prefill calls once the steps decode (a decode call
     would carry one token of it), from where it stopped: the request emits what it emits alone."""
     reference = engine.complete([engine.add(LONG, GREEDY)])[0].token_ids
-    monkeypatch.setattr(engine, "ride_prompts", 64)
-    prefills = []
-    issue = engine._issue_prefill
-    monkeypatch.setattr(engine, "_issue_prefill", lambda live: prefills.append(live) or issue(live))
-    running = engine.add(PROMPTS[1], GREEDY)
-    got = {running.request_id: list(running.tokens)}
+    prefills, running, got = _beside_a_running_request(engine, monkeypatch, 64)
     new = engine.admit([(LONG, GREEDY)])[0]
     prefills.clear()
     for rid, d in engine.step().items():  # the new prompt rides (the running request drafts)
