@@ -91,18 +91,18 @@ def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:
 
 
 def call_inputs(slots: np.ndarray, sequences: list[Sequence | None], active: set[int],
-                widths: dict[int, int] | None = None, *, gamma: int,
-                prompts: dict[int, tuple[np.ndarray, bool]] | None = None) -> np.ndarray:
+                widths: dict[int, int] | None = None, *, gamma: int, prompts: dict[int, np.ndarray] | None = None,
+                reset: np.ndarray | None = None) -> np.ndarray:
     """slot_inputs for rows `slots`: sampling and widths of the active ones; padding rows are greedy
     and inactive. The counter is the request's own count of calls, so its noise does not depend on
-    the other rows (and never repeats, however many calls are in flight). `prompts`: {slot: (its
-    prompt's next tokens, <= gamma + 1; whether they are its first)} of rows that carry a prompt chunk
-    in a verify call (`prompt_len`, `reset`)."""
+    the other rows (and never repeats, however many calls are in flight). `prompts`: {slot: its
+    prompt's next tokens, <= gamma + 1} of rows that carry a prompt chunk in a verify call
+    (`prompt_len`); `reset` [n]: the rows whose slot the call empties first (a prompt's first chunk)."""
     n = len(slots)
     columns = {"active": np.zeros(n, bool), "temperature": np.zeros(n, np.float32),
                "top_k": np.zeros(n, np.int32), "top_p": np.ones(n, np.float32), "seed": np.zeros(n, np.uint32),
                "counter": np.zeros(n, np.int32), "slot": slots, "width": np.zeros(n, np.int32),
-               "prompt_len": np.zeros(n, np.int32), "reset": np.zeros(n, bool)}
+               "prompt_len": np.zeros(n, np.int32), "reset": np.zeros(n, bool) if reset is None else reset}
     prompt = np.zeros((n, gamma + 1), np.int32)
     for i, b in enumerate(slots.tolist()):
         seq = sequences[b]
@@ -115,8 +115,7 @@ def call_inputs(slots: np.ndarray, sequences: list[Sequence | None], active: set
             columns["active"][i] = True
             columns["width"][i] = (widths or {}).get(b, 0)
         elif b in (prompts or {}):
-            chunk, columns["reset"][i] = prompts[b]
-            prompt[i, :len(chunk)], columns["prompt_len"][i] = chunk, len(chunk)
+            prompt[i, :len(prompts[b])], columns["prompt_len"][i] = prompts[b], len(prompts[b])
     return slot_inputs(prompt, **columns)
 
 

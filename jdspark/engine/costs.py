@@ -165,18 +165,19 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     queued = max(1, min(QUEUED, (config.max_seq_len - 1) // (config.gamma + 1))) if profile == "queued" else 1
     active = np.arange(config.max_batch) < n
     zeros = np.zeros(n, np.int32)
-    slots = slot_inputs(np.zeros((n, config.gamma + 1)), active=np.ones(n, bool), temperature=np.zeros(n, np.float32),
-                        top_k=zeros, top_p=np.ones(n, np.float32), seed=zeros, counter=zeros, slot=np.arange(n),
-                        width=np.full(n, config.gamma), prompt_len=zeros, reset=zeros)
+    slots, prefill_slots = (slot_inputs(np.zeros((n, config.gamma + 1)), active=np.ones(n, bool),
+                                        temperature=np.zeros(n, np.float32), top_k=zeros, top_p=np.ones(n, np.float32),
+                                        seed=zeros, counter=zeros, slot=np.arange(n), width=np.full(n, config.gamma),
+                                        prompt_len=zeros, reset=np.full(n, reset)) for reset in (False, True))
     rng, vocab = np.random.default_rng(n), engine.model.config.vocab_size
     anchors = rng.choice(vocab, config.max_batch, replace=vocab < config.max_batch).astype(np.int32)
     chunk = (rng.integers(0, vocab, (n, engine.exe.prefill_chunk), dtype=np.int32),
-             np.full(n, engine.exe.prefill_chunk, np.int32), np.ones(n, bool))  # ids, n_valid, reset: whole chunks
+             np.full(n, engine.exe.prefill_chunk, np.int32))  # ids, n_valid: whole chunks, from emptied slots
     key, labels = bucket_profile(engine, n)
 
     def program(label):
         if label == "prefill":
-            return lambda *a: exe.prefill(*a[:3], *chunk, a[3])
+            return lambda *a: exe.prefill(*a[:3], *chunk, prefill_slots)
         return exe.decode if label == "decode" else exe.step[int(label.removeprefix("step"))]
 
     calls = {label: program(label) for label in labels}

@@ -181,8 +181,8 @@ class Engine(SpeculationPolicy):
         rows = call_slots(live, bucket, self.config.max_batch)
         ids, n_valid, reset = prefill_inputs(rows, {b: self._pending[b] for b in live}, self.exe.prefill_chunk)
         out, self.state, self.draft_cache = calls.fetch_early(self.exe.buckets[bucket].prefill(
-            self.exe.params.arrays, self.state, self.draft_cache, ids, n_valid, reset,
-            call_inputs(rows, self._slots, set(), gamma=self.config.gamma)))
+            self.exe.params.arrays, self.state, self.draft_cache, ids, n_valid,
+            call_inputs(rows, self._slots, set(), gamma=self.config.gamma, reset=reset)))
         self.live.issued(bucket, "prefill")
         prompts = advance_prompts(rows, live, n_valid, self._pending, self._slots)
         for seq, _, last in prompts.values():
@@ -299,11 +299,13 @@ class Engine(SpeculationPolicy):
         width, widths, call = self._choose(stale, bucket)
         self._last_width = width
         rows = call_slots(sorted([*active, *riders]), bucket, self.config.max_batch)
-        chunks = {b: (self._pending[b].chunk(width + 1), self._pending[b].done == 0) for b in riders}
-        inputs = call_inputs(rows, self._slots, set(active), widths, gamma=self.config.gamma, prompts=chunks)
+        chunks = {b: self._pending[b].chunk(width + 1) for b in riders}
+        reset = np.array([b in chunks and self._pending[b].done == 0 for b in rows.tolist()])
+        inputs = call_inputs(rows, self._slots, set(active), widths, gamma=self.config.gamma, prompts=chunks,
+                             reset=reset)
         out, self.state, self.draft_cache = calls.fetch_early(call(self.exe.params.arrays, self.state, self.draft_cache,
                                                                    inputs))
-        ridden = np.array([len(chunks[b][0]) if b in chunks else 0 for b in rows])
+        ridden = np.array([len(chunks[b]) if b in chunks else 0 for b in rows])
         prompts = advance_prompts(rows, riders, ridden, self._pending, self._slots)
         for seq, _, last in prompts.values():
             if last:

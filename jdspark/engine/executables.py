@@ -2,8 +2,9 @@
 and stored whole on disk, so the next start-up with the same model and settings loads them
 instead of tracing and compiling (`exe_cache`).
 
-- prefill: a prompt chunk into some slots (others pass n_valid = 0), drafter context pushed,
-  the first token sampled from each slot's last real row;
+- prefill: a prompt chunk into some slots (others pass n_valid = 0; a slot whose `reset` slot input is
+  set is emptied first, as in every call), drafter context pushed, the first token sampled from each
+  slot's last real row;
 - decode: one plain target step (no drafting): the width-0 verification, which emits one token;
 - step[k] for k = 0..gamma: one DSpark proposal (gamma tokens, their distributions q, confidences)
   and, in the same executable, the target extend over [anchor, first k drafts] (the anchor: the
@@ -238,8 +239,8 @@ class Executables:
             slots = jnp.zeros((b, slot_columns(self.gamma)), jnp.int32)
             if b in self.prefill_sizes and serving:
                 ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
-                counts, flags = jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool)
-                programs[b, "prefill"] = self._prefill, (params, decode, draft_cache, ids, counts, flags, slots)
+                programs[b, "prefill"] = self._prefill, (params, decode, draft_cache, ids, jnp.zeros((b,), jnp.int32),
+                                                         slots)
             if b in self.decode_sizes:
                 if serving:
                     programs[b, "decode"] = self._decode, (params, decode, draft_cache, slots)
@@ -290,16 +291,14 @@ class Executables:
         """The model module over one call's parameter arrays (`params.arrays`), inside a trace."""
         return nnx.merge(self.graphdef, self.params.unpack(arrays))
 
-    def _prefill(self, params, full_state, full_cache, ids, n_valid, reset, slots):
+    def _prefill(self, params, full_state, full_cache, ids, n_valid, slots):
         model = self.module(params)
-        rows = unpack_slots(slots)
-        sampling, batch = rows.sampling, full_state.batch
-        decode = state.reset_slots(take_rows(full_state, rows, batch), reset)
-        draft_cache = take_rows(full_cache, rows, batch)
+        rows, batch = unpack_slots(slots), full_state.batch
+        decode, draft_cache = self._rows_in(full_state, full_cache, rows)
         logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
         if draft_cache is not None:
-            draft_cache = dspark.push_context(model, dspark.reset_draft_slots(draft_cache, reset), features, n_valid)
-        verdict = self.first_token(logits, n_valid, sampling)
+            draft_cache = dspark.push_context(model, draft_cache, features, n_valid)
+        verdict = self.first_token(logits, n_valid, rows.sampling)
         decode = with_anchor(decode, verdict, n_valid > 0)  # a prompt's last chunk leaves its first token
         return (pack_output(verdict), put_rows(full_state, decode, rows, batch),
                 put_rows(full_cache, draft_cache, rows, batch))

@@ -100,15 +100,16 @@ def test_non_finite_logits_come_back_as_the_invalid_flag(dspark_engine):
     assert not engine.running
     b = engine.config.max_batch
     poisoned = jax.tree.map(lambda a: a * jnp.nan if jnp.issubdtype(a.dtype, jnp.floating) else a, exe.params.arrays)
-    slots = calls.slot_inputs(np.zeros((b, engine.config.gamma + 1)), active=np.ones(b, bool), temperature=np.ones(b),
-                              top_k=np.zeros(b), top_p=np.ones(b), seed=np.arange(b), counter=np.zeros(b),
-                              slot=np.arange(b), width=np.full(b, 3), prompt_len=np.zeros(b), reset=np.zeros(b))
-    ids = np.full((b, exe.prefill_chunk), 5, np.int32)
-    n_valid, reset = np.full(b, 3, np.int32), np.ones(b, bool)
+    slots, prefill_slots = (calls.slot_inputs(np.zeros((b, engine.config.gamma + 1)), active=np.ones(b, bool),
+                                              temperature=np.ones(b), top_k=np.zeros(b), top_p=np.ones(b),
+                                              seed=np.arange(b), counter=np.zeros(b), slot=np.arange(b),
+                                              width=np.full(b, 3), prompt_len=np.zeros(b), reset=np.full(b, reset))
+                            for reset in (False, True))  # the prefill's slots emptied first
+    ids, n_valid = np.full((b, exe.prefill_chunk), 5, np.int32), np.full(b, 3, np.int32)
     copy = lambda tree: jax.tree.map(jnp.copy, tree)  # the calls donate state and cache: the engine's stay
     for params, bad in ((exe.params.arrays, False), (poisoned, True)):
         out, state, draft_cache = exe.prefill(params, copy(engine.state), copy(engine.draft_cache), ids, n_valid,
-                                              reset, slots)
+                                              prefill_slots)
         outputs = [out]
         for call in (exe.decode, exe.step[3]):
             out, state, draft_cache = call(params, state, draft_cache, slots)
