@@ -19,6 +19,7 @@
 #       SERVE_SECONDS, MODES; the 2026-12-02 runs: SERVE_ARGS="--max-running 16 --buckets 1 16"
 #       CONCURRENCY="1 16" MODES="none fixed5 per_request" ROUNDS=2)
 #   bash scripts/device_bench.sh serve-ab         (issue 26: the newest unmeasured change, A/B)
+#   bash scripts/device_bench.sh segments         (issue 26: a prompt chunk inside the verify call, Flash dims)
 #   bash scripts/device_bench.sh prefill-ab       (issue 26: Flash dims at c = 16, prefill buckets 16 64 against
 #       1 4 16 64, one process each on one compile cache)
 #   bash scripts/device_bench.sh sweep            (issue 23: routed-expert kernel tilings, then the model)
@@ -270,6 +271,11 @@ for part in "$@"; do
           --modes ${MODES:-none fixed5 per_request_queued per_request_queued_eager} --rounds ${ROUNDS:-2} --out "$OUT/prefill_ab_$label.json" 2>&1 \
           | grep -E "^round|^\||start-up|Error|error" | cut -c1-600 | tee "$OUT/prefill_ab_$label.log"
       done ;;
+    segments)  # issue 26: a prompt chunk inside the verify call against a prefill call of its own (Flash dims,
+      # scripts/bench_segments.py); SEGMENTS_CASES: verify slots x rows + prompt slots x tokens
+      timeout ${SEGMENTS_SECONDS:-300} python3 scripts/bench_segments.py --preset flash --layers 8 --experts 256 \
+        --storage fp8+fp4 --cases ${SEGMENTS_CASES:-16x6+1x64 1x6+1x64 4x6+1x64 16x6+4x64} --context 4096 \
+        --json "$OUT/bench_segments.json" 2>&1 | grep -v Warning | tee "$OUT/bench_segments.log" ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
       LABEL=${SERVE_LABEL:-$(echo "${CONCURRENCY:-all}" | tr ' ' _)}
       JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-400} python3 scripts/bench_serve_engine.py \

@@ -1,11 +1,12 @@
 """The DeepSeek-V4 block (spec §5.2): mHC around attention, then mHC around the MoE; the HC head
 parameters; the MTP block (spec §5.7). Three ways to run a block: the full sequence from position 0
-(`__call__`), a chunk after a decode state (`extend`), and a drafter block over a context ring
-(`draft`)."""
+(`__call__`), chunks after a decode state (`extend`: one or more segments of rows, each over its own
+slots), and a drafter block over a context ring (`draft`)."""
 
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -50,13 +51,20 @@ class Block(nnx.Module):
         x = HyperConnection.post(self.attn(self.attn_norm(u), positions), x, post, comb)
         return self._ffn(x, ids)
 
-    def extend(self, x: jax.Array, positions: jax.Array, ids: jax.Array, cache: LayerCache,
-               length: jax.Array, n_valid: jax.Array) -> tuple[jax.Array, LayerCache]:
-        """x [B, S, C, D] streams of a chunk after `length` held tokens -> (streams, updated cache)."""
-        u, post, comb = self.hc_attn.pre(x)
-        out, cache = self.attn.extend(self.attn_norm(u), positions, cache, length, n_valid)
-        kept = jnp.arange(ids.shape[1]) < n_valid[:, None]
-        return self._ffn(HyperConnection.post(out, x, post, comb), ids, kept), cache
+    def extend(self, xs: tuple[jax.Array, ...], positions: tuple[jax.Array, ...], ids: tuple[jax.Array, ...],
+               caches: tuple[LayerCache, ...], lengths: tuple[jax.Array, ...],
+               n_valids: tuple[jax.Array, ...]) -> tuple[list[jax.Array], tuple[LayerCache, ...]]:
+        """Segments, each x [B_i, S_i, C, D] streams of a chunk after lengths[i] held tokens of its own
+        slots -> (streams, updated cache) per segment. Attention runs per segment over its cache; the
+        FFN (mHC, routed and shared experts) once over every segment's tokens (`tokenwise`)."""
+        attended, new_caches = [], []
+        for x, pos, cache, length, n_valid in zip(xs, positions, caches, lengths, n_valids):
+            u, post, comb = self.hc_attn.pre(x)
+            out, cache = self.attn.extend(self.attn_norm(u), pos, cache, length, n_valid)
+            attended.append(HyperConnection.post(out, x, post, comb))
+            new_caches.append(cache)
+        kept = [jnp.arange(i.shape[1]) < n_valid[:, None] for i, n_valid in zip(ids, n_valids)]
+        return tokenwise(self._ffn, attended, ids, kept), tuple(new_caches)
 
     def draft(self, x: jax.Array, positions: jax.Array, ids: jax.Array, ring: jax.Array,
               length: jax.Array) -> jax.Array:
@@ -68,6 +76,18 @@ class Block(nnx.Module):
     def _ffn(self, x: jax.Array, ids: jax.Array, kept: jax.Array | None = None) -> jax.Array:
         u, post, comb = self.hc_ffn.pre(x)
         return HyperConnection.post(self.ffn(self.ffn_norm(u), ids, kept), x, post, comb)
+
+
+def tokenwise(fn, *segments: list[jax.Array]) -> list[jax.Array]:
+    """fn over every segment's tokens at once: each argument a list of per-segment arrays [B_i, S_i, ...],
+    joined into [1, sum B_i S_i, ...] for one call (one read of fn's weights for all segments), the
+    result split back per segment. A single segment runs as it is."""
+    if len(segments[0]) == 1:
+        return [fn(*(parts[0] for parts in segments))]
+    joined = fn(*(jnp.concatenate([p.reshape(1, -1, *p.shape[2:]) for p in parts], axis=1) for parts in segments))
+    ends = list(itertools.accumulate(p.shape[0] * p.shape[1] for p in segments[0]))
+    return [joined[0, end - p.shape[0] * p.shape[1]:end].reshape(*p.shape[:2], *joined.shape[2:])
+            for p, end in zip(segments[0], ends)]
 
 
 def shared_extend():

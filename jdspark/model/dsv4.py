@@ -14,7 +14,7 @@ from flax import nnx
 
 from jdspark.config import DSV4Config
 from jdspark.model import quant_sim
-from jdspark.model.block import Block, HyperHead, MTPBlock, shared_extend
+from jdspark.model.block import Block, HyperHead, MTPBlock, shared_extend, tokenwise
 from jdspark.model.draft import DraftStage
 from jdspark.model.layers import Embedding, Keys, Linear, RMSNorm
 from jdspark.model.state import DecodeState
@@ -62,18 +62,34 @@ class DSV4(nnx.Module):
         (None without feature layers) are the outputs of those layers averaged over the HC streams
         and concatenated: the DSpark drafter's context input (spec dspark.md §3.9).
         """
-        length = decode.length
-        positions = length[:, None] + jnp.arange(ids.shape[1])
-        x = self.embed_streams(ids)
+        (result,) = self.extend_segments(((ids, decode, n_valid),), feature_layers)
+        return result
+
+    def extend_segments(self, segments: tuple[tuple[jax.Array, DecodeState, jax.Array], ...],
+                        feature_layers: tuple[int, ...] = ()) -> list[tuple[jax.Array, jax.Array | None, DecodeState]]:
+        """`extend` of several segments in one pass, each (ids [B_i, S_i], the state of its own slots,
+        n_valid [B_i]), e.g. a verify block of k + 1 rows a slot beside a prompt chunk of many: attention
+        runs per segment over its state, the FFN and the head once over every segment's tokens
+        (`block.tokenwise`), so the segments read each routed expert once (a Flash-dims prompt chunk
+        selects most of a layer's experts, which a 16-row verify block reads anyway). One (logits,
+        features, new state) per segment, as `extend` returns them."""
+        ids = tuple(i for i, _, _ in segments)
+        lengths = tuple(decode.length for _, decode, _ in segments)
+        n_valids = tuple(n for _, _, n in segments)
+        positions = tuple(length[:, None] + jnp.arange(i.shape[1]) for i, length in zip(ids, lengths))
+        xs = [self.embed_streams(i) for i in ids]
         caches, features, extend_block = [], [], shared_extend()
-        for i, layer in enumerate(self.layers):
-            x, cache = extend_block(layer, x, positions, ids, decode.layers[i], length, n_valid)
-            caches.append(cache)
-            if i in feature_layers:
-                features.append(_stream_mean(x))
-        logits = self.logits_from_streams(x, self.hc_head, self.norm)
-        new = decode.replace(layers=tuple(caches), length=length + n_valid, written=n_valid)
-        return logits, _concat(features), new
+        for layer_index, layer in enumerate(self.layers):
+            layer_caches = tuple(decode.layers[layer_index] for _, decode, _ in segments)
+            xs, layer_caches = extend_block(layer, tuple(xs), positions, ids, layer_caches, lengths, n_valids)
+            caches.append(layer_caches)
+            if layer_index in feature_layers:
+                features.append([_stream_mean(x) for x in xs])
+        logits = tokenwise(lambda x: self.logits_from_streams(x, self.hc_head, self.norm), xs)
+        return [(logits[s], _concat([f[s] for f in features]),
+                 decode.replace(layers=tuple(c[s] for c in caches), length=lengths[s] + n_valids[s],
+                                written=n_valids[s]))
+                for s, (_, decode, _) in enumerate(segments)]
 
     def embed_streams(self, ids: jax.Array) -> jax.Array:
         """Token embeddings copied into the C residual streams: [B, S, C, D]."""
