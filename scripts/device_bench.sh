@@ -274,7 +274,7 @@ for part in "$@"; do
     segments)  # issue 26: a prompt chunk inside the verify call against a prefill call of its own (Flash dims,
       # scripts/bench_segments.py); SEGMENTS_CASES: verify slots x rows + prompt slots x tokens
       timeout ${SEGMENTS_SECONDS:-300} python3 scripts/bench_segments.py --preset flash --layers 8 --experts 256 \
-        --storage fp8+fp4 --cases ${SEGMENTS_CASES:-16x6+1x64 1x6+1x64 4x6+1x64 16x6+4x64} --context 4096 \
+        --storage fp8+fp4 --cases ${SEGMENTS_CASES:-16x6+1x64 16x1+1x64 1x6+1x64 4x6+1x64 16x6+4x64} --context 4096 \
         --json "$OUT/bench_segments.json" 2>&1 | grep -v Warning | tee "$OUT/bench_segments.log" ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
       LABEL=${SERVE_LABEL:-$(echo "${CONCURRENCY:-all}" | tr ' ' _)}
