@@ -79,7 +79,7 @@ def programs(graphdef, pack: PackedParams, shapes):
 
 
 def time_variant(calls, arrays, states, ids, n_valid, runs: int) -> tuple[float, list]:
-    """Median seconds over `runs` rounds of `runs` queued iterations (each the variant's calls)."""
+    """Median seconds of an iteration (the variant's calls) over 3 rounds of `runs` queued iterations."""
     for call in calls:  # compile and warm up
         logits, states = call(arrays, states, ids, n_valid)
     jax.block_until_ready((logits, states))

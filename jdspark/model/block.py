@@ -100,7 +100,7 @@ def shared_extend():
     def extend_one_kind(kind: _Kind, state, *args):
         return nnx.merge(kind.graphdef, state).extend(*args)
 
-    def extend(block: Block, *args) -> tuple[jax.Array, LayerCache]:
+    def extend(block: Block, *args) -> tuple[list[jax.Array], tuple[LayerCache, ...]]:
         graphdef, state = nnx.split(block)
         return extend_one_kind(_Kind(graphdef), state, *args)
     return extend

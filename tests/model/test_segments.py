@@ -1,6 +1,8 @@
 """Segments in one extend (`DSV4.extend_segments`): a verify block and a prompt chunk of other slots run
-together equal each run alone (tiny config in float32: window, CSA and HCA layers, hash-routed layers),
-and an empty segment (n_valid 0) changes nothing."""
+together equal each run alone (tiny config in float32: window, CSA and HCA layers, hash-routed layers;
+the routed experts through the XLA gather and through the kernel, interpret mode, where rows past
+n_valid take no expert of their own: `moe.route_kept_rows_only`), and an empty segment (n_valid 0)
+changes nothing."""
 
 import functools
 
@@ -12,6 +14,7 @@ from flax import nnx
 
 from jdspark.config import EngineConfig, tiny_config
 from jdspark.model.model import Model
+from jdspark.model.moe import Experts
 
 TOL = 1e-5
 FEATURES = (2, 3)  # a CSA and an HCA layer's output
@@ -25,12 +28,20 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def state(model):
+def kernel_model():
+    """32 experts of 256 through the routed-expert kernel: the path that reads the joined rows' kept mask."""
+    module = Model.random(tiny_config(moe_intermediate_size=256, n_routed_experts=32), "float32", seed=3).module()
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, Experts):
+            node.implementation = "pallas"
+    return Model(*nnx.split(module))
+
+
+def held_state(model):
     """Four slots holding HELD tokens each."""
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 512, (4, max(HELD))).astype(np.int32)
-    out = model.extend(model.init_state(ENGINE), ids, np.asarray(HELD, np.int32))
-    return out.state
+    return model.extend(model.init_state(ENGINE), ids, np.asarray(HELD, np.int32)).state
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -64,10 +75,13 @@ def valid(logits, n_valid):
     return [np.asarray(logits)[b, :n] for b, n in enumerate(n_valid)]
 
 
-def test_a_verify_block_and_a_prompt_chunk_together_equal_each_alone(model, state):
+@pytest.mark.parametrize("experts", ["gather", "kernel"])
+def test_a_verify_block_and_a_prompt_chunk_together_equal_each_alone(experts, request):
+    model = request.getfixturevalue("model" if experts == "gather" else "kernel_model")
+    state = held_state(model)
     rng = np.random.default_rng(9)
     verify, verify_valid = rng.integers(0, 512, (2, 6)), np.array([6, 3])  # slots 0 and 2, widths 5 and 2
-    prompt, prompt_valid = rng.integers(0, 512, (1, 11)), np.array([11])  # slot 1: an 11-token chunk
+    prompt, prompt_valid = rng.integers(0, 512, (1, 11)), np.array([8])  # slot 1: an 8-token chunk
     together = extend_segments(model, (verify, rows(state, [0, 2]), verify_valid),
                                (prompt, rows(state, [1]), prompt_valid))
     alone = [extend_segments(model, (verify, rows(state, [0, 2]), verify_valid))[0],
@@ -77,15 +91,13 @@ def test_a_verify_block_and_a_prompt_chunk_together_equal_each_alone(model, stat
         assert_close(valid(logits, n_valid), valid(logits_1, n_valid), "logits")
         assert_close(valid(features, n_valid), valid(features_1, n_valid), "features")
         assert_close(new, new_1, "state")
-    np.testing.assert_array_equal(together[1][2].length, [HELD[1] + 11])
-    # and alone equals the model's own extend of those slots (one segment is `extend`)
-    direct = model.extend(rows(state, [1]), prompt, prompt_valid, FEATURES)
-    assert_close(valid(direct.logits, prompt_valid), valid(alone[1][0], prompt_valid), "logits")
+    np.testing.assert_array_equal(together[1][2].length, [HELD[1] + 8])
 
 
-def test_an_empty_segment_changes_nothing(model, state):
+def test_an_empty_segment_changes_nothing(model):
     """A segment whose rows keep nothing (n_valid 0: no prompt this call) leaves its slots as they were
     and the other segment's results as they are alone."""
+    state = held_state(model)
     rng = np.random.default_rng(10)
     verify, verify_valid = rng.integers(0, 512, (3, 4)), np.array([4, 1, 2])
     empty = rng.integers(0, 512, (1, 8))
