@@ -59,7 +59,7 @@ def segment_bytes(config, sizes, context, shapes, dtype, calls: int) -> float:
 
 
 def programs(graphdef, pack: PackedParams, shapes):
-    """{variant: jitted f(arrays, states, ids) -> (logits, states rolled back)}: each variant's calls."""
+    """{variant: its calls}, each jitted f(arrays, states, ids, n_valid) -> (logits, states rolled back)."""
     def extend(arrays, segments):
         results = nnx.merge(graphdef, pack.unpack(arrays)).extend_segments(segments)
         return ([r[0] for r in results],
