@@ -92,18 +92,19 @@ def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:
 
 def call_inputs(slots: np.ndarray, sequences: list[Sequence | None], active: set[int],
                 widths: dict[int, int] | None = None, *, gamma: int, prompts: dict[int, np.ndarray] | None = None,
-                reset: np.ndarray | None = None) -> np.ndarray:
+                reset: np.ndarray | None = None, prompt_columns: int = 0) -> np.ndarray:
     """slot_inputs for rows `slots`: sampling and widths of the active ones; padding rows are greedy
     and inactive. The counter is the request's own count of calls, so its noise does not depend on
     the other rows (and never repeats, however many calls are in flight). `prompts`: {slot: its
     prompt's next tokens, <= gamma + 1} of rows that carry a prompt chunk in a verify call
-    (`prompt_len`); `reset` [n]: the rows whose slot the call empties first (a prompt's first chunk)."""
+    (`prompt_len`; a prompt segment's row: up to `prompt_columns`); `reset` [n]: the rows whose slot the
+    call empties first (a prompt's first chunk)."""
     n = len(slots)
     columns = {"active": np.zeros(n, bool), "temperature": np.zeros(n, np.float32),
                "top_k": np.zeros(n, np.int32), "top_p": np.ones(n, np.float32), "seed": np.zeros(n, np.uint32),
                "counter": np.zeros(n, np.int32), "slot": slots, "width": np.zeros(n, np.int32),
                "prompt_len": np.zeros(n, np.int32), "reset": np.zeros(n, bool) if reset is None else reset}
-    prompt = np.zeros((n, gamma + 1), np.int32)
+    prompt = np.zeros((n, max(gamma + 1, prompt_columns)), np.int32)
     for i, b in enumerate(slots.tolist()):
         seq = sequences[b]
         if seq is None:
@@ -172,5 +173,7 @@ class IssuedVerify:
     drafted: bool  # a step[k] call (else a plain decode)
     started: float  # perf_counter before its width choice
     costs: dict  # Engine.cost_summary when it was chosen: what the choice read
-    prompts: dict = dataclasses.field(default_factory=dict)  # slot -> (request, prompt, its last chunk): riders
-    prompt_tokens: int = 0  # the riders' prompt tokens it prefills
+    prompts: dict = dataclasses.field(default_factory=dict)  # slot -> (request, prompt, its last chunk): riders,
+    # or the prompt segment's
+    prompt_tokens: int = 0  # the prompt tokens it prefills (riders' or the segment's)
+    segment: int | None = None  # the prompt segment's slot (its output row follows the verify rows)

@@ -68,9 +68,10 @@ class StepOutput(NamedTuple):
     ready: bool = False  # whether the device had finished it before the read began (the host set the pace)
 
 
-def slot_columns(gamma: int) -> int:
-    """Columns of a call's slot inputs: the SLOT_FIELDS, then gamma + 1 prompt tokens."""
-    return len(SLOT_FIELDS) + gamma + 1
+def slot_columns(gamma: int, segment: int = 0) -> int:
+    """Columns of a call's slot inputs: the SLOT_FIELDS, then gamma + 1 prompt tokens (a call with a prompt
+    segment of `segment` >= gamma + 1 tokens: that many)."""
+    return len(SLOT_FIELDS) + max(gamma + 1, segment)
 
 
 def slot_inputs(prompt: np.ndarray, **fields) -> np.ndarray:

@@ -220,8 +220,8 @@ class LiveCosts:
     not what a call costs, and priced in, it can stop the engine from drafting, and so from ever
     seeing the verify calls that would correct it (H200, embedded model, 4 requests: one round's
     verify windows averaged 5.1 ms against a profiled 2.3, with a 112 ms stall among them, and an
-    average kept the engine decoding, at 0.65x of fixed k = 5, for the rounds after). A window that
-    also issued a prefill teaches nothing: its prefill is paid whatever the width.
+    average kept the engine decoding, at 0.65x of fixed k = 5, for the rounds after). A window that also
+    issued a prefill or a prompt segment teaches nothing: the prompt is paid whatever the width.
 
     Switching executables may cost more than issuing the same one again (on the GPU each executable
     is a CUDA graph, which XLA may have to update before launching it after another ran). So a step
@@ -309,11 +309,11 @@ class LiveCosts:
         ready = self._ready.get(bucket, ())
         return self.price_host_paced and len(ready) >= self.MIN_PACE_SAMPLES and 2 * sum(ready) > len(ready)
 
-    def issued(self, bucket: int, call: int | str) -> None:
-        """The engine issued a call in `bucket`: a step width, "decode" or "prefill"."""
+    def issued(self, bucket: int, call: int | str, with_prompt: bool = False) -> None:
+        """The engine issued a call in `bucket`: a step width, "decode" or "prefill" (`with_prompt`: a segment's)."""
+        call = (call, "prompt") if with_prompt else call
         self._switched |= self._last is not None and (bucket, call) != self._last
-        self._prefilled |= call == "prefill"
-        self._last = (bucket, call)
+        self._prefilled, self._last = self._prefilled or call == "prefill" or with_prompt, (bucket, call)
 
     def switch_price(self, bucket: int) -> tuple[int | str | None, float]:
         """(the call a step of `bucket` would repeat: the last issued if it was this bucket's, else None;

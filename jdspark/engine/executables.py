@@ -1,29 +1,16 @@
-"""The compiled step functions of the engine, built ahead of time (JAX's counterpart of CUDA graphs)
-and stored whole on disk, so the next start-up with the same model and settings loads them
-instead of tracing and compiling (`exe_cache`).
+"""The engine's executables: its programs (`programs`) compiled ahead of time (JAX's counterpart of
+CUDA graphs) per batch bucket and stored whole on disk, so the next start-up with the same model and
+settings loads them instead of tracing and compiling (`exe_cache`).
 
-- prefill: a prompt chunk into some slots (others pass n_valid = 0; a slot whose `reset` slot input is
-  set is emptied first, as in every call), drafter context pushed, the first token sampled from each
-  slot's last real row;
-- decode: one plain target step (no drafting): the width-0 verification, which emits one token;
-- step[k] for k = 0..gamma: one DSpark proposal (gamma tokens, their distributions q, confidences)
-  and, in the same executable, the target extend over [anchor, first k drafts] (the anchor: the
-  token the slot's last call sampled, kept in the state), exact rejection
-  sampling with each row at its own width <= k (the `width` slot input), commit of the accepted
-  prefix + 1 in the target state and the committed rows' features pushed into the drafter's
-  context. Width 0 drafts too: its confidences choose the next step's width. A row may carry a
-  prompt chunk instead (up to k + 1 of its tokens, `Engine.ride_prompts`): extended over them, all
-  kept, the token after the last drawn as a prefill would draw it (`verify`).
-
-Batch buckets: decode and step[k] exist once per batch size n in `EngineConfig.buckets`, prefill
-once per n in `EngineConfig.prefill_buckets` (by default the same sizes). A call's n
-rows name their state slots (the `slot` input); the executable gathers those rows of the one
-full-size decode state and draft cache, runs on them and scatters them back (in place: both are
-donated). The largest bucket covers every slot in order and skips the gather. Why a gather rather
-than compacting the slots: requests finish in any order, and moving a finished request's
-neighbour would copy its whole state anyway; the gather copies only the n rows a step runs, so a
-lone request on a 16-slot engine computes one row, and the state stays one array per buffer (XLA
-still copies some full buffers around the write-back: `take_rows`).
+Batch buckets: decode and step[k] (and, with a prompt segment, each of them with one) exist once per
+batch size n in `EngineConfig.buckets`, prefill once per n in `EngineConfig.prefill_buckets` (by
+default the same sizes). A call's n rows name their state slots (the `slot` input); the executable
+gathers those rows of the one full-size decode state and draft cache, runs on them and scatters them
+back (in place: both are donated). The largest bucket covers every slot in order and skips the
+gather. Why a gather rather than compacting the slots: requests finish in any order, and moving a
+finished request's neighbour would copy its whole state anyway; the gather copies only the n rows a
+step runs, so a lone request on a 16-slot engine computes one row, and the state stays one array per
+buffer (XLA still copies some full buffers around the write-back: `take_rows`).
 
 One executable per engine step, one small array in and one out: each call costs host time on its
 own (argument handling, launch), and each device-to-host read waits for the device. No input
@@ -35,13 +22,7 @@ Kernels: `implementation` ("auto", "pallas", "xla"; `pallas_kernels.resolve_impl
 chooses the Pallas kernels or their jnp references for the whole program: the rejection sampler's
 race and, through the model graph (`hyper.with_implementation`), the mHC Sinkhorn, the routed
 experts and the FP8 linears ("auto" takes the last two only at real sizes, `KERNEL_MIN_WEIGHTS`).
-
-Every function takes the parameters as an argument (never baked in as constants; on the GPU packed
-into a few buffers, `jdspark.engine.packed`, since each argument buffer costs host time per call),
-donates the decode state and the draft cache, and draws its randomness on the device from per-slot
-(seed, counter) keys, so a request's samples depend only on its own seed, step and width (the
-uniforms are drawn gamma-long and sliced, so the executable's width does not change them). All
-noise comes from `sampling.exponential_noise` / `sampling.uniform_noise`.
+Every executable donates the decode state and the draft cache.
 """
 
 from __future__ import annotations
@@ -56,23 +37,20 @@ import time
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
-from jdspark.engine import compiling, packed
-from jdspark.engine.calls import (Rows, SlotSampling, pack_output, put_rows, slot_columns, take_rows, unpack_slots,
-                                  with_anchor)
+from jdspark.engine import compiling
+from jdspark.engine.calls import slot_columns
 from jdspark.engine.exe_cache import ExecutableCache
+from jdspark.engine.programs import Programs
 from jdspark.engine.twins import Twins, twins_of
-from jdspark.model import hyper, state
+from jdspark.model import state
 from jdspark.model.model import Model
-from jdspark.speculative.sampling import exponential_noise, uniform_noise
-from jdspark.speculative.verify import accepted_prefix, rejection_sample
-from pallas_kernels import resolve_implementation
 
 log = logging.getLogger(__name__)
-_PREFILL, _DRAFT, _VERIFY = 1, 2, 3  # key purposes: independent streams per kind of draw
+
+
 def enable_compile_cache(path: str | None = None) -> None:
     """Keep compiled executables on disk (default $JDSPARK_CACHE/xla, ~/.cache/jdspark/xla), so a
     restart with the same model and engine config skips compilation. Leaves a cache the caller
@@ -84,23 +62,6 @@ def enable_compile_cache(path: str | None = None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
-def scripted_accepted(uniforms, width, acceptance: float, invalid) -> jax.Array:
-    """`EngineConfig.scripted_acceptance`'s n_accepted [B]: the leading run of u_j < acceptance among
-    each row's first width[b] uniforms [B, K] (0 where invalid)."""
-    verified = jnp.arange(uniforms.shape[1])[None, :] < width[:, None]
-    return accepted_prefix((uniforms >= acceptance) | ~verified | invalid[:, None])
-
-
-def _keys(sampling: SlotSampling, purpose: int) -> jax.Array:
-    base = jax.random.key(purpose)
-    return jax.vmap(lambda s, c: jax.random.fold_in(jax.random.fold_in(base, s), c))(sampling.seed,
-                                                                                     sampling.counter)
-
-
-def _exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    return jax.vmap(lambda k: exponential_noise(k, shape))(keys)
-
-
 @dataclasses.dataclass
 class Bucket:
     """The executables of one batch size."""
@@ -108,38 +69,46 @@ class Bucket:
     prefill: jax.stages.Compiled | None = None
     decode: jax.stages.Compiled | None = None
     step: dict[int, jax.stages.Compiled] = dataclasses.field(default_factory=dict)
+    with_prompt: dict[int | str, jax.stages.Compiled] = dataclasses.field(default_factory=dict)  # "decode" or k
 
     def program(self, name):
-        """The executable named as `Executables.programs` keys it: "prefill", "decode" or a width."""
+        """The executable named as `Executables.programs` keys it: "prefill", "decode", a width, or
+        ("prompt", "decode" | a width): that call with a prompt segment."""
+        if isinstance(name, tuple):
+            return self.with_prompt[name[1]]
         return getattr(self, name) if name in ("prefill", "decode") else self.step[name]
 
     def put(self, name, program) -> None:
-        if name in ("prefill", "decode"):
+        if isinstance(name, tuple):
+            self.with_prompt[name[1]] = program
+        elif name in ("prefill", "decode"):
             setattr(self, name, program)
         else:
             self.step[name] = program
 
+    def verify_call(self, width: int | None, with_prompt: bool):
+        """The executable of a verify call of `width` (None: a plain decode), with a prompt segment or not."""
+        if with_prompt:
+            return self.with_prompt["decode" if width is None else width]
+        return self.decode if width is None else self.step[width]
 
-class Executables:
-    """AOT-compiled prefill, decode and step[k] per batch bucket, for one model, engine config and
-    prefill chunk."""
+
+class Executables(Programs):
+    """AOT-compiled prefill, decode and step[k] (and with a prompt segment, decode and step[k] with one)
+    per batch bucket, for one model, engine config, prefill chunk and prompt segment."""
 
     def __init__(self, model: Model, engine: EngineConfig, prefill_chunk: int, implementation: str,
-                 widths: tuple[int, ...], pack_params: bool):
+                 widths: tuple[int, ...], pack_params: bool, segment: int = 0):
         """`widths`: the step[k] to compile (empty: a target-only engine, prefill and decode only);
-        `implementation`: "auto", "pallas" or "xla" for every kernel (ValueError otherwise)."""
-        resolve_implementation(implementation)  # validates it before anything is compiled
-        self.implementation = implementation
-        self.graphdef = hyper.with_implementation(model.graphdef, model.params, implementation)
-        self.config, self.dtype = model.config, model.dtype
-        # Pass `params.arrays` as every call's first argument.
-        self.params = packed.PackedParams(model.params, packed.SMALL_BYTES if pack_params else None)
-        self.dspark = model.config.dspark
-        self.gamma = engine.gamma
-        self.feature_layers = self.dspark.target_layer_ids if self.dspark else ()
-        self.prefill_chunk = prefill_chunk
+        `implementation`: "auto", "pallas" or "xla" for every kernel (ValueError otherwise); `segment`: the
+        prompt tokens a verify call may carry in a segment of its own (0: none; needs max_batch >= 2, a
+        slot besides the verify rows')."""
+        if segment and (engine.max_batch < 2 or segment < engine.gamma + 1):
+            raise ValueError(f"a prompt segment of {segment} tokens needs max_batch >= 2 (a slot beside the "
+                             f"running requests'; got {engine.max_batch}) and at least gamma + 1 = {engine.gamma + 1} "
+                             "tokens (a verify row's prompt columns)")
+        super().__init__(model, engine, prefill_chunk, implementation, pack_params, segment)
         self.widths = widths
-        self.scripted_acceptance = engine.scripted_acceptance  # benchmarks only (EngineConfig)
         self.twins = engine.twin_executables
         if self.scripted_acceptance is not None:
             log.warning("scripted acceptance %.2f: drafts are accepted by script, not verified (benchmarks "
@@ -173,7 +142,8 @@ class Executables:
 
     @property
     def count(self) -> int:
-        return len(self.prefill_sizes) + len(self.decode_sizes) * (1 + len(self.widths))  # prefill; decode, step[k]
+        verify = (1 + len(self.widths)) * (2 if self.segment else 1)  # decode, step[k], and each with a segment
+        return len(self.prefill_sizes) + len(self.decode_sizes) * verify
 
     def compile(self, decode, draft_cache, which: str = "all") -> None:
         """Lower and compile the executables `which` names ("all"; "serving": prefill and decode; "steps":
@@ -229,23 +199,29 @@ class Executables:
                        out_shardings=(decode.length.sharding, layout(decode), layout(draft_cache)))
 
     def programs(self, decode, draft_cache, which: str = "all") -> dict:
-        """{(bucket, "prefill" | "decode" | width): (function, example arguments)}: the executables `which`
-        names (`compile`)."""
+        """{(bucket, "prefill" | "decode" | width | ("prompt", "decode" | width)): (function, example
+        arguments)}: the executables `which` names (`compile`; a call with a prompt segment goes with its
+        verify call's kind: "serving" holds the decode's, "steps" the step[k]s')."""
         if which not in ("all", "serving", "steps"):
             raise ValueError(f"which={which!r}: expected 'all', 'serving' or 'steps'")
         params, programs = self.params.arrays, {}
         serving, steps = which != "steps", which != "serving"
         for b in self.buckets:
             slots = jnp.zeros((b, slot_columns(self.gamma)), jnp.int32)
+            with_segment = jnp.zeros((b + 1, slot_columns(self.gamma, self.segment)), jnp.int32)
             if b in self.prefill_sizes and serving:
                 ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
-                programs[b, "prefill"] = self._prefill, (params, decode, draft_cache, ids, jnp.zeros((b,), jnp.int32),
-                                                         slots)
-            if b in self.decode_sizes:
-                if serving:
-                    programs[b, "decode"] = self._decode, (params, decode, draft_cache, slots)
-                for k in self.widths if steps else ():
-                    programs[b, k] = self.step_function(k), (params, decode, draft_cache, slots)
+                programs[b, "prefill"] = self.prefill_function, (params, decode, draft_cache, ids,
+                                                                 jnp.zeros((b,), jnp.int32), slots)
+            if b not in self.decode_sizes:
+                continue
+            for k in ([None] if serving else []) + (list(self.widths) if steps else []):
+                name = "decode" if k is None else k
+                function = self.decode_function if k is None else self.step_function(k)
+                programs[b, name] = function, (params, decode, draft_cache, slots)
+                if self.segment:
+                    programs[b, ("prompt", name)] = self.segment_function(k), (params, decode, draft_cache,
+                                                                               with_segment)
         return programs
 
     def lowering(self, program, decode, draft_cache):
@@ -286,93 +262,3 @@ class Executables:
         """Everything the traced programs depend on besides their arguments (`exe_cache`)."""
         return repr((repr(self.graphdef), self.params.layout_key(), self.config, str(self.dtype), self.gamma,
                      self.implementation, self.feature_layers, self.scripted_acceptance))
-
-    def module(self, arrays):
-        """The model module over one call's parameter arrays (`params.arrays`), inside a trace."""
-        return nnx.merge(self.graphdef, self.params.unpack(arrays))
-
-    def _prefill(self, params, full_state, full_cache, ids, n_valid, slots):
-        model = self.module(params)
-        rows, batch = unpack_slots(slots), full_state.batch
-        decode, draft_cache = self._rows_in(full_state, full_cache, rows)
-        logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
-        if draft_cache is not None:
-            draft_cache = dspark.push_context(model, draft_cache, features, n_valid)
-        verdict = self.first_token(logits, n_valid, rows.sampling)
-        decode = with_anchor(decode, verdict, n_valid > 0)  # a prompt's last chunk leaves its first token
-        return (pack_output(verdict), put_rows(full_state, decode, rows, batch),
-                put_rows(full_cache, draft_cache, rows, batch))
-
-    def first_token(self, logits, n_valid, sampling: SlotSampling):
-        """A draw from p at each row's last real position (n_valid - 1): the token a prompt's last
-        chunk samples (width 0: no drafts). Verdict with n_accepted 0."""
-        last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)
-        b, v = last.shape[0], self.config.vocab_size
-        noise = _exponentials(_keys(sampling, _PREFILL), (v,))
-        return rejection_sample(last, jnp.zeros((b, 0, v), jnp.float32), jnp.zeros((b, 0), jnp.int32),
-                                jnp.zeros((b, 0), jnp.float32), noise, sampling.temperature, sampling.top_k,
-                                sampling.top_p, implementation=self.implementation)
-
-    def _rows_in(self, full_state, full_cache, rows: Rows):
-        """The call's rows of the state and draft cache, a prompt's slot emptied at its first chunk."""
-        batch = full_state.batch
-        decode, draft_cache = take_rows(full_state, rows, batch), take_rows(full_cache, rows, batch)
-        return (state.reset_slots(decode, rows.reset),
-                None if draft_cache is None else dspark.reset_draft_slots(draft_cache, rows.reset))
-
-    def _decode(self, params, full_state, full_cache, slots):
-        rows, batch = unpack_slots(slots), full_state.batch
-        b = rows.slot.shape[0]
-        no_drafts = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0, self.config.vocab_size), jnp.float32)
-        verdict, decode, draft_cache = self.verify(self.module(params), *self._rows_in(full_state, full_cache, rows),
-                                                   rows, *no_drafts)
-        return (pack_output(verdict), put_rows(full_state, decode, rows, batch),
-                put_rows(full_cache, draft_cache, rows, batch))
-
-    def step_function(self, k: int):
-        """The (uncompiled) step[k]: propose gamma drafts, verify each row's first min(width, k)."""
-        def step(params, full_state, full_cache, slots):
-            model = self.module(params)
-            rows, batch = unpack_slots(slots), full_state.batch
-            decode, draft_cache = self._rows_in(full_state, full_cache, rows)
-            proposal = self.propose(model, draft_cache, decode.anchor, rows.sampling)
-            verdict, decode, draft_cache = self.verify(model, decode, draft_cache, rows, proposal.tokens[:, :k],
-                                                       proposal.q[:, :k])
-            confidence = proposal.confidence if self.scripted_acceptance is None else \
-                jnp.full_like(proposal.confidence, self.scripted_acceptance)
-            return (pack_output(verdict, proposal.tokens, confidence),
-                    put_rows(full_state, decode, rows, batch), put_rows(full_cache, draft_cache, rows, batch))
-        return step
-
-    def propose(self, model, draft_cache, anchor, sampling: SlotSampling) -> dspark.Proposal:
-        """The drafter's gamma tokens, their distributions q and confidences, with this step's noise."""
-        noise = _exponentials(_keys(sampling, _DRAFT), (self.gamma, self.config.vocab_size))
-        return dspark.propose(model, draft_cache, anchor, sampling.temperature, sampling.top_k, sampling.top_p, noise)
-
-    def verify(self, model, decode, draft_cache, rows: Rows, drafts, q):
-        """Target extend over [anchor, drafts] (each row's first width + 1 count), exact rejection
-        sampling at each row's width, commit, drafter context. -> (Verdict, decode, draft_cache).
-        A row with prompt_len > 0 extends over its prompt tokens instead, keeps them all and samples
-        from p after the last (what a prefill call does for that chunk; the host reads the token only
-        after a prompt's last chunk)."""
-        k = drafts.shape[1]
-        sampling, width, prompt = rows.sampling, jnp.clip(rows.width, 0, k), rows.prompt_len > 0
-        ids = jnp.where(prompt[:, None], rows.prompt[:, :k + 1], jnp.concatenate([decode.anchor[:, None], drafts], 1))
-        n_valid = jnp.where(prompt, jnp.minimum(rows.prompt_len, k + 1), jnp.where(rows.active, width + 1, 0))
-        logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
-        keys = _keys(sampling, _VERIFY)
-        uniforms = jax.vmap(lambda key: uniform_noise(jax.random.fold_in(key, 0), (self.gamma,)))(keys)[:, :k]
-        noise = jax.vmap(lambda key: exponential_noise(jax.random.fold_in(key, 1), (self.config.vocab_size,)))(keys)
-        verdict = rejection_sample(logits, q, drafts, uniforms, noise, sampling.temperature, sampling.top_k,
-                                   sampling.top_p, width, implementation=self.implementation)
-        if self.scripted_acceptance is not None:
-            verdict = verdict._replace(n_accepted=scripted_accepted(uniforms, width, self.scripted_acceptance,
-                                                                    verdict.invalid))
-        first = self.first_token(logits, n_valid, sampling)
-        verdict = type(verdict)(*(jnp.where(prompt, a, b) for a, b in zip(first._replace(n_accepted=n_valid - 1),
-                                                                           verdict)))
-        n_keep = jnp.where(rows.active | prompt, verdict.n_accepted + 1, 0)
-        decode = with_anchor(state.commit(decode, n_keep), verdict, rows.active | prompt)
-        if draft_cache is not None:
-            draft_cache = dspark.push_context(model, draft_cache, features, n_keep)
-        return verdict, decode, draft_cache

@@ -78,7 +78,7 @@ def scripted_step(exe, k: int):
         rows, batch = calls.unpack_slots(slots), full_state.batch
         decode, cache = calls.take_rows(full_state, rows, batch), calls.take_rows(full_cache, rows, batch)
         proposal = exe.propose(model, cache, decode.anchor, rows.sampling)
-        verdict, decode, cache = exe.verify(model, decode, cache, rows, tokens[:, :k], proposal.q[:, :k])
+        verdict, decode, cache, _ = exe.verify(model, decode, cache, rows, tokens[:, :k], proposal.q[:, :k])
         return (calls.pack_output(verdict, tokens, proposal.confidence),
                 calls.put_rows(full_state, decode, rows, batch), calls.put_rows(full_cache, cache, rows, batch))
     return jax.jit(step, donate_argnums=(1, 2))

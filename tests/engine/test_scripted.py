@@ -9,7 +9,7 @@ import pytest
 from jdspark.config import EngineConfig
 from jdspark.config.base import ConfigError
 from jdspark.engine.engine import Engine
-from jdspark.engine.executables import scripted_accepted
+from jdspark.engine.programs import scripted_accepted
 from jdspark.engine.request import SamplingParams
 
 ACCEPTANCE = 0.7
