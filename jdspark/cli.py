@@ -64,7 +64,7 @@ def _generator(args, max_batch: int = 1, defer_steps: bool = False):
                                           tensor_parallel_size=args.tensor_parallel_size,
                                           expert_parallel_size=args.expert_parallel_size,
                                           gpu_memory=None if args.gpu_memory is None else args.gpu_memory * 1e9,
-                                          pcie_share=args.pcie_share)
+                                          pcie_share=args.pcie_share, prompt_segment=args.prompt_segment)
     generator.engine.batch_prefills, generator.engine.ride_prompts = args.prefill_wait, args.ride_prompts
     return generator
 
@@ -170,6 +170,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ride-prompts", type=int, default=RIDE_PROMPTS,
                    help="beside running requests, prompts with at most this many tokens left ride in the verify calls, "
                         "the step's width + 1 tokens a call, instead of taking prefill calls of their own (0: never)")
+    p.add_argument("--prompt-segment", type=int, default=0,
+                   help="beside running requests, the oldest pending prompt comes in the verify call, this many tokens "
+                        "a call, in the same model pass (executables compiled with the segment; at least gamma + 1; "
+                        "0: never; while on, no prompt rides)")
     p.add_argument("--fallback-acceptance", type=float, default=0.0,
                    help="acceptance breaker threshold in (0, 1]; 0 disables (reference starting point: 0.60)")
     p.add_argument("--fallback-min-drafted", type=int, default=32)

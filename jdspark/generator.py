@@ -32,12 +32,13 @@ class Generator:
                    batch_buckets: tuple[int, ...] = (), prefill_chunk: int = 256, prefill_budget: int | None = None,
                    options: SpecOptions = SpecOptions(), implementation: str = "auto",
                    widths: tuple[int, ...] | None = None, prefill_buckets: tuple[int, ...] = (),
-                   defer_steps: bool = False, ride_prompts: int = RIDE_PROMPTS) -> "Generator":
+                   defer_steps: bool = False, ride_prompts: int = RIDE_PROMPTS, prompt_segment: int = 0) -> "Generator":
         """Compile an engine for `model`. `widths` to verify: default every width 0..gamma for the
         adaptive width, the one width of a fixed `options.width`; `batch_buckets`, `prefill_buckets`
         (`EngineConfig.prefill_batch_buckets`), `prefill_budget`, `defer_steps` (serve target-only
-        while the step executables build in the background) and `ride_prompts` (short prompts ride in
-        the verify calls) as in `EngineConfig` and `Engine`."""
+        while the step executables build in the background), `ride_prompts` (short prompts ride in
+        the verify calls) and `prompt_segment` (a pending prompt's chunk of this many tokens in each verify
+        call) as in `EngineConfig` and `Engine`."""
         if gamma is None:
             gamma = model.config.dspark.block_size if model.config.dspark else 5
         if widths is None and speculative and options.width is not None:
@@ -46,7 +47,7 @@ class Generator:
                               prefill_batch_buckets=prefill_buckets)
         engine = Engine(model, config, tokenizer=tokenizer, speculative=speculative, prefill_chunk=prefill_chunk,
                         prefill_budget=prefill_budget, options=options, implementation=implementation, widths=widths,
-                        defer_steps=defer_steps, ride_prompts=ride_prompts)
+                        defer_steps=defer_steps, ride_prompts=ride_prompts, prompt_segment=prompt_segment)
         return cls(engine)
 
     @classmethod

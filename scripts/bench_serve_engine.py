@@ -32,7 +32,10 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
 - none_riding, fixed5_riding, per_request_queued_riding: those modes with prompts of at most
                `--ride-prompts` tokens riding in the verify calls beside running requests instead
                of taking prefill calls of their own (`Engine.ride_prompts`; every other mode rides
-               none). per_request_queued_riding at the default `--ride-prompts` is the engine's default.
+               none). per_request_queued_riding at the default `--ride-prompts` is the engine's default;
+- none_segment, fixed5_segment, per_request_queued_segment: those modes with the oldest pending prompt
+               beside running requests in the verify call's prompt segment, `--prompt-segment` tokens a
+               call (`Engine(prompt_segment=N)`; needs `--prompt-segment`; every other mode takes none).
 
 `--max-tokens-spread f` draws each request's max_tokens from max_tokens x [1 - f, 1 + f] (seeded by the
 request's index, the same in every mode): with one length for all, target-only requests admitted
@@ -76,7 +79,7 @@ import numpy as np
 MODES = ("none", "fixed5", "padded", "per_request", "per_request_ones", "per_request_queued",
          "per_request_queued_unpriced", "per_request_queued_profiled", "per_request_queued_remembering", "budget",
          "fixed3", "alternate35", "none_eager", "fixed5_eager", "per_request_queued_eager", "none_riding",
-         "fixed5_riding", "per_request_queued_riding")
+         "fixed5_riding", "per_request_queued_riding", "none_segment", "fixed5_segment", "per_request_queued_segment")
 PROMPT_TEXTS = ["def fibonacci(n):", "import numpy as np\n\n", "class Stack:\n    def __init__(self):",
                 "def quicksort(items):\n    \"\"\"Sort a list.\"\"\"", "for i in range(10):", "with open(path) as f:",
                 "def parse_args():\n    parser = argparse.ArgumentParser(", "async def fetch(url):"]
@@ -102,7 +105,8 @@ def build(args, max_running: int | None = None, buckets: tuple[int, ...] | None 
     # a subset for fixed widths alone needs no cost profile; adaptive modes price the widths compiled
     options = SpecOptions(width=max(widths)) if widths and fixed_only else SpecOptions()
     engine = Engine(model, config, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk,
-                    prefill_budget=args.prefill_budget, options=options, widths=widths, defer_steps=args.defer_steps)
+                    prefill_budget=args.prefill_budget, options=options, widths=widths, defer_steps=args.defer_steps,
+                    prompt_segment=args.prompt_segment)
     gc.collect()  # as the server's Scheduler.start does: start-up's objects leave the garbage collector
     gc.freeze()
     return engine, prompts, time.perf_counter() - start
@@ -141,7 +145,8 @@ def synthetic_model(args):
 def set_mode(engine, mode: str, ride_prompts: int = 0) -> None:
     engine.batch_prefills = not mode.endswith("_eager")
     engine.ride_prompts = ride_prompts if mode.endswith("_riding") else 0
-    mode = mode.removesuffix("_eager").removesuffix("_riding")
+    engine.segment_prompts = mode.endswith("_segment")
+    mode = mode.removesuffix("_eager").removesuffix("_riding").removesuffix("_segment")
     profile = "queued" if mode.startswith("per_request_queued") else "synchronised"
     if engine.selectors:  # an adaptive engine: its selectors measured under the mode's profile
         engine.set_policy(options=dataclasses.replace(engine.options, profile=profile))
@@ -368,6 +373,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ride-prompts", type=int, default=RIDE_PROMPTS,
                    help="the *_riding modes: prompts with at most this many tokens left ride in the verify calls "
                         "(default: the engine's)")
+    p.add_argument("--prompt-segment", type=int, default=0,
+                   help="compile the verify calls with a prompt segment of this many tokens (the *_segment modes)")
     p.add_argument("--prefill-budgets", type=int, nargs="+",
                    help="run every mode under each of these prefill budgets (prompt tokens a step prefills beside "
                    "running requests; 0: --prefill-budget's), interleaved, labelled 'mode bN'")
@@ -405,6 +412,8 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     args.max_running = args.max_running or max(args.concurrency)
+    if any(m.endswith("_segment") for m in args.modes) and not args.prompt_segment:
+        p.error("the *_segment modes need --prompt-segment N (the segment executables' tokens)")
     if args.synthetic and (args.model or args.acceptance is None):
         p.error("--synthetic makes its own model and accepts random drafts only by script: pass --acceptance, "
                 "not --model")

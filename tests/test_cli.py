@@ -53,8 +53,8 @@ def test_serve_errors_exit_2(tmp_path, capsys, monkeypatch):
 
 
 def test_prefill_flags_reach_the_engine(monkeypatch):
-    """`--no-prefill-wait` and `--ride-prompts` reach `Engine.batch_prefills` and `Engine.ride_prompts`
-    through `cli._generator` (the engine itself stood in for: this checks the wiring,
+    """`--no-prefill-wait`, `--ride-prompts` and `--prompt-segment` reach `Engine.batch_prefills`,
+    `Engine.ride_prompts` and the engine's builder through `cli._generator` (the engine itself stood in for: this checks the wiring,
     `tests/engine/test_buckets.py` what the flags do)."""
     import types
 
@@ -64,9 +64,11 @@ def test_prefill_flags_reach_the_engine(monkeypatch):
     from jdspark.generator import Generator
     monkeypatch.setattr(executables, "enable_compile_cache", lambda: None)
     monkeypatch.setattr(Generator, "from_pretrained", classmethod(
-        lambda cls, *a, **k: types.SimpleNamespace(engine=types.SimpleNamespace(batch_prefills=True))))
+        lambda cls, *a, **k: types.SimpleNamespace(engine=types.SimpleNamespace(batch_prefills=True), options=k)))
     parser = cli.build_parser()
     assert cli._generator(parser.parse_args(["serve"])).engine.batch_prefills is True
+    assert cli._generator(parser.parse_args(["serve"])).options["prompt_segment"] == 0
+    assert cli._generator(parser.parse_args(["serve", "--prompt-segment", "64"])).options["prompt_segment"] == 64
     assert cli._generator(parser.parse_args(["serve", "--no-prefill-wait"])).engine.batch_prefills is False
     assert cli._generator(parser.parse_args(["generate", "--no-prefill-wait", "x"])).engine.batch_prefills is False
     assert cli._generator(parser.parse_args(["serve"])).engine.ride_prompts == RIDE_PROMPTS > 0

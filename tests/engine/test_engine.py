@@ -11,7 +11,8 @@ import pytest
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import calls
-from jdspark.engine.engine import Engine, EngineError, SpecOptions
+from jdspark.engine.engine import Engine, SpecOptions
+from jdspark.engine.errors import EngineError
 from jdspark.engine.errors import SamplingError
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model

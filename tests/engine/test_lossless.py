@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 from jdspark.config import EngineConfig
-from jdspark.engine import executables
+from jdspark.engine import programs
 from jdspark.engine.engine import Engine
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
@@ -177,7 +177,7 @@ def skip_residual(*args, implementation="auto"):
 
 
 def test_the_lossless_test_catches_a_sampler_that_skips_the_residual(model, monkeypatch):
-    monkeypatch.setattr(executables, "rejection_sample", skip_residual)
+    monkeypatch.setattr(programs, "rejection_sample", skip_residual)
     monkeypatch.setenv("JDSPARK_STORE_EXECUTABLES", "0")  # the stored step[2] is the unpatched one
     biased = Engine(model, EngineConfig(max_seq_len=16, gamma=5, max_batch=BATCH, batch_buckets=(BATCH,)),
                     prefill_chunk=4, widths=(2,), width_policy=lambda confidence: 2)
