@@ -220,7 +220,7 @@ class Executables(Programs):
                 function = self.decode_function if k is None else self.step_function(k)
                 programs[b, name] = function, (params, decode, draft_cache, slots)
                 if self.segment:
-                    programs[b, ("prompt", name)] = self.segment_function(k), (params, decode, draft_cache,
+                    programs[b, ("prompt", name)] = self.verify_function(k, True), (params, decode, draft_cache,
                                                                                with_segment)
         return programs
 

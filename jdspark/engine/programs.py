@@ -13,7 +13,7 @@ them per batch bucket):
   context. Width 0 drafts too: its confidences choose the next step's width. A row may carry a
   prompt chunk instead (up to k + 1 of its tokens, `Engine.ride_prompts`): extended over them, all
   kept, the token after the last drawn as a prefill would draw it (`verify`);
-- decode and step[k] with a prompt segment (`segment_function`): the same call, and in the same
+- decode and step[k] with a prompt segment (`verify_function`): the same call, and in the same
   model pass one more slot's prompt chunk of up to `segment` tokens (its own row of the slot
   inputs, after the verify rows), prefilled as a prefill call would (`DSV4.extend_segments`: the
   routed experts and every weight read once for the verify rows and the chunk).
@@ -127,19 +127,19 @@ class Programs:
                 None if draft_cache is None else dspark.reset_draft_slots(draft_cache, rows.reset))
 
     def decode_function(self, params, full_state, full_cache, slots):
-        return self.segment_function(None, with_prompt=False)(params, full_state, full_cache, slots)
+        return self.verify_function(None, with_prompt=False)(params, full_state, full_cache, slots)
 
     def step_function(self, k: int):
         """The (uncompiled) step[k]: propose gamma drafts, verify each row's first min(width, k)."""
-        return self.segment_function(k, with_prompt=False)
+        return self.verify_function(k, with_prompt=False)
 
-    def segment_function(self, k: int | None, with_prompt: bool = True):
-        """step[k] (k None: decode), with a prompt segment: the slot inputs' last row is a slot's prompt
-        chunk (its `prompt_len` tokens, <= `segment`; 0: none), extended in the same model pass as the
-        verify rows and prefilled as `prefill_function` would (emptied at its first chunk, all kept, the
-        token after its last drawn with the prefill's keys); its output row follows the verify rows'.
-        The segment's slot may also be one of the verify call's padding rows (a full bucket): its write
-        comes last."""
+    def verify_function(self, k: int | None, with_prompt: bool):
+        """The (uncompiled) verify call: step[k] (k None: decode). `with_prompt`: with a prompt segment, the
+        slot inputs' last row is a slot's prompt chunk (its `prompt_len` tokens, <= `segment`; 0: none),
+        extended in the same model pass as the verify rows and prefilled as `prefill_function` would
+        (emptied at its first chunk, all kept, the token after its last drawn with the prefill's keys); its
+        output row follows the verify rows'. The segment's slot may also be one of the verify call's
+        padding rows (a full bucket): its write comes last."""
         def step(params, full_state, full_cache, slots):
             model = self.module(params)
             rows, batch = unpack_slots(slots), full_state.batch

@@ -39,7 +39,7 @@ class StepRecord:
     drafted_call: bool = True  # False: a plain decode call (no row drafted)
     waited_s: float = 0.0  # of `seconds`, the read's wait for the device (the rest is the host's)
     ready: bool = False  # the device had finished the call when its read began: the host set the pace
-    prompt_tokens: int = 0  # prompt tokens that rode in the call (`Engine.ride_prompts`)
+    prompt_tokens: int = 0  # prompt tokens the call prefilled (`Engine.ride_prompts`, `prompt_segment`)
 
     @property
     def drafted(self) -> int:
