@@ -20,6 +20,7 @@
 #       CONCURRENCY="1 16" MODES="none fixed5 per_request" ROUNDS=2)
 #   bash scripts/device_bench.sh serve-ab         (issue 26: the newest unmeasured change, A/B)
 #   bash scripts/device_bench.sh segments         (issue 26: a prompt chunk inside the verify call, Flash dims)
+#   bash scripts/device_bench.sh segment-serve    (issue 26: the engine serving with prompt segments, Flash dims c = 16)
 #   bash scripts/device_bench.sh prefill-ab       (issue 26: Flash dims at c = 16, prefill buckets 16 64 against
 #       1 4 16 64, one process each on one compile cache)
 #   bash scripts/device_bench.sh sweep            (issue 23: routed-expert kernel tilings, then the model)
@@ -276,6 +277,17 @@ for part in "$@"; do
       timeout ${SEGMENTS_SECONDS:-300} python3 scripts/bench_segments.py --preset flash --layers 8 --experts 256 \
         --storage fp8+fp4 --cases ${SEGMENTS_CASES:-16x6+1x64 16x1+1x64 1x6+1x64 4x6+1x64 16x6+4x64} --context 4096 \
         --json "$OUT/bench_segments.json" 2>&1 | grep -v Warning | tee "$OUT/bench_segments.log" ;;
+    segment-serve)  # issue 26: the Flash-dims engine (16 slots, c = 16, equal lengths, 64-token prompts) with the
+      # oldest pending prompt in the verify calls' prompt segments (SEGMENT_TOKENS a call) against prefill calls
+      # and riding, interleaved; then tests/engine/test_prompt_segments.py on this GPU (a tiny float32 model)
+      F="--synthetic flash --layers 8 --acceptance 0.8 --max-running 16 --buckets 16 --widths 3 5 --prefill-buckets 1 4 16"
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 JDSPARK_CACHE=$WORK/flash-cache timeout ${SEGMENT_SERVE_SECONDS:-400} \
+        python3 scripts/bench_serve_engine.py $F --prompt-segment ${SEGMENT_TOKENS:-64} --concurrency ${CONCURRENCY:-16} \
+        --requests ${REQUESTS:-64} --modes ${MODES:-none fixed5 per_request_queued per_request_queued_riding \
+        per_request_queued_segment fixed5_segment} --rounds ${ROUNDS:-2} --out "$OUT/segment_serve.json" 2>&1 \
+        | grep -E "^round|^\||start-up|Error|error|Traceback" | cut -c1-600 | tee "$OUT/segment_serve.log"
+      timeout ${SEGMENT_TEST_SECONDS:-150} python3 -m pytest -q -W ignore -p no:cacheprovider \
+        tests/engine/test_prompt_segments.py 2>&1 | tail -4 | tee "$OUT/segment_gpu_tests.log" ;;
     serve-engine)  # issue 26: the speculation modes, interleaved rounds, on the engine `startup` left warm
       LABEL=${SERVE_LABEL:-$(echo "${CONCURRENCY:-all}" | tr ' ' _)}
       JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-400} python3 scripts/bench_serve_engine.py \
