@@ -94,25 +94,24 @@ class Programs:
         model = self.module(params)
         rows, batch = unpack_slots(slots), full_state.batch
         decode, draft_cache = self._rows_in(full_state, full_cache, rows)
-        logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers)
+        logits, features, decode = model.extend(ids, decode, n_valid, self.feature_layers, last_logits=True)
         verdict, decode, draft_cache = self._prefilled(model, logits, features, decode, draft_cache, n_valid,
                                                        rows.sampling)
         return (pack_output(verdict), put_rows(full_state, decode, rows, batch),
                 put_rows(full_cache, draft_cache, rows, batch))
 
-    def _prefilled(self, model, logits, features, decode, draft_cache, n_valid, sampling: SlotSampling):
-        """After a prompt chunk's extend: its drafter context pushed and the token after its last real
-        row drawn, left as the anchor (used only after a prompt's last chunk). -> (Verdict, decode,
-        draft_cache)."""
+    def _prefilled(self, model, last, features, decode, draft_cache, n_valid, sampling: SlotSampling):
+        """After a prompt chunk's extend (`last`: its last real token's logits [B, 1, V]): its drafter context
+        pushed and the token after its last real row drawn, left as the anchor (used only after a prompt's
+        last chunk). -> (Verdict, decode, draft_cache)."""
         if draft_cache is not None:
             draft_cache = dspark.push_context(model, draft_cache, features, n_valid)
-        verdict = self.first_token(logits, n_valid, sampling)
+        verdict = self.first_token(last, sampling)
         return verdict, with_anchor(decode, verdict, n_valid > 0), draft_cache
 
-    def first_token(self, logits, n_valid, sampling: SlotSampling):
-        """A draw from p at each row's last real position (n_valid - 1): the token a prompt's last
+    def first_token(self, last, sampling: SlotSampling):
+        """A draw from p of each row's last real token's logits `last` [B, 1, V]: the token a prompt's last
         chunk samples (width 0: no drafts). Verdict with n_accepted 0."""
-        last = jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)
         b, v = last.shape[0], self.config.vocab_size
         noise = _exponentials(_keys(sampling, _PREFILL), (v,))
         return rejection_sample(last, jnp.zeros((b, 0, v), jnp.float32), jnp.zeros((b, 0), jnp.int32),
@@ -193,7 +192,7 @@ class Programs:
         if segment is not None:
             segment_rows = segment[2]
             segments.append((segment_rows.prompt[:, :self.segment], segment[0], segment_rows.prompt_len))
-        extended = model.extend_segments(tuple(segments), self.feature_layers)
+        extended = model.extend_segments(tuple(segments), self.feature_layers, (False, True))
         logits, features, decode = extended[0]
         keys = _keys(sampling, _VERIFY)
         uniforms = jax.vmap(lambda key: uniform_noise(jax.random.fold_in(key, 0), (self.gamma,)))(keys)[:, :k]
@@ -203,7 +202,8 @@ class Programs:
         if self.scripted_acceptance is not None:
             verdict = verdict._replace(n_accepted=scripted_accepted(uniforms, width, self.scripted_acceptance,
                                                                     verdict.invalid))
-        first = self.first_token(logits, n_valid, sampling)
+        first = self.first_token(jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1),
+                                 sampling)
         verdict = type(verdict)(*(jnp.where(prompt, a, b) for a, b in zip(first._replace(n_accepted=n_valid - 1),
                                                                            verdict)))
         n_keep = jnp.where(rows.active | prompt, verdict.n_accepted + 1, 0)

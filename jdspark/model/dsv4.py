@@ -54,25 +54,30 @@ class DSV4(nnx.Module):
                 features.append(_stream_mean(x))
         return x, _concat(features)
 
-    def extend(self, ids: jax.Array, decode: DecodeState, n_valid: jax.Array,
-               feature_layers: tuple[int, ...] = ()) -> tuple[jax.Array, jax.Array | None, DecodeState]:
+    def extend(self, ids: jax.Array, decode: DecodeState, n_valid: jax.Array, feature_layers: tuple[int, ...] = (),
+               last_logits: bool = False) -> tuple[jax.Array, jax.Array | None, DecodeState]:
         """Run tokens ids [B, S] after the tokens each slot holds; the first n_valid[b] are real.
 
         Returns (logits [B, S, V] fp32, features, new state). features [B, S, len(feature_layers)*D]
         (None without feature layers) are the outputs of those layers averaged over the HC streams
-        and concatenated: the DSpark drafter's context input (spec dspark.md §3.9).
+        and concatenated: the DSpark drafter's context input (spec dspark.md §3.9). `last_logits`: logits
+        [B, 1, V] of each row's last real token (n_valid - 1, row 0 where none) alone: a prompt chunk's
+        (`extend_segments`).
         """
-        (result,) = self.extend_segments(((ids, decode, n_valid),), feature_layers)
+        (result,) = self.extend_segments(((ids, decode, n_valid),), feature_layers, (last_logits,))
         return result
 
     def extend_segments(self, segments: tuple[tuple[jax.Array, DecodeState, jax.Array], ...],
-                        feature_layers: tuple[int, ...] = ()) -> list[tuple[jax.Array, jax.Array | None, DecodeState]]:
+                        feature_layers: tuple[int, ...] = (), last_logits: tuple[bool, ...] = ()
+                        ) -> list[tuple[jax.Array, jax.Array | None, DecodeState]]:
         """`extend` of several segments in one pass, each (ids [B_i, S_i], the state of its own slots,
         n_valid [B_i]), e.g. a verify block of k + 1 rows a slot beside a prompt chunk of many: attention
         runs per segment over its state, the FFN and the head once over every segment's tokens
         (`block.tokenwise`), so the segments read each routed expert once (a Flash-dims prompt chunk
         selects most of a layer's experts, which a 16-row verify block reads anyway). One (logits,
-        features, new state) per segment, as `extend` returns them."""
+        features, new state) per segment, as `extend` returns them; a segment whose `last_logits` is True
+        gets the logits of each row's last real token alone, [B_i, 1, V] (a prompt chunk needs no others:
+        the head's work and the fp32 logits of a 16 x 256 prefill at Flash's vocabulary, 2.1 GB, skipped)."""
         ids = tuple(i for i, _, _ in segments)
         lengths = tuple(decode.length for _, decode, _ in segments)
         n_valids = tuple(n for _, _, n in segments)
@@ -85,6 +90,8 @@ class DSV4(nnx.Module):
             caches.append(layer_caches)
             if layer_index in feature_layers:
                 features.append([_stream_mean(x) for x in xs])
+        last = tuple(last_logits) + (False,) * (len(segments) - len(last_logits))
+        xs = [_last_rows(x, n) if only_last else x for x, n, only_last in zip(xs, n_valids, last)]
         logits = tokenwise(lambda x: self.logits_from_streams(x, self.hc_head, self.norm), xs)
         return [(logits[s], _concat([f[s] for f in features]),
                  decode.replace(layers=tuple(c[s] for c in caches), length=lengths[s] + n_valids[s],
@@ -112,6 +119,11 @@ class DSV4(nnx.Module):
         positions = jnp.broadcast_to(jnp.arange(next_ids.shape[1]), next_ids.shape)
         y = block.streams(x, self.embed(next_ids).astype(self.dtype), positions, next_ids)
         return self.logits_from_streams(y, block.hc_head, block.norm)
+
+
+def _last_rows(x: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """Each row's streams at its last real token: [B, S, C, D] -> [B, 1, C, D] (row 0 where n_valid is 0)."""
+    return jnp.take_along_axis(x, jnp.maximum(n_valid - 1, 0)[:, None, None, None], axis=1)
 
 
 def _stream_mean(x: jax.Array) -> jax.Array:

@@ -1,8 +1,9 @@
 """Segments in one extend (`DSV4.extend_segments`): a verify block and a prompt chunk of other slots run
 together equal each run alone (tiny config in float32: window, CSA and HCA layers, hash-routed layers;
 the routed experts through the XLA gather and through the kernel, interpret mode, where rows past
-n_valid take no expert of their own: `moe.route_kept_rows_only`), and an empty segment (n_valid 0)
-changes nothing."""
+n_valid take no expert of their own: `moe.route_kept_rows_only`), an empty segment (n_valid 0)
+changes nothing, and a segment's logits at each row's last real token alone (`last_logits`) are those
+rows of its full logits."""
 
 import functools
 
@@ -44,17 +45,17 @@ def held_state(model):
     return model.extend(model.init_state(ENGINE), ids, np.asarray(HELD, np.int32)).state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _run(graphdef, n_segments, params, segments):
-    results = nnx.merge(graphdef, params).extend_segments(segments, FEATURES)
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run(graphdef, n_segments, last_logits, params, segments):
+    results = nnx.merge(graphdef, params).extend_segments(segments, FEATURES, last_logits)
     assert len(results) == n_segments
     return results
 
 
-def extend_segments(model, *segments):
+def extend_segments(model, *segments, last_logits=()):
     """[(logits, features, state)] of the segments run in one call, each (ids, state, n_valid)."""
     segments = tuple((jnp.asarray(i, jnp.int32), s, jnp.asarray(n, jnp.int32)) for i, s, n in segments)
-    return _run(model.graphdef, len(segments), model.params, segments)
+    return _run(model.graphdef, len(segments), tuple(last_logits), model.params, segments)
 
 
 def rows(tree, slots):
@@ -109,3 +110,19 @@ def test_an_empty_segment_changes_nothing(model):
     np.testing.assert_array_equal(untouched.length, [HELD[3]])
     np.testing.assert_array_equal(untouched.written, [0])
     assert_close(untouched.layers, rows(state, [3]).layers, "the empty segment's caches")
+
+
+def test_a_segments_last_logits_are_its_rows_last_real_tokens(model):
+    """`last_logits` (a prompt chunk's: the engine draws its first token there): [B, 1, V] at each row's
+    n_valid - 1 (row 0 where it keeps nothing), the other segment's logits and every state as without it."""
+    state = held_state(model)
+    rng = np.random.default_rng(11)
+    verify, verify_valid = rng.integers(0, 512, (1, 6)), np.array([4])
+    chunk, chunk_valid = rng.integers(0, 512, (3, 9)), np.array([9, 5, 0])
+    segments = (verify, rows(state, [0]), verify_valid), (chunk, rows(state, [1, 2, 3]), chunk_valid)
+    full = extend_segments(model, *segments)
+    last = extend_segments(model, *segments, last_logits=(False, True))
+    assert np.asarray(last[1][0]).shape == (3, 1, model.config.vocab_size)
+    assert_close(np.asarray(last[1][0])[:, 0], np.asarray(full[1][0])[np.arange(3), [8, 4, 0]], "last logits")
+    assert_close(valid(last[0][0], verify_valid), valid(full[0][0], verify_valid), "the verify logits")
+    assert_close([s for _, _, s in last], [s for _, _, s in full], "states")
