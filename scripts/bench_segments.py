@@ -15,6 +15,8 @@ context stays fixed:
 (`--cases BxS+PxT ...`)
 - two calls: verify, then prompt;
 - one call: `extend_segments` of both.
+The prompt chunk's logits are those of its last real token alone, as the engine's prefill calls and
+prompt segments compute them (`extend_segments`' `last_logits`).
 Per line: ms, the bytes the call(s) must read (`bench_decode`'s floor: non-expert weights once a call,
 the distinct routed experts of its rows, the KV they attend to), the floor at the copy bandwidth
 measured in the same run, and bandwidth achieved. JSON with `--json`.
@@ -60,14 +62,15 @@ def segment_bytes(config, sizes, context, shapes, dtype, calls: int) -> float:
 
 def programs(graphdef, pack: PackedParams, shapes):
     """{variant: its calls}, each jitted f(arrays, states, ids, n_valid) -> (logits, states rolled back)."""
-    def extend(arrays, segments):
-        results = nnx.merge(graphdef, pack.unpack(arrays)).extend_segments(segments)
+    def extend(arrays, segments, last_logits):
+        results = nnx.merge(graphdef, pack.unpack(arrays)).extend_segments(segments, (), last_logits)
         return ([r[0] for r in results],
                 [state_lib.commit(r[2], jnp.zeros_like(r[2].length)) for r in results])  # rolled back
 
     def call(which):
         def run(arrays, states, ids, n_valid):
-            logits, new = extend(arrays, tuple((ids[i], states[i], n_valid[i]) for i in which))
+            logits, new = extend(arrays, tuple((ids[i], states[i], n_valid[i]) for i in which),
+                                 tuple(i > 0 for i in which))  # the prompt chunk's logits at its last token
             states = list(states)
             for i, s in zip(which, new):
                 states[i] = s
