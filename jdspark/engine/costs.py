@@ -220,8 +220,9 @@ class LiveCosts:
     not what a call costs, and priced in, it can stop the engine from drafting, and so from ever
     seeing the verify calls that would correct it (H200, embedded model, 4 requests: one round's
     verify windows averaged 5.1 ms against a profiled 2.3, with a 112 ms stall among them, and an
-    average kept the engine decoding, at 0.65x of fixed k = 5, for the rounds after). A window that also
-    issued a prefill or a prompt segment teaches nothing: the prompt is paid whatever the width.
+    average kept the engine decoding, at 0.65x of fixed k = 5, for the rounds after). A window whose call
+    paid for a prompt (its own segment, or a prefill the device ran right before it: `observe`'s
+    `prompt`) teaches nothing: the prompt is paid whatever the width.
 
     Switching executables may cost more than issuing the same one again (on the GPU each executable
     is a CUDA graph, which XLA may have to update before launching it after another ran). So a step
@@ -267,7 +268,7 @@ class LiveCosts:
         for n in selectors:
             self._forget(n)
         self._ready = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}  # was each window's call done?
-        self._last, self._switched, self._prefilled = None, False, False  # the last call issued; this window's
+        self._last, self._switched = None, False  # the last call issued; whether this window's switched
         self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
         self._observed: set[int] = set()  # buckets observed since their policy was last repriced
 
@@ -309,11 +310,10 @@ class LiveCosts:
         ready = self._ready.get(bucket, ())
         return self.price_host_paced and len(ready) >= self.MIN_PACE_SAMPLES and 2 * sum(ready) > len(ready)
 
-    def issued(self, bucket: int, call: int | str, with_prompt: bool = False) -> None:
-        """The engine issued a call in `bucket`: a step width, "decode" or "prefill" (`with_prompt`: a segment's)."""
-        call = (call, "prompt") if with_prompt else call
+    def issued(self, bucket: int, call) -> None:
+        """The engine issued a call in `bucket`: a step width, "decode", "prefill", or (either, "prompt")."""
         self._switched |= self._last is not None and (bucket, call) != self._last
-        self._prefilled, self._last = self._prefilled or call == "prefill" or with_prompt, (bucket, call)
+        self._last = (bucket, call)
 
     def switch_price(self, bucket: int) -> tuple[int | str | None, float]:
         """(the call a step of `bucket` would repeat: the last issued if it was this bucket's, else None;
@@ -325,16 +325,16 @@ class LiveCosts:
     def close_window(self) -> None:
         """A read that observes no step (its requests all ended first): the calls issued since the read
         before say nothing about the next window."""
-        self._switched = self._prefilled = False
+        self._switched = False
 
-    def observe(self, bucket: int, drafted: bool, width: int, seconds: float, ready: bool = False) -> None:
+    def observe(self, bucket: int, drafted: bool, width: int, seconds: float, ready: bool = False,
+                prompt: bool = False) -> None:
         """One step of `bucket` read: a verify call of `width` (drafted) or a decode call, `seconds` long,
-        `ready`: done on the device when its read began; the calls issued since the previous read decide
-        whether its window switched."""
-        switched, prefilled = self._switched, self._prefilled
-        self._switched = self._prefilled = False
+        `ready`: done on the device when its read began, `prompt`: it paid for a prompt (learn nothing); the
+        calls issued since the previous read decide whether its window switched."""
+        switched, self._switched = self._switched, False
         base, kind = self.selectors.get(bucket), "verify" if drafted else "decode"
-        if prefilled or not self.learn or base is None or (not drafted and base.decode_cost is None):
+        if prompt or not self.learn or base is None or (not drafted and base.decode_cost is None):
             return  # nothing to learn
         profiled = base.step_costs[width] if drafted else base.decode_cost
         offsets, samples, excess = self.offsets[bucket], self._samples[bucket], seconds - profiled

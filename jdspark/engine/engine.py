@@ -189,7 +189,7 @@ class Engine(PromptIntake, SpeculationPolicy):
         issued = [self._issue_prefill(list(waiting)[:rows])] if rows else []
         running += [b for call in issued for b, (seq, _, last) in call.prompts.items() if last and seq.may_issue()]
         if running:
-            issued.append(self._issue_verify(sorted(running), riders, segment))
+            issued.append(self._issue_verify(sorted(running), riders, segment, prefilled=bool(issued)))
         if self.overlap:
             issued, self._unread = self._unread, issued
         deltas: dict[int, Delta] = {}
@@ -198,7 +198,8 @@ class Engine(PromptIntake, SpeculationPolicy):
             deltas.update({rid: deltas[rid].then(d) if rid in deltas else d for rid, d in read.items()})
         return deltas
 
-    def _issue_verify(self, active: list[int], riders: list[int] = (), segment: int | None = None) -> IssuedVerify:
+    def _issue_verify(self, active: list[int], riders: list[int] = (), segment: int | None = None,
+                      prefilled: bool = False) -> IssuedVerify:
         started = time.perf_counter()
         bucket = self.config.bucket(len(active) + len(riders))
         stale = {b: self._slots[b].confidence for b in active}  # the last read proposal's: what the choice reads
@@ -218,12 +219,14 @@ class Engine(PromptIntake, SpeculationPolicy):
         for seq, _, last in prompts.values():
             if last:
                 seq.issued(None)  # its first token, unread until this call is
-        self.live.issued(bucket, width if drafted else "decode", with_prompt=segment is not None)
+        kind = width if drafted else "decode"
+        self.live.issued(bucket, kind if segment is None else (kind, "prompt"))
         sequences = {b: self._slots[b] for b in active}
         for b, seq in sequences.items():
             seq.issued(widths.get(b, 0))
         return IssuedVerify(out, rows, sequences, stale, width, widths, bucket, drafted, started,
-                            self.cost_summary(bucket), prompts, prompt_tokens, segment)
+                            self.cost_summary(bucket), prompts, prompt_tokens, segment,
+                            prefilled or segment is not None)
 
     def _read_verify(self, call: IssuedVerify) -> dict[int, Delta]:
         """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
@@ -254,7 +257,7 @@ class Engine(PromptIntake, SpeculationPolicy):
         if confidence is not None:
             self.prior.update(confidence[[row_of[b] for b in live]])
             self.calibration.observe(records, [seq.greedy for seq in live.values()])
-        self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds, ready)
+        self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds, ready, call.paid_prompt)
         self._publish(record)
         return deltas
 

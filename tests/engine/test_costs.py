@@ -156,7 +156,7 @@ def test_live_costs_learn_what_switching_executables_adds():
     assert live.offsets[1]["verify"] == pytest.approx(0.0005, rel=1e-3)
     live.issued(1, "prefill")
     live.issued(1, 3)
-    live.observe(1, True, 3, 1.0)  # a prefill in the window: its second is neither switch cost nor offset
+    live.observe(1, True, 3, 1.0, prompt=True)  # it paid a prefill: its second is neither switch cost nor offset
     assert live.switch_price(1) == (3, pytest.approx(0.001, rel=1e-3))
     assert live.offsets[1]["verify"] == pytest.approx(0.0005, rel=1e-3)
     assert costs.LiveCosts({1: base, 4: base}).switch_price(4) == (None, 0.0)

@@ -71,13 +71,14 @@ def _run(engine, got: dict, steps: int = 80) -> list:
 
 
 def test_a_prompt_beside_a_running_request_comes_in_the_verify_calls_segments(engine, alone, prefills,
-                                                                               compile_counter):
+                                                                               compile_counter, monkeypatch):
     """A 30-token prompt admitted beside a running request: no prefill call, 8 tokens a verify call (its
     slot emptied at the first, its first token drawn after the last with the prefill's keys), the running
     request decoding in every step, each emitting what it emits alone (bucket 2: the segment's slot is
     the verify call's padding row); the target state and the drafter's context of its slot equal in
-    length; nothing compiled. Mutations caught: the segment's write before the verify rows' (the padding
-    row's stale state wins), the segment's tokens not kept, its slot not emptied."""
+    length; nothing compiled; the live costs told that exactly the reads of the calls that carried it paid
+    for a prompt (overlapped, each is read a step after it is issued). Mutations caught: the segment's
+    write before the verify rows' (the padding row's stale state wins), its slot not emptied."""
     engine.complete(engine.add_many([(PROMPTS[0], GREEDY), (PROMPTS[2], GREEDY)]))  # slots 0, 1: old state
     before = compile_counter.count
     running = engine.add(PROMPTS[1], GREEDY)
@@ -85,6 +86,8 @@ def test_a_prompt_beside_a_running_request_comes_in_the_verify_calls_segments(en
     prefills.clear()
     new = engine.admit([(LONG, SAMPLED)])[0]
     slot = engine.slot_of(new)
+    paid, observe = [], engine.live.observe
+    monkeypatch.setattr(engine.live, "observe", lambda *a: paid.append(a[5]) or observe(*a))
     with engine.record_steps() as records:
         for step in range(20):
             if new in got:
@@ -95,9 +98,11 @@ def test_a_prompt_beside_a_running_request_comes_in_the_verify_calls_segments(en
                 got.setdefault(rid, []).extend(delta.tokens)
     assert not prefills and len(records) == -(-len(LONG) // SEGMENT)  # the 4 calls that carried it
     assert sum(r.prompt_tokens for r in records) == len(LONG) and {r.bucket for r in records} == {2}
+    assert paid == [True] * len(records)
     assert slot == 1  # a slot that held an earlier request's state and drafter context
     assert np.asarray(engine.draft_cache.length)[slot] == np.asarray(engine.state.length)[slot]
     _run(engine, got)
+    assert paid[len(records):] and not any(paid[len(records):])
     assert got[running.request_id] == alone[1, False] and got[new] == alone["long", True]
     assert compile_counter.count == before
 
@@ -131,15 +136,19 @@ def test_the_oldest_prompt_comes_in_the_segments_the_others_in_prefill_calls(eng
 
 
 def test_segments_off_the_prompt_takes_prefill_calls(engine, alone, prefills, monkeypatch):
-    """`segment_prompts` off (and riding): the executables stay, the prompt comes in prefill calls."""
+    """`segment_prompts` off (and riding): the executables stay, the prompt comes in prefill calls, and each
+    verify call issued right after one is the one whose read tells the live costs it paid for a prompt."""
     monkeypatch.setattr(engine, "segment_prompts", False)
     monkeypatch.setattr(engine, "ride_prompts", 0)
     running = engine.add(PROMPTS[1], GREEDY)
     got = {running.request_id: list(running.tokens)}
     prefills.clear()
     new = engine.admit([(LONG, GREEDY)])[0]
+    paid, observe = [], engine.live.observe
+    monkeypatch.setattr(engine.live, "observe", lambda *a: paid.append(a[5]) or observe(*a))
     records = _run(engine, got)
     assert prefills and not any(r.prompt_tokens for r in records)
+    assert paid[:len(prefills)] == [True] * len(prefills) and not any(paid[len(prefills):])
     assert got[running.request_id] == alone[1, False] and got[new] == alone["long", False]
 
 
@@ -157,7 +166,7 @@ def test_a_window_with_a_segment_teaches_the_live_costs_nothing():
     live = costs.LiveCosts({1: AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)})
     live.issued(1, 5)
     live.observe(1, True, 5, 0.004)
-    live.issued(1, 5, with_prompt=True)
-    live.observe(1, True, 5, 1.0)
+    live.issued(1, (5, "prompt"))
+    live.observe(1, True, 5, 1.0, prompt=True)
     assert live.windows == {1: {"same": 1, "switched": 0}} and live.offsets[1]["verify"] == pytest.approx(0.001)
     assert live.switch_price(1)[0] == (5, "prompt")
