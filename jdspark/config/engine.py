@@ -22,7 +22,8 @@ class EngineConfig:
     a time beside a large batch want small prefill buckets even where no small decode bucket pays for
     its full set of executables (one prefill program each): a speculating batch at Flash dims ends
     its requests steps apart, and its bucket-16 prefill cost ~50 ms beside a 21 ms step for the one
-    or two prompts each took (docs/BENCHMARKS.md, serving under load).
+    or two prompts each took (17-22 ms since prompt chunks compute their logits at the last token alone;
+    docs/BENCHMARKS.md, serving under load).
 
     `scripted_acceptance` is for benchmarks of models whose drafts mean nothing (random weights):
     each verified draft is accepted with this probability, from the verification's own uniforms

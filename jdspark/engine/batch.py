@@ -53,7 +53,8 @@ def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, call_s: f
     """Whether a step holds its prefill call back, so that prompts coming later share it. The call
     stalls the `running_rows` for its cost, of which `call_s` is what later prompts would not add to
     (`prompts_this_step`): all of it where reading the weights sets it (Flash dimensions on an H100: a
-    bucket-16 prefill ~50 ms beside a 21 ms verify, paid on step after step while a speculating batch's
+    bucket-16 prefill ~50 ms beside a 21 ms verify (17-22 ms since prompt chunks compute their logits
+    at the last token alone), paid on step after step while a speculating batch's
     requests ended a few at a time, docs/BENCHMARKS.md), little where each row's compute does (the
     CPU); each pending prompt meanwhile waits. So the call waits until the prompts' summed waits reach
     running_rows x call_s: the TCP acknowledgment-delay rule (Dooly, Goldman and Scott), which for a
