@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jdspark.config import EngineConfig, tiny_dspark_config
-from jdspark.engine import executables
+from jdspark.engine import programs
 from jdspark.engine.engine import Engine
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
@@ -87,10 +87,10 @@ def main():
     model = Model.random(config, "bfloat16", seed=0)
     prompt = np.random.default_rng(0).integers(4, config.vocab_size, 64)
     results = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "tokens": args.tokens, "regimes": {}}
-    original_propose = executables.dspark.propose
+    original_propose = programs.dspark.propose
     for name, rate in REGIMES.items():
-        executables.rejection_sample = synthetic_acceptor(rate)
-        executables.dspark.propose = lambda *a, r=rate, **k: (lambda p: p.replace(
+        programs.rejection_sample = synthetic_acceptor(rate)
+        programs.dspark.propose = lambda *a, r=rate, **k: (lambda p: p.replace(
             confidence=jnp.full_like(p.confidence, r)))(original_propose(*a, **k))
         start = time.perf_counter()
         engine = Engine(model, EngineConfig(max_seq_len=1024, gamma=5, max_batch=1), prefill_chunk=64)

@@ -178,4 +178,3 @@ class IssuedVerify:
     # or the prompt segment's
     prompt_tokens: int = 0  # the prompt tokens it prefills (riders' or the segment's)
     segment: int | None = None  # the prompt segment's slot (its output row follows the verify rows)
-    paid_prompt: bool = False  # its window pays for a prompt: a prefill call issued just before it, or its segment

@@ -1,11 +1,13 @@
 """A call's inputs and outputs: what crosses between the host and an engine executable.
 
 Per-slot inputs go in as `slot_inputs` (int32 [n, 10 + gamma + 1]: the fields, floats bit-cast, then
-the prompt tokens a row carries in a verify call), results come back as one int32
+the prompt tokens a row carries in a verify call; a call with a prompt segment has one more row, the
+segment's, and as many token columns as the segment's tokens), results come back as one int32
 array: per slot n_accepted, the emitted token, the invalid flag (1: the slot's logits, temperature
 or draft probabilities were not finite; its token is -1 and it must end with an error), then for
 step[k] the gamma drafted tokens and the gamma confidences (float32 bits); `read_output` splits it
-on the host. The prefill returns the same three columns (n_accepted 0).
+on the host. The prefill returns the same three columns (n_accepted 0), and so does a prompt
+segment, in the last row.
 
 Inside a call: `unpack_slots` turns the inputs into `Rows`, `take_rows` / `put_rows` gather and
 scatter the rows' slots of the full-batch state (`executables`' batch buckets), and `pack_output`
@@ -26,7 +28,7 @@ from jdspark.speculative.verify import Verdict
 
 # Per-slot inputs of every call, in column order, with the dtype each is bit-cast from (active, reset: 0/1).
 # prompt_len > 0: the row carries that many prompt tokens (the columns after the fields) instead of
-# [anchor, drafts] (`executables.Executables.verify`); reset: the slot is emptied first (a prompt's first chunk).
+# [anchor, drafts] (`programs.Programs.verify`); reset: the slot is emptied first (a prompt's first chunk).
 SLOT_FIELDS = {"active": jnp.int32, "temperature": jnp.float32, "top_k": jnp.int32,
                "top_p": jnp.float32, "seed": jnp.uint32, "counter": jnp.int32, "slot": jnp.int32,
                "width": jnp.int32, "prompt_len": jnp.int32, "reset": jnp.int32}
@@ -52,7 +54,7 @@ class Rows(NamedTuple):
     sampling: SlotSampling
     prompt_len: jax.Array  # i32: prompt tokens the row carries in a verify call (0: a running request's row)
     reset: jax.Array  # bool: the slot is emptied before the call (a prompt's first chunk)
-    prompt: jax.Array  # i32 [n, gamma + 1]: those prompt tokens
+    prompt: jax.Array  # i32 [n, gamma + 1 (a segment call: its tokens)]: those prompt tokens
 
 
 class StepOutput(NamedTuple):
@@ -75,7 +77,7 @@ def slot_columns(gamma: int, segment: int = 0) -> int:
 
 
 def slot_inputs(prompt: np.ndarray, **fields) -> np.ndarray:
-    """Every per-row input of a call (the SLOT_FIELDS, each [n]; prompt [n, gamma + 1]) as one int32 host
+    """Every per-row input of a call (the SLOT_FIELDS, each [n]; prompt [n, its token columns]) as one int32 host
     array [n, slot_columns(gamma)]."""
     columns = [np.asarray(fields[name], dtype).view(np.int32) for name, dtype in SLOT_FIELDS.items()]
     return np.concatenate([np.stack(columns, axis=1), np.asarray(prompt, np.int32)], axis=1)

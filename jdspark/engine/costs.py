@@ -221,8 +221,8 @@ class LiveCosts:
     seeing the verify calls that would correct it (H200, embedded model, 4 requests: one round's
     verify windows averaged 5.1 ms against a profiled 2.3, with a 112 ms stall among them, and an
     average kept the engine decoding, at 0.65x of fixed k = 5, for the rounds after). A window whose call
-    paid for a prompt (its own segment, or a prefill the device ran right before it: `observe`'s
-    `prompt`) teaches nothing: the prompt is paid whatever the width.
+    carried a prompt segment (`observe`'s `prompt`) teaches nothing: the chunk is paid whatever the width
+    (a prefill call's own time is outside the windows: reading it restarts the engine's step clock).
 
     Switching executables may cost more than issuing the same one again (on the GPU each executable
     is a CUDA graph, which XLA may have to update before launching it after another ran). So a step
@@ -311,7 +311,7 @@ class LiveCosts:
         return self.price_host_paced and len(ready) >= self.MIN_PACE_SAMPLES and 2 * sum(ready) > len(ready)
 
     def issued(self, bucket: int, call) -> None:
-        """The engine issued a call in `bucket`: a step width, "decode", "prefill", or (either, "prompt")."""
+        """The engine issued a call in `bucket`: a step width, "decode", "prefill", or ("prompt", either)."""
         self._switched |= self._last is not None and (bucket, call) != self._last
         self._last = (bucket, call)
 
@@ -330,8 +330,8 @@ class LiveCosts:
     def observe(self, bucket: int, drafted: bool, width: int, seconds: float, ready: bool = False,
                 prompt: bool = False) -> None:
         """One step of `bucket` read: a verify call of `width` (drafted) or a decode call, `seconds` long,
-        `ready`: done on the device when its read began, `prompt`: it paid for a prompt (learn nothing); the
-        calls issued since the previous read decide whether its window switched."""
+        `ready`: done on the device when its read began, `prompt`: it carried a prompt segment (learn
+        nothing); the calls issued since the previous read decide whether its window switched."""
         switched, self._switched = self._switched, False
         base, kind = self.selectors.get(bucket), "verify" if drafted else "decode"
         if prompt or not self.learn or base is None or (not drafted and base.decode_cost is None):

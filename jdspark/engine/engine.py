@@ -189,7 +189,7 @@ class Engine(PromptIntake, SpeculationPolicy):
         issued = [self._issue_prefill(list(waiting)[:rows])] if rows else []
         running += [b for call in issued for b, (seq, _, last) in call.prompts.items() if last and seq.may_issue()]
         if running:
-            issued.append(self._issue_verify(sorted(running), riders, segment, prefilled=bool(issued)))
+            issued.append(self._issue_verify(sorted(running), riders, segment))
         if self.overlap:
             issued, self._unread = self._unread, issued
         deltas: dict[int, Delta] = {}
@@ -198,8 +198,7 @@ class Engine(PromptIntake, SpeculationPolicy):
             deltas.update({rid: deltas[rid].then(d) if rid in deltas else d for rid, d in read.items()})
         return deltas
 
-    def _issue_verify(self, active: list[int], riders: list[int] = (), segment: int | None = None,
-                      prefilled: bool = False) -> IssuedVerify:
+    def _issue_verify(self, active: list[int], riders: list[int] = (), segment: int | None = None) -> IssuedVerify:
         started = time.perf_counter()
         bucket = self.config.bucket(len(active) + len(riders))
         stale = {b: self._slots[b].confidence for b in active}  # the last read proposal's: what the choice reads
@@ -212,7 +211,8 @@ class Engine(PromptIntake, SpeculationPolicy):
                              reset=reset)
         ridden = np.array([len(chunks[b]) if b in chunks else 0 for b in rows])
         prompts, prompt_tokens = advance_prompts(rows, riders, ridden, self._pending, self._slots), int(ridden.sum())
-        if segment is not None:
+        if segment is not None:  # no rider beside it (`step`): the segment's prompt is the call's one
+            assert not riders, "riders and a prompt segment in one call"
             inputs, prompts, prompt_tokens = self._with_segment(inputs, segment)
         out, self.state, self.draft_cache = calls.fetch_early(call(self.exe.params.arrays, self.state, self.draft_cache,
                                                                    inputs))
@@ -220,13 +220,12 @@ class Engine(PromptIntake, SpeculationPolicy):
             if last:
                 seq.issued(None)  # its first token, unread until this call is
         kind = width if drafted else "decode"
-        self.live.issued(bucket, kind if segment is None else (kind, "prompt"))
+        self.live.issued(bucket, kind if segment is None else ("prompt", kind))
         sequences = {b: self._slots[b] for b in active}
         for b, seq in sequences.items():
             seq.issued(widths.get(b, 0))
         return IssuedVerify(out, rows, sequences, stale, width, widths, bucket, drafted, started,
-                            self.cost_summary(bucket), prompts, prompt_tokens, segment,
-                            prefilled or segment is not None)
+                            self.cost_summary(bucket), prompts, prompt_tokens, segment)
 
     def _read_verify(self, call: IssuedVerify) -> dict[int, Delta]:
         """Emit a verify call's tokens to the requests it ran for that still hold their slots (one
@@ -257,7 +256,8 @@ class Engine(PromptIntake, SpeculationPolicy):
         if confidence is not None:
             self.prior.update(confidence[[row_of[b] for b in live]])
             self.calibration.observe(records, [seq.greedy for seq in live.values()])
-        self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds, ready, call.paid_prompt)
+        self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds, ready,
+                          call.segment is not None)
         self._publish(record)
         return deltas
 
@@ -268,6 +268,7 @@ class Engine(PromptIntake, SpeculationPolicy):
         calls, adaptive = self.exe.buckets[bucket], self._adaptive()
         stale, typical = judged(stale, self._slots, self.calibration, self.options, adaptive)
         switch = self.live.switch_price(bucket) if adaptive and self.options.price_switches else (None, 0.0)
+        switch = (_repeated(switch[0], with_prompt), switch[1])
         width, widths = choose(stale, speculating, self._policy_at(bucket) if self.speculative else None, adaptive,
                                calls.step, self._slots, self.options, self._first_confidence(), switch, typical)
         if width is None:
@@ -289,3 +290,11 @@ class Engine(PromptIntake, SpeculationPolicy):
             self._slots[b] = None
             del self._slot_of[delta.request_id]
         return delta
+
+
+def _repeated(last, with_prompt: bool):
+    """Which of this step's calls would repeat the call issued last (`LiveCosts.switch_price`): its width or
+    "decode" where both are plain or both carry a prompt segment (("prompt", width | "decode")), else None."""
+    if isinstance(last, tuple):
+        return last[1] if with_prompt else None
+    return None if with_prompt else last

@@ -103,10 +103,10 @@ class Executables(Programs):
         `implementation`: "auto", "pallas" or "xla" for every kernel (ValueError otherwise); `segment`: the
         prompt tokens a verify call may carry in a segment of its own (0: none; needs max_batch >= 2, a
         slot besides the verify rows')."""
-        if segment and (engine.max_batch < 2 or segment < engine.gamma + 1):
+        if segment and (engine.max_batch < 2 or not engine.gamma + 1 <= segment <= engine.max_seq_len):
             raise ValueError(f"a prompt segment of {segment} tokens needs max_batch >= 2 (a slot beside the "
-                             f"running requests'; got {engine.max_batch}) and at least gamma + 1 = {engine.gamma + 1} "
-                             "tokens (a verify row's prompt columns)")
+                             f"running requests'; got {engine.max_batch}) and gamma + 1 = {engine.gamma + 1} to "
+                             f"max_seq_len = {engine.max_seq_len} tokens (at least a verify row's prompt columns)")
         super().__init__(model, engine, prefill_chunk, implementation, pack_params, segment)
         self.widths = widths
         self.twins = engine.twin_executables
@@ -208,7 +208,6 @@ class Executables(Programs):
         serving, steps = which != "steps", which != "serving"
         for b in self.buckets:
             slots = jnp.zeros((b, slot_columns(self.gamma)), jnp.int32)
-            with_segment = jnp.zeros((b + 1, slot_columns(self.gamma, self.segment)), jnp.int32)
             if b in self.prefill_sizes and serving:
                 ids = jnp.zeros((b, self.prefill_chunk), jnp.int32)
                 programs[b, "prefill"] = self.prefill_function, (params, decode, draft_cache, ids,
@@ -219,9 +218,10 @@ class Executables(Programs):
                 name = "decode" if k is None else k
                 function = self.decode_function if k is None else self.step_function(k)
                 programs[b, name] = function, (params, decode, draft_cache, slots)
-                if self.segment:
+                if self.segment:  # its slot inputs' column count (>= gamma + 2) keys it apart from the plain call
+                    with_segment = jnp.zeros((b + 1, slot_columns(self.gamma, self.segment)), jnp.int32)
                     programs[b, ("prompt", name)] = self.verify_function(k, True), (params, decode, draft_cache,
-                                                                               with_segment)
+                                                                                    with_segment)
         return programs
 
     def lowering(self, program, decode, draft_cache):

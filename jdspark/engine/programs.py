@@ -28,6 +28,8 @@ executable's width does not change them). All noise comes from `sampling.exponen
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -60,6 +62,14 @@ def _keys(sampling: SlotSampling, purpose: int) -> jax.Array:
 
 def _exponentials(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return jax.vmap(lambda k: exponential_noise(k, shape))(keys)
+
+
+class Segment(NamedTuple):
+    """A verify call's prompt segment: its slot's state and draft cache, and its row of the slot inputs."""
+
+    decode: state.DecodeState
+    draft_cache: object
+    rows: Rows
 
 
 def _split(rows: Rows, n: int) -> tuple[Rows, Rows]:
@@ -142,7 +152,7 @@ class Programs:
         def step(params, full_state, full_cache, slots):
             model = self.module(params)
             rows, batch = unpack_slots(slots), full_state.batch
-            rows, prompt = _split(rows, slots.shape[0] - 1) if with_prompt else (rows, None)
+            rows, segment_rows = _split(rows, slots.shape[0] - 1) if with_prompt else (rows, None)
             decode, draft_cache = self._rows_in(full_state, full_cache, rows)
             b = rows.slot.shape[0]
             if k is None:
@@ -151,7 +161,8 @@ class Programs:
             else:
                 proposal = self.propose(model, draft_cache, decode.anchor, rows.sampling)
                 drafts, q = proposal.tokens[:, :k], proposal.q[:, :k]
-            segment = None if prompt is None else (*self._rows_in(full_state, full_cache, prompt), prompt)
+            segment = None if segment_rows is None else Segment(*self._rows_in(full_state, full_cache, segment_rows),
+                                                                segment_rows)
             verdict, decode, draft_cache, prefilled = self.verify(model, decode, draft_cache, rows, drafts, q, segment)
             out = pack_output(verdict) if proposal is None else pack_output(verdict, proposal.tokens, self._confidence(
                 proposal))
@@ -161,8 +172,8 @@ class Programs:
                 first, prompt_state, prompt_cache = prefilled
                 first_out = pack_output(first)
                 out = jnp.concatenate([out, jnp.pad(first_out, ((0, 0), (0, out.shape[1] - first_out.shape[1])))])
-                full_state = put_rows(full_state, prompt_state, prompt, batch)
-                full_cache = put_rows(full_cache, prompt_cache, prompt, batch)
+                full_state = put_rows(full_state, prompt_state, segment_rows, batch)
+                full_cache = put_rows(full_cache, prompt_cache, segment_rows, batch)
             return out, full_state, full_cache
         return step
 
@@ -177,10 +188,10 @@ class Programs:
         noise = _exponentials(_keys(sampling, _DRAFT), (self.gamma, self.config.vocab_size))
         return dspark.propose(model, draft_cache, anchor, sampling.temperature, sampling.top_k, sampling.top_p, noise)
 
-    def verify(self, model, decode, draft_cache, rows: Rows, drafts, q, segment=None):
+    def verify(self, model, decode, draft_cache, rows: Rows, drafts, q, segment: Segment | None = None):
         """Target extend over [anchor, drafts] (each row's first width + 1 count), exact rejection
         sampling at each row's width, commit, drafter context. -> (Verdict, decode, draft_cache, and for a
-        `segment` (its state, draft cache, Rows) its prefill's (Verdict, state, draft cache), else None).
+        prompt `segment` its prefill's (Verdict, state, draft cache), else None).
         A row with prompt_len > 0 extends over its prompt tokens instead, keeps them all and samples
         from p after the last (what a prefill call does for that chunk; the host reads the token only
         after a prompt's last chunk)."""
@@ -190,9 +201,8 @@ class Programs:
         n_valid = jnp.where(prompt, jnp.minimum(rows.prompt_len, k + 1), jnp.where(rows.active, width + 1, 0))
         segments = [(ids, decode, n_valid)]
         if segment is not None:
-            segment_rows = segment[2]
-            segments.append((segment_rows.prompt[:, :self.segment], segment[0], segment_rows.prompt_len))
-        extended = model.extend_segments(tuple(segments), self.feature_layers, (False, True))
+            segments.append((segment.rows.prompt[:, :self.segment], segment.decode, segment.rows.prompt_len))
+        extended = model.extend_segments(tuple(segments), self.feature_layers, (False, True)[:len(segments)])
         logits, features, decode = extended[0]
         keys = _keys(sampling, _VERIFY)
         uniforms = jax.vmap(lambda key: uniform_noise(jax.random.fold_in(key, 0), (self.gamma,)))(keys)[:, :k]
@@ -210,6 +220,6 @@ class Programs:
         decode = with_anchor(state.commit(decode, n_keep), verdict, rows.active | prompt)
         if draft_cache is not None:
             draft_cache = dspark.push_context(model, draft_cache, features, n_keep)
-        prefilled = None if segment is None else self._prefilled(model, *extended[1], segment[1],
-                                                                 segment_rows.prompt_len, segment_rows.sampling)
+        prefilled = None if segment is None else self._prefilled(model, *extended[1], segment.draft_cache,
+                                                                 segment.rows.prompt_len, segment.rows.sampling)
         return verdict, decode, draft_cache, prefilled

@@ -154,10 +154,9 @@ def test_live_costs_learn_what_switching_executables_adds():
     stay, cost = live.switch_price(1)
     assert stay == 5 and cost == pytest.approx(0.001, rel=1e-3)
     assert live.offsets[1]["verify"] == pytest.approx(0.0005, rel=1e-3)
-    live.issued(1, "prefill")
-    live.issued(1, 3)
-    live.observe(1, True, 3, 1.0, prompt=True)  # it paid a prefill: its second is neither switch cost nor offset
-    assert live.switch_price(1) == (3, pytest.approx(0.001, rel=1e-3))
+    live.issued(1, ("prompt", 3))
+    live.observe(1, True, 3, 1.0, prompt=True)  # it carried a prompt segment: neither switch cost nor offset
+    assert live.switch_price(1) == (("prompt", 3), pytest.approx(0.001, rel=1e-3))
     assert live.offsets[1]["verify"] == pytest.approx(0.0005, rel=1e-3)
     assert costs.LiveCosts({1: base, 4: base}).switch_price(4) == (None, 0.0)
     assert run(0.0).switch_price(1)[1] == pytest.approx(0.0, abs=1e-7)
@@ -165,13 +164,13 @@ def test_live_costs_learn_what_switching_executables_adds():
 
 def test_a_read_that_observes_no_step_closes_its_window():
     """A verify read whose requests all ended first observes nothing (`Engine._read_verify`), but the
-    switch and prefill it saw issued must not leak into the next window, which repeated its call."""
+    switch it saw issued must not leak into the next window, which repeated its call."""
     base = AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)
     live = costs.LiveCosts({1: base})
     live.issued(1, 5)
     live.observe(1, True, 5, 0.004)
     live.issued(1, "prefill")
-    live.issued(1, 3)  # a switched, prefilled window ...
+    live.issued(1, 3)  # a switched window ...
     live.close_window()  # ... read with no step to observe
     live.issued(1, 3)
     live.observe(1, True, 3, 0.004)

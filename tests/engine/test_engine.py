@@ -12,8 +12,7 @@ from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import calls
 from jdspark.engine.engine import Engine, SpecOptions
-from jdspark.engine.errors import EngineError
-from jdspark.engine.errors import SamplingError
+from jdspark.engine.errors import EngineError, SamplingError
 from jdspark.engine.request import SamplingParams
 from jdspark.model.model import Model
 from tests.conftest import DSPARK_CONFIG, generate_to_end
@@ -73,7 +72,7 @@ def test_packed_parameters_decode_what_unpacked_ones_do(model, engine, greedy_re
 def scripted_step(exe, k: int):
     """A test double of step[k]: the drafter's proposal (its q and confidences), but the drafted
     tokens [B, gamma] come in as a fifth argument; verification, commit and the drafter context are
-    the engine's own (`Executables.verify`), and the output is packed as step[k]'s."""
+    the engine's own (`Programs.verify`), and the output is packed as step[k]'s."""
     def step(params, full_state, full_cache, slots, tokens):
         model = exe.module(params)
         rows, batch = calls.unpack_slots(slots), full_state.batch

@@ -136,8 +136,9 @@ def test_the_oldest_prompt_comes_in_the_segments_the_others_in_prefill_calls(eng
 
 
 def test_segments_off_the_prompt_takes_prefill_calls(engine, alone, prefills, monkeypatch):
-    """`segment_prompts` off (and riding): the executables stay, the prompt comes in prefill calls, and each
-    verify call issued right after one is the one whose read tells the live costs it paid for a prompt."""
+    """`segment_prompts` off (and riding): the executables stay, the prompt comes in prefill calls, whose time
+    lies outside the verify windows (reading a prefill restarts the step clock): no window is told it paid
+    for a prompt."""
     monkeypatch.setattr(engine, "segment_prompts", False)
     monkeypatch.setattr(engine, "ride_prompts", 0)
     running = engine.add(PROMPTS[1], GREEDY)
@@ -148,14 +149,35 @@ def test_segments_off_the_prompt_takes_prefill_calls(engine, alone, prefills, mo
     monkeypatch.setattr(engine.live, "observe", lambda *a: paid.append(a[5]) or observe(*a))
     records = _run(engine, got)
     assert prefills and not any(r.prompt_tokens for r in records)
-    assert paid[:len(prefills)] == [True] * len(prefills) and not any(paid[len(prefills):])
+    assert paid and not any(paid)
     assert got[running.request_id] == alone[1, False] and got[new] == alone["long", False]
 
 
+def test_target_only_steps_carry_the_segment_in_their_decode_call(engine, alone, prefills):
+    """Speculation off: the decode call with a segment takes the prompt beside a running request (no prefill
+    call); both emit what they emit target-only alone (greedy: what they emit speculating, too)."""
+    engine.set_policy(speculative=False)
+    try:
+        reference = engine.complete([engine.add(LONG, SAMPLED)])[0].token_ids
+        running = engine.add(PROMPTS[1], GREEDY)
+        got = {running.request_id: list(running.tokens)}
+        prefills.clear()
+        new = engine.admit([(LONG, SAMPLED)])[0]
+        records = _run(engine, got)
+    finally:
+        engine.set_policy(speculative=True)
+    assert not prefills and sum(r.prompt_tokens for r in records) == len(LONG)
+    assert not any(r.drafted_call for r in records)
+    assert got[running.request_id] == alone[1, False] and got[new] == reference
+
+
 def test_the_segment_executables_are_counted_and_checked(engine, dspark_model):
+    """Each bucket's decode and step[5] twice (with a segment and without); a segment needs a second slot
+    and gamma + 1 to max_seq_len tokens."""
     assert engine.exe.count == 2 * (1 + 2 * 2)  # per bucket: prefill; decode, step[5], each with a segment
     assert set(engine.exe.largest.with_prompt) == {"decode", 5}
-    for config, segment in ((EngineConfig(max_batch=1), 8), (EngineConfig(max_batch=2, gamma=5), 5)):
+    for config, segment in ((EngineConfig(max_batch=1), 8), (EngineConfig(max_batch=2, gamma=5), 5),
+                            (EngineConfig(max_seq_len=16, max_batch=2), 17)):
         with pytest.raises(ValueError, match="prompt segment"):
             Executables(dspark_model, config, 8, "xla", (5,), False, segment)
 
@@ -166,7 +188,20 @@ def test_a_window_with_a_segment_teaches_the_live_costs_nothing():
     live = costs.LiveCosts({1: AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)})
     live.issued(1, 5)
     live.observe(1, True, 5, 0.004)
-    live.issued(1, (5, "prompt"))
+    live.issued(1, ("prompt", 5))
     live.observe(1, True, 5, 1.0, prompt=True)
     assert live.windows == {1: {"same": 1, "switched": 0}} and live.offsets[1]["verify"] == pytest.approx(0.001)
-    assert live.switch_price(1)[0] == (5, "prompt")
+    assert live.switch_price(1)[0] == ("prompt", 5)
+    live.issued(1, 5)
+    live.observe(1, True, 5, 0.004)
+    assert live.windows == {1: {"same": 1, "switched": 1}}
+
+
+def test_a_repeated_call_is_told_apart_by_its_segment():
+    """The call a step would repeat (`LiveCosts.switch_price`) is the same width only with the same kind of
+    call: a segment call after a segment call, a plain one after a plain one (else every width, the one
+    repeated too, would be priced as a switch while a long prompt streams in)."""
+    from jdspark.engine.engine import _repeated
+    assert _repeated(("prompt", 5), True) == 5 and _repeated(("prompt", "decode"), True) == "decode"
+    assert _repeated(("prompt", 5), False) is None and _repeated(5, True) is None
+    assert _repeated(5, False) == 5 and _repeated(None, True) is None

@@ -86,10 +86,10 @@ def test_every_sampling_path_draws_through_the_noise_helpers():
     """No module of the package calls jax.random.exponential (or draws race noise another way):
     the prefill, decode, draft and verify paths all use `exponential_noise` / `uniform_noise`.
 
-    Mutation caught: one path (e.g. executables' verify noise) reverting to jax.random.exponential,
+    Mutation caught: one path (e.g. the programs' verify noise) reverting to jax.random.exponential,
     which the small-vocabulary engine tests cannot see (the atom costs 16 x 2^-23 there)."""
     offenders = [str(path.relative_to(ROOT)) for path in (ROOT / "jdspark").rglob("*.py")
                  if any(f"random.{name}(" in path.read_text() for name in ("exponential", "gumbel", "categorical"))]
     assert offenders == []
-    for path in ("jdspark/engine/executables.py", "jdspark/drafter/dspark.py", "jdspark/speculative/verify.py"):
+    for path in ("jdspark/engine/programs.py", "jdspark/drafter/dspark.py", "jdspark/speculative/verify.py"):
         assert "random.uniform(" not in (ROOT / path).read_text(), path
