@@ -64,9 +64,9 @@ def cost_key(model_config: dict, dtype: str, engine_config: dict) -> str:
 def programs_key(exe) -> str:
     """A hash of what the executables are (`Executables.static_key`: the model graph, so a checkpoint
     loaded as stored or decoded at load and a hybrid layer's experts and PCIe share; the parameters'
-    layout; the engine's settings) and of what they run on (`exe_cache.environment`: versions,
-    devices, flags, the sources): costs measured for other programs are not reused (one config once
-    shared a key stored and decoded, so one run read the other's costs)."""
+    layout; the engine's settings) and of what they run on (`exe_cache.environment`: versions, devices,
+    flags, the sources): costs measured for other programs are not reused (a config once shared a key
+    stored and decoded)."""
     return hashlib.sha256((exe_cache.environment() + exe.static_key()).encode()).hexdigest()[:16]
 
 
@@ -220,9 +220,8 @@ class LiveCosts:
     not what a call costs, and priced in, it can stop the engine from drafting, and so from ever
     seeing the verify calls that would correct it (H200, embedded model, 4 requests: one round's
     verify windows averaged 5.1 ms against a profiled 2.3, with a 112 ms stall among them, and an
-    average kept the engine decoding, at 0.65x of fixed k = 5, for the rounds after). A window whose call
-    carried a prompt segment (`observe`'s `prompt`) teaches nothing: the chunk is paid whatever the width
-    (a prefill call's own time is outside the windows: reading it restarts the engine's step clock).
+    average kept the engine decoding, at 0.65x of fixed k = 5, for the rounds after). A call carrying a
+    prompt segment teaches nothing (a prefill call's time is outside the windows: its read restarts them).
 
     Switching executables may cost more than issuing the same one again (on the GPU each executable
     is a CUDA graph, which XLA may have to update before launching it after another ran). So a step
@@ -310,21 +309,22 @@ class LiveCosts:
         ready = self._ready.get(bucket, ())
         return self.price_host_paced and len(ready) >= self.MIN_PACE_SAMPLES and 2 * sum(ready) > len(ready)
 
-    def issued(self, bucket: int, call) -> None:
-        """The engine issued a call in `bucket`: a step width, "decode", "prefill", or ("prompt", either)."""
+    def issued(self, bucket: int, call: int | str, with_prompt: bool = False) -> None:
+        """The engine issued a call in `bucket`: a width, "decode" or "prefill" (`with_prompt`: with a segment)."""
+        call = ("prompt", call) if with_prompt else call
         self._switched |= self._last is not None and (bucket, call) != self._last
         self._last = (bucket, call)
 
-    def switch_price(self, bucket: int) -> tuple[int | str | None, float]:
-        """(the call a step of `bucket` would repeat: the last issued if it was this bucket's, else None;
-        the seconds a step pays for issuing any other)."""
-        stay = self._last[1] if self._last is not None and self._last[0] == bucket else None
+    def switch_price(self, bucket: int, with_prompt: bool = False) -> tuple[int | str | None, float]:
+        """(the call a step of `bucket` would repeat, with a prompt segment or not: the last issued if it was
+        this bucket's and of that kind, else None; the seconds a step pays for issuing any other)."""
+        last = self._last[1] if self._last is not None and self._last[0] == bucket else None
+        stay = None if isinstance(last, tuple) != with_prompt else last[1] if with_prompt else last  # its kind
         ready = min(self.windows[bucket].values()) >= self.MIN_SWITCH_SAMPLES
         return stay, max(self.switch[bucket], 0.0) if ready else 0.0
 
     def close_window(self) -> None:
-        """A read that observes no step (its requests all ended first): the calls issued since the read
-        before say nothing about the next window."""
+        """A read that observes no step (its requests all ended first): its window's switch does not leak."""
         self._switched = False
 
     def observe(self, bucket: int, drafted: bool, width: int, seconds: float, ready: bool = False,

@@ -220,7 +220,7 @@ class Engine(PromptIntake, SpeculationPolicy):
             if last:
                 seq.issued(None)  # its first token, unread until this call is
         kind = width if drafted else "decode"
-        self.live.issued(bucket, kind if segment is None else ("prompt", kind))
+        self.live.issued(bucket, kind, with_prompt=segment is not None)
         sequences = {b: self._slots[b] for b in active}
         for b, seq in sequences.items():
             seq.issued(widths.get(b, 0))
@@ -267,8 +267,8 @@ class Engine(PromptIntake, SpeculationPolicy):
         speculating = {b: self._slots[b].speculates() for b in stale}
         calls, adaptive = self.exe.buckets[bucket], self._adaptive()
         stale, typical = judged(stale, self._slots, self.calibration, self.options, adaptive)
-        switch = self.live.switch_price(bucket) if adaptive and self.options.price_switches else (None, 0.0)
-        switch = (_repeated(switch[0], with_prompt), switch[1])
+        switch = self.live.switch_price(bucket, with_prompt) if adaptive and self.options.price_switches else \
+            (None, 0.0)
         width, widths = choose(stale, speculating, self._policy_at(bucket) if self.speculative else None, adaptive,
                                calls.step, self._slots, self.options, self._first_confidence(), switch, typical)
         if width is None:
@@ -290,11 +290,3 @@ class Engine(PromptIntake, SpeculationPolicy):
             self._slots[b] = None
             del self._slot_of[delta.request_id]
         return delta
-
-
-def _repeated(last, with_prompt: bool):
-    """Which of this step's calls would repeat the call issued last (`LiveCosts.switch_price`): its width or
-    "decode" where both are plain or both carry a prompt segment (("prompt", width | "decode")), else None."""
-    if isinstance(last, tuple):
-        return last[1] if with_prompt else None
-    return None if with_prompt else last

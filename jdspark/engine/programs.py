@@ -39,6 +39,7 @@ from jdspark.drafter import dspark
 from jdspark.engine import packed
 from jdspark.engine.calls import Rows, SlotSampling, pack_output, put_rows, take_rows, unpack_slots, with_anchor
 from jdspark.model import hyper, state
+from jdspark.model.dsv4 import last_rows
 from jdspark.model.model import Model
 from jdspark.speculative.sampling import exponential_noise, uniform_noise
 from jdspark.speculative.verify import accepted_prefix, rejection_sample
@@ -212,8 +213,7 @@ class Programs:
         if self.scripted_acceptance is not None:
             verdict = verdict._replace(n_accepted=scripted_accepted(uniforms, width, self.scripted_acceptance,
                                                                     verdict.invalid))
-        first = self.first_token(jnp.take_along_axis(logits, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1),
-                                 sampling)
+        first = self.first_token(last_rows(logits, n_valid), sampling)
         verdict = type(verdict)(*(jnp.where(prompt, a, b) for a, b in zip(first._replace(n_accepted=n_valid - 1),
                                                                            verdict)))
         n_keep = jnp.where(rows.active | prompt, verdict.n_accepted + 1, 0)

@@ -91,7 +91,7 @@ class DSV4(nnx.Module):
             if layer_index in feature_layers:
                 features.append([_stream_mean(x) for x in xs])
         last = tuple(last_logits) + (False,) * (len(segments) - len(last_logits))
-        xs = [_last_rows(x, n) if only_last else x for x, n, only_last in zip(xs, n_valids, last)]
+        xs = [last_rows(x, n) if only_last else x for x, n, only_last in zip(xs, n_valids, last)]
         logits = tokenwise(lambda x: self.logits_from_streams(x, self.hc_head, self.norm), xs)
         return [(logits[s], _concat([f[s] for f in features]),
                  decode.replace(layers=tuple(c[s] for c in caches), length=lengths[s] + n_valids[s],
@@ -121,9 +121,10 @@ class DSV4(nnx.Module):
         return self.logits_from_streams(y, block.hc_head, block.norm)
 
 
-def _last_rows(x: jax.Array, n_valid: jax.Array) -> jax.Array:
-    """Each row's streams at its last real token: [B, S, C, D] -> [B, 1, C, D] (row 0 where n_valid is 0)."""
-    return jnp.take_along_axis(x, jnp.maximum(n_valid - 1, 0)[:, None, None, None], axis=1)
+def last_rows(x: jax.Array, n_valid: jax.Array) -> jax.Array:
+    """Each row's entry at its last real token: [B, S, ...] -> [B, 1, ...] (position 0 where n_valid is 0)."""
+    index = jnp.maximum(n_valid - 1, 0).reshape(-1, *(1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, index, axis=1)
 
 
 def _stream_mean(x: jax.Array) -> jax.Array:

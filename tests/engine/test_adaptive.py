@@ -308,10 +308,11 @@ def test_a_switch_cost_keeps_the_step_on_the_executable_issued_last(engine, monk
     monkeypatch.setattr(engine.live, "policy", lambda bucket: rising)
     last, asked = engine.live.switch_price, []
 
-    def calls_made(cost, options=SpecOptions(pause_steps=0, calibrate=False), stay=lambda bucket: last(bucket)[0]):
-        def switch_price(bucket):
+    def calls_made(cost, options=SpecOptions(pause_steps=0, calibrate=False),
+                   stay=lambda bucket, with_prompt=False: last(bucket, with_prompt)[0]):
+        def switch_price(bucket, with_prompt=False):
             asked.append(bucket)
-            return stay(bucket), cost
+            return stay(bucket, with_prompt), cost
         monkeypatch.setattr(engine.live, "switch_price", switch_price)
         engine.set_policy(speculative=True, width_policy=engine.selector, options=options)
         with engine.record_steps() as records:
@@ -320,8 +321,8 @@ def test_a_switch_cost_keeps_the_step_on_the_executable_issued_last(engine, monk
 
     assert len(set(calls_made(0.0))) > 1  # free switches: the calls follow the confidences
     assert len(set(calls_made(1.0))) == 1
-    assert set(calls_made(1.0, stay=lambda bucket: 1)) == {(True, 1)}
-    assert (True, 1) not in set(calls_made(1.0, stay=lambda bucket: None))  # every call pays: the widest wins
+    assert set(calls_made(1.0, stay=lambda *_: 1)) == {(True, 1)}
+    assert (True, 1) not in set(calls_made(1.0, stay=lambda *_: None))  # every call pays: the widest wins
     asked.clear()
     calls_made(1.0, SpecOptions(pause_steps=0, calibrate=False, price_switches=False))
     assert asked == []

@@ -154,9 +154,10 @@ def test_live_costs_learn_what_switching_executables_adds():
     stay, cost = live.switch_price(1)
     assert stay == 5 and cost == pytest.approx(0.001, rel=1e-3)
     assert live.offsets[1]["verify"] == pytest.approx(0.0005, rel=1e-3)
-    live.issued(1, ("prompt", 3))
+    live.issued(1, 3, with_prompt=True)
     live.observe(1, True, 3, 1.0, prompt=True)  # it carried a prompt segment: neither switch cost nor offset
-    assert live.switch_price(1) == (("prompt", 3), pytest.approx(0.001, rel=1e-3))
+    assert live.switch_price(1, with_prompt=True) == (3, pytest.approx(0.001, rel=1e-3))
+    assert live.switch_price(1) == (None, pytest.approx(0.001, rel=1e-3))
     assert live.offsets[1]["verify"] == pytest.approx(0.0005, rel=1e-3)
     assert costs.LiveCosts({1: base, 4: base}).switch_price(4) == (None, 0.0)
     assert run(0.0).switch_price(1)[1] == pytest.approx(0.0, abs=1e-7)

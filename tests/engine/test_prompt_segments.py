@@ -184,14 +184,13 @@ def test_the_segment_executables_are_counted_and_checked(engine, dspark_model):
 
 def test_a_window_with_a_segment_teaches_the_live_costs_nothing():
     """A verify call with a prompt segment is another executable whose window pays the prompt: it feeds
-    neither the verify offset nor the switch cost, and the call after it is a switch."""
+    neither the verify offset nor the switch cost, and the plain call after it is a switch."""
     live = costs.LiveCosts({1: AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)})
     live.issued(1, 5)
     live.observe(1, True, 5, 0.004)
-    live.issued(1, ("prompt", 5))
+    live.issued(1, 5, with_prompt=True)
     live.observe(1, True, 5, 1.0, prompt=True)
     assert live.windows == {1: {"same": 1, "switched": 0}} and live.offsets[1]["verify"] == pytest.approx(0.001)
-    assert live.switch_price(1)[0] == ("prompt", 5)
     live.issued(1, 5)
     live.observe(1, True, 5, 0.004)
     assert live.windows == {1: {"same": 1, "switched": 1}}
@@ -201,7 +200,10 @@ def test_a_repeated_call_is_told_apart_by_its_segment():
     """The call a step would repeat (`LiveCosts.switch_price`) is the same width only with the same kind of
     call: a segment call after a segment call, a plain one after a plain one (else every width, the one
     repeated too, would be priced as a switch while a long prompt streams in)."""
-    from jdspark.engine.engine import _repeated
-    assert _repeated(("prompt", 5), True) == 5 and _repeated(("prompt", "decode"), True) == "decode"
-    assert _repeated(("prompt", 5), False) is None and _repeated(5, True) is None
-    assert _repeated(5, False) == 5 and _repeated(None, True) is None
+    live = costs.LiveCosts({1: AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)})
+    live.issued(1, 5, with_prompt=True)
+    assert live.switch_price(1, with_prompt=True)[0] == 5 and live.switch_price(1)[0] is None
+    live.issued(1, "decode", with_prompt=True)
+    assert live.switch_price(1, with_prompt=True)[0] == "decode"
+    live.issued(1, 5)
+    assert live.switch_price(1)[0] == 5 and live.switch_price(1, with_prompt=True)[0] is None
