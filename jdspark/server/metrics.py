@@ -25,7 +25,8 @@ class Metrics:
                                 registry=r)
         self.prompt_tokens = Counter("jdspark:prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.riding_tokens = Counter("jdspark:prompt_tokens_riding", "Prompt tokens prefilled in verify calls beside "
-                                     "running requests (--ride-prompts, --prompt-segment), not in prefill calls", registry=r)
+                                     "running requests (--ride-prompts, --prompt-segment), not in prefill calls",
+                                     registry=r)
         self.generation_tokens = Counter("jdspark:generation_tokens", "Tokens generated", registry=r)
         self.ttft = Histogram("jdspark:time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY,
                               registry=r)
