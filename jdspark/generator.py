@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jdspark.assets import default_model_dir
-from jdspark.checkpoint.loader import decode_at_load_by_default, load_model
+from jdspark.checkpoint.loader import decode_at_load_by_default, load_model, read_config
 from jdspark.config import EngineConfig
-from jdspark.engine.engine import Engine, SpecOptions
+from jdspark.engine.engine import Engine, SpecOptions, checked_widths
 from jdspark.engine.errors import EngineError
 from jdspark.engine.options import RIDE_PROMPTS
 from jdspark.engine.request import Completion, SamplingParams
@@ -39,16 +39,28 @@ class Generator:
         while the step executables build in the background), `ride_prompts` (short prompts ride in
         the verify calls) and `prompt_segment` (a pending prompt's chunk of this many tokens in each verify
         call) as in `EngineConfig` and `Engine`."""
-        if gamma is None:
-            gamma = model.config.dspark.block_size if model.config.dspark else 5
-        if widths is None and speculative and options.width is not None:
-            widths = (options.width,)
-        config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch, batch_buckets=batch_buckets,
-                              prefill_batch_buckets=prefill_buckets)
+        config, widths = cls._settings(model.config, speculative=speculative, gamma=gamma, max_seq_len=max_seq_len,
+                                       max_batch=max_batch, batch_buckets=batch_buckets, options=options, widths=widths,
+                                       prefill_buckets=prefill_buckets, prompt_segment=prompt_segment)
         engine = Engine(model, config, tokenizer=tokenizer, speculative=speculative, prefill_chunk=prefill_chunk,
                         prefill_budget=prefill_budget, options=options, implementation=implementation, widths=widths,
                         defer_steps=defer_steps, ride_prompts=ride_prompts, prompt_segment=prompt_segment)
         return cls(engine)
+
+    @staticmethod
+    def _settings(model_config, *, speculative: bool = True, gamma: int | None = None, max_seq_len: int = 4096,
+                  max_batch: int = 1, batch_buckets: tuple[int, ...] = (), prefill_buckets: tuple[int, ...] = (),
+                  options: SpecOptions = SpecOptions(), widths: tuple[int, ...] | None = None, prompt_segment: int = 0,
+                  **engine_only) -> tuple[EngineConfig, tuple[int, ...]]:
+        """(the engine's config, the widths to compile) for a model of `model_config`, every option checked
+        that needs no weights (`checked_widths`); `engine_only`: the options that only the engine reads."""
+        if gamma is None:
+            gamma = model_config.dspark.block_size if model_config.dspark else 5
+        if widths is None and speculative and options.width is not None:
+            widths = (options.width,)
+        config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch, batch_buckets=batch_buckets,
+                              prefill_batch_buckets=prefill_buckets)
+        return config, checked_widths(model_config, config, speculative, widths, options, prompt_segment)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, speculative: bool = True, gamma: int | None = None,
@@ -65,8 +77,10 @@ class Generator:
         computed by the CPU (`load_model`). `dequantize`: decode FP8 / FP4 weights at load (None: on a
         CPU backend for checkpoints of up to 1 GiB, where decoding them in every call costs more,
         `decode_at_load_by_default`; a GPU reads them in place)."""
-        mesh = make_mesh(tensor_parallel_size, expert_parallel_size)
         path = default_model_dir() if path is None else path
+        # a bad option fails before the weights load
+        cls._settings(read_config(path), speculative=speculative, gamma=gamma, max_seq_len=max_seq_len, **engine_options)
+        mesh = make_mesh(tensor_parallel_size, expert_parallel_size)
         if dequantize is None:
             dequantize = decode_at_load_by_default(path, mesh, gpu_memory)
         model = load_model(path, dtype=dtype, mesh=mesh, gpu_memory=gpu_memory, pcie_share=pcie_share,

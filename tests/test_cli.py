@@ -36,6 +36,25 @@ def test_engine_options_are_checked_before_compiling(dspark_checkpoint, capsys):
     assert "argument --widths: '2,a': expected comma-separated integers" in capsys.readouterr().err
 
 
+def test_engine_options_are_checked_before_the_weights_load(dspark_checkpoint, capsys, monkeypatch):
+    """What the checkpoint's config.json decides (widths, buckets, the prompt segment) fails before
+    `load_model` reads a byte of its weights (minutes for a full-size checkpoint)."""
+    def load_model(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr("jdspark.generator.load_model", load_model)
+    common = ["--model", str(dspark_checkpoint), "--max-seq-len", "64"]
+    assert main(["generate", *common, "--prompt-segment", "8", "x"]) == 2  # generate runs one slot
+    assert "prompt_segment=8: needs max_batch >= 2" in capsys.readouterr().err
+    assert main(["serve", *common, "--max-running", "4", "--prompt-segment", "65"]) == 2
+    err = capsys.readouterr().err
+    assert "prompt_segment=65: needs" in err and "max_seq_len = 64" in err
+    assert main(["serve", *common, "--max-running", "4", "--prompt-segment", "3"]) == 2
+    assert "gamma + 1 = 6" in capsys.readouterr().err
+    assert main(["serve", *common, "--widths", "2,7"]) == 2
+    assert "widths=(2, 7): each must be in 0..gamma=5" in capsys.readouterr().err
+
+
 def test_gpu_memory_reaches_the_placement(dspark_checkpoint, capsys):
     """--gpu-memory GB goes to the loader's placement, which refuses less than the weights that are
     not routed experts (they stay on the GPU), before anything compiles."""

@@ -28,7 +28,7 @@ from jdspark.drafter import dspark
 from jdspark.engine import calls, costs, deferred
 from jdspark.engine.batch import (IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs, call_slots,
                                   prompts_this_step)
-from jdspark.engine.executables import Executables
+from jdspark.engine.executables import Executables, check_segment
 from jdspark.engine.intake import PromptIntake
 from jdspark.engine.options import RIDE_PROMPTS, SpecOptions, WidthPolicy
 from jdspark.engine.policy import SpeculationPolicy
@@ -41,6 +41,17 @@ from jdspark.speculative.calibration import Calibration
 from jdspark.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+def checked_widths(model_config, config: EngineConfig, speculative: bool, widths: tuple[int, ...] | None,
+                   options: SpecOptions, prompt_segment: int) -> tuple[int, ...]:
+    """The widths to compile, after every check of the engine's options that needs no weights (the widths,
+    the fallback options, the prompt segment): `Generator.from_pretrained` runs it before the checkpoint
+    loads, the engine before anything compiles."""
+    widths = compiled_widths(model_config, config, speculative, widths, options.width)
+    options.breaker()
+    check_segment(config, prompt_segment)
+    return widths
 
 
 class Engine(PromptIntake, SpeculationPolicy):
@@ -72,13 +83,12 @@ class Engine(PromptIntake, SpeculationPolicy):
         the step's width + 1 tokens a call, instead of taking prefill calls of its own (0: never; `step`);
         `prompt_segment`: beside running requests the oldest pending prompt comes in the verify call, this
         many tokens a call (>= gamma + 1; 0: never), in the same model pass (`intake`; while on, none rides)."""
-        widths = compiled_widths(model.config, config, speculative, widths, options.width)
+        widths = checked_widths(model.config, config, speculative, widths, options, prompt_segment)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
         self.overlap, self.batch_prefills, self.ride_prompts = overlap, batch_prefills, ride_prompts
         self.segment_prompts = bool(prompt_segment)  # whether steps use the segment executables (compiled if N > 0)
         self.tokenizer = tokenizer
         self._last_width = None  # the executable width of the last verify call (0: a decode; None: none yet)
-        options.breaker()  # validates the fallback options before anything is compiled
         on_gpu = jax.default_backend() == "gpu"
         pack_params = on_gpu if pack_params is None else pack_params
         chunk = min(prefill_chunk, config.max_seq_len)

@@ -42,6 +42,7 @@ from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import compiling
 from jdspark.engine.calls import slot_columns
+from jdspark.engine.errors import EngineError
 from jdspark.engine.exe_cache import ExecutableCache
 from jdspark.engine.programs import Programs
 from jdspark.engine.twins import Twins, twins_of
@@ -93,6 +94,14 @@ class Bucket:
         return self.decode if width is None else self.step[width]
 
 
+def check_segment(engine: EngineConfig, segment: int) -> None:
+    """A prompt segment of `segment` tokens (0: none) fits `engine` (EngineError otherwise)."""
+    if segment and (engine.max_batch < 2 or not engine.gamma + 1 <= segment <= engine.max_seq_len):
+        raise EngineError(f"prompt_segment={segment}: needs max_batch >= 2 (a slot beside the running requests'; "
+                          f"got {engine.max_batch}) and gamma + 1 = {engine.gamma + 1} to max_seq_len = "
+                          f"{engine.max_seq_len} tokens (at least a verify row's prompt columns)")
+
+
 class Executables(Programs):
     """AOT-compiled prefill, decode and step[k] (and with a prompt segment, decode and step[k] with one)
     per batch bucket, for one model, engine config, prefill chunk and prompt segment."""
@@ -103,10 +112,7 @@ class Executables(Programs):
         `implementation`: "auto", "pallas" or "xla" for every kernel (ValueError otherwise); `segment`: the
         prompt tokens a verify call may carry in a segment of its own (0: none; needs max_batch >= 2, a
         slot besides the verify rows')."""
-        if segment and (engine.max_batch < 2 or not engine.gamma + 1 <= segment <= engine.max_seq_len):
-            raise ValueError(f"a prompt segment of {segment} tokens needs max_batch >= 2 (a slot beside the "
-                             f"running requests'; got {engine.max_batch}) and gamma + 1 = {engine.gamma + 1} to "
-                             f"max_seq_len = {engine.max_seq_len} tokens (at least a verify row's prompt columns)")
+        check_segment(engine, segment)
         super().__init__(model, engine, prefill_chunk, implementation, pack_params, segment)
         self.widths = widths
         self.twins = engine.twin_executables

@@ -178,7 +178,7 @@ def test_the_segment_executables_are_counted_and_checked(engine, dspark_model):
     assert set(engine.exe.largest.with_prompt) == {"decode", 5}
     for config, segment in ((EngineConfig(max_batch=1), 8), (EngineConfig(max_batch=2, gamma=5), 5),
                             (EngineConfig(max_seq_len=16, max_batch=2), 17)):
-        with pytest.raises(ValueError, match="prompt segment"):
+        with pytest.raises(ValueError, match="prompt_segment="):
             Executables(dspark_model, config, 8, "xla", (5,), False, segment)
 
 
