@@ -4,10 +4,14 @@ Draws one layer of ds_fp4 experts (E = 256, D = 4096, F = 2048, the checkpoint's
 device, routes R rows to 6 experts each at random, and for each tiling given (`--tiles`, `Tiles`
 fields as key=value pairs; the first: the default) prints the gate/up and the down kernel's device
 time (`jax.profiler` trace), each against the bytes of the distinct experts it reads at the copy
-bandwidth measured in the same run, and the error against `ref_moe`. `--runs 0 --calls N` runs each
-tiling N times untraced, for a profiler of its own (Nsight Compute).
+bandwidth measured in the same run, and the error against `ref_moe`; `other`: the XLA work around
+them (the grouped form's sort, gather and combine). `--grouped`: the form calls of many rows take
+(`grouped_moe`, blocks of 16 (row, choice) pairs of one expert) instead of the slot form (`moe`, up to
+64 rows). `--runs 0 --calls N` runs each tiling N times untraced, for a profiler of its own (Nsight
+Compute).
 
     PYTHONPATH=$PWD python scripts/probe_moe_kernel.py --rows 1 6 --tiles "" "out=128,num_warps=8"
+    PYTHONPATH=$PWD python scripts/probe_moe_kernel.py --rows 16 96 --grouped --tiles "" "out=64"
     PYTHONPATH=$PWD python scripts/probe_moe_kernel.py --dims 16 512 256 --rows 1 3 --runs 2   # CPU smoke test
 """
 
@@ -74,6 +78,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--calls", type=int, default=0, help="more calls of each tiling, untimed (for ncu)")
     ap.add_argument("--dims", type=int, nargs=3, default=[256, 4096, 2048], metavar=("E", "D", "F"),
                     help="experts, model width, expert width (Flash: 256 4096 2048)")
+    ap.add_argument("--grouped", action="store_true", help="the grouped form (grouped_moe), not the slot form")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     E, D, F = args.dims
@@ -96,11 +101,13 @@ def main(argv=None) -> list[dict]:
         distinct = len(np.unique(np.asarray(idx)))
         call = (x, experts, dense, slot, w1, w3, w2)
         want = jax.jit(partial(moe_kernels.ref_moe, fmt="fp4", limit=10.0))(*call)
+        kernel = moe_kernels.grouped_moe if args.grouped else moe_kernels.moe
+        call = (x, idx, w, w1, w3, w2) if args.grouped else call
         floors = {"gate_up": distinct * bytes_up / bandwidth * 1e3, "down": distinct * bytes_down / bandwidth * 1e3}
         for name, tiles in tilings:
-            row = {"rows": rows, "distinct": distinct, "tiles": name}
+            row = {"rows": rows, "distinct": distinct, "tiles": name, "form": kernel.__name__}
             try:
-                fn = jax.jit(partial(moe_kernels.moe, fmt="fp4", limit=10.0, tiles=tiles, interpret=interpret))
+                fn = jax.jit(partial(kernel, fmt="fp4", limit=10.0, tiles=tiles, interpret=interpret))
                 got = fn(*call)
                 row["rel_err"] = float(jnp.abs(got - want).max() / jnp.abs(want).max())
                 for _ in range(args.calls):

@@ -27,3 +27,8 @@ def test_probe_runs_each_tiling_against_the_reference_on_the_cpu():
     assert [(r["rows"], r["tiles"]) for r in rows] == [(1, "default"), (1, "out=16,down_out=32"),
                                                        (3, "default"), (3, "out=16,down_out=32")]
     assert all(r["rel_err"] < 1e-2 for r in rows)
+
+
+def test_probe_runs_the_grouped_form_on_the_cpu():
+    rows = probe.main(["--dims", "16", "512", "256", "--rows", "5", "--runs", "0", "--grouped"])
+    assert [(r["rows"], r["form"]) for r in rows] == [(5, "grouped_moe")] and rows[0]["rel_err"] < 1e-2
