@@ -3,6 +3,7 @@ text deltas out."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,7 +79,8 @@ class Generator:
         CPU backend for checkpoints of up to 1 GiB, where decoding them in every call costs more,
         `decode_at_load_by_default`; a GPU reads them in place)."""
         path = default_model_dir() if path is None else path
-        # a bad option fails before the weights load
+        # a bad option (or an unknown one's name) fails before the weights load
+        inspect.signature(cls.from_model).bind(None, **engine_options)
         cls._settings(read_config(path), speculative=speculative, gamma=gamma, max_seq_len=max_seq_len, **engine_options)
         mesh = make_mesh(tensor_parallel_size, expert_parallel_size)
         if dequantize is None:

@@ -53,6 +53,9 @@ def test_engine_options_are_checked_before_the_weights_load(dspark_checkpoint, c
     assert "gamma + 1 = 6" in capsys.readouterr().err
     assert main(["serve", *common, "--widths", "2,7"]) == 2
     assert "widths=(2, 7): each must be in 0..gamma=5" in capsys.readouterr().err
+    from jdspark import Generator
+    with pytest.raises(TypeError, match="prompt_segmnt"):  # the Python API: a misspelt option's name
+        Generator.from_pretrained(dspark_checkpoint, prompt_segmnt=8)
 
 
 def test_gpu_memory_reaches_the_placement(dspark_checkpoint, capsys):
