@@ -8,7 +8,9 @@ other slots and run inactive (n_valid 0), which leaves their state as it was.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
 import time
 from collections.abc import Iterable
 
@@ -49,7 +51,28 @@ def prompts_to_prefill(pending: int, budget_rows: int, buckets, running: bool) -
 MAX_WAIT_CALLS = 8  # the longest a prompt waits for others to share its prefill call, in such calls
 
 
-def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, call_s: float | None, now: float) -> bool:
+class Arrivals:
+    """When the last GAPS + 1 prompts were admitted: the typical gap between two (their median), which
+    says whether a prefill call held back (`prefill_waits`) can expect the next prompt soon enough."""
+
+    GAPS = 8
+
+    def __init__(self):
+        self._times: collections.deque[float] = collections.deque(maxlen=self.GAPS + 1)
+
+    def admitted(self, when: float) -> None:
+        self._times.append(when)
+
+    def gap(self) -> float | None:
+        """Seconds between two admissions, the median of the last GAPS; None until there are as many."""
+        if len(self._times) < self.GAPS + 1:
+            return None
+        times = list(self._times)
+        return statistics.median(b - a for a, b in zip(times, times[1:]))
+
+
+def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, call_s: float | None, now: float,
+                  arrival_gap: float | None = None) -> bool:
     """Whether a step holds its prefill call back, so that prompts coming later share it. The call
     stalls the `running_rows` for its cost, of which `call_s` is what later prompts would not add to
     (`prompts_this_step`): all of it where reading the weights sets it (Flash dimensions on an H100: a
@@ -62,23 +85,30 @@ def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, call_s: f
     moves with the bucket and the running rows, so that is its reason, not a bound). As TCP caps its
     delayed acknowledgment, no prompt waits longer than MAX_WAIT_CALLS such calls (a lone prompt
     beside 63 running rows would otherwise wait 63). Never for a prompt whose prefill has begun, with nothing running, or without
-    a profile (`call_s` None)."""
+    a profile (`call_s` None). Nor where prompts come too seldom for a wait to pay (`arrival_gap`: the
+    typical seconds between two admissions, `Arrivals`; None: unknown): waiting for the next one costs
+    the pending prompts about that gap each, and saves at most one stall, running_rows x call_s (Flash
+    dimensions, an H100, 4 requests: a lone prompt waited ~3 verify calls, while requests ended ~6
+    apart, and a slot stood empty on 17% of the steps, docs/BENCHMARKS.md)."""
     prompts = list(pending)
     if not prompts or not running_rows or call_s is None or any(p.done for p in prompts):
+        return False
+    if arrival_gap is not None and len(prompts) * arrival_gap >= running_rows * call_s:
         return False
     waits = [now - p.since for p in prompts]
     return sum(waits) < running_rows * call_s and max(waits) < MAX_WAIT_CALLS * call_s
 
 
 def prompts_this_step(pending: dict[int, PendingPrompt], running_rows: int, budget_rows: int, buckets,
-                      prefill_s: dict[int, float], row_s: float = 0.0) -> int:
+                      prefill_s: dict[int, float], row_s: float = 0.0, arrival_gap: float | None = None) -> int:
     """Prompts a step prefills: `prompts_to_prefill`'s, or none while `prefill_waits` holds the call
     back. `prefill_s`: each bucket's prefill call's seconds (empty: never held back), `row_s`: what
-    they grow by per row, so what later prompts would not add to is the call's cost less its rows'."""
+    they grow by per row, so what later prompts would not add to is the call's cost less its rows';
+    `arrival_gap`: `Arrivals.gap`."""
     rows = prompts_to_prefill(len(pending), budget_rows, buckets, running_rows > 0)
     call_s = prefill_s.get(next((b for b in buckets if b >= rows), None))
     shared = None if call_s is None else max(call_s - rows * row_s, 0.0)
-    return 0 if prefill_waits(pending.values(), running_rows, shared, time.perf_counter()) else rows
+    return 0 if prefill_waits(pending.values(), running_rows, shared, time.perf_counter(), arrival_gap) else rows
 
 
 def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:

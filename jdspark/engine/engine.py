@@ -26,8 +26,8 @@ import numpy as np
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
 from jdspark.engine import calls, costs, deferred
-from jdspark.engine.batch import (IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs, call_slots,
-                                  prompts_this_step)
+from jdspark.engine.batch import (Arrivals, IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs,
+                                  call_slots, prompts_this_step)
 from jdspark.engine.executables import Executables, check_segment
 from jdspark.engine.intake import PromptIntake
 from jdspark.engine.options import RIDE_PROMPTS, SpecOptions, WidthPolicy
@@ -99,6 +99,7 @@ class Engine(PromptIntake, SpeculationPolicy):
         self.state, self.draft_cache = self._fresh_state()
         self._clear_requests()
         self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
+        self.arrivals = Arrivals()  # when prompts came: whether holding a prefill call back can pay
         # several processes must issue the same calls: none takes executables a step apart from the others
         start, defer = time.perf_counter(), defer_steps and speculative and jax.process_count() == 1
         which = "serving" if defer else "all"
@@ -195,7 +196,8 @@ class Engine(PromptIntake, SpeculationPolicy):
         riders = [] if segment is not None else self._riders(len(running))
         waiting = {b: prompt for b, prompt in self._pending.items() if b not in riders and b != segment}
         rows = prompts_this_step(waiting, len(running), self.prefill_rows, self.config.prefill_buckets,
-                                 self.live.prefill_s if self.batch_prefills else {}, self.live.prefill_row_s)
+                                 self.live.prefill_s if self.batch_prefills else {}, self.live.prefill_row_s,
+                                 self.arrivals.gap())
         issued = [self._issue_prefill(list(waiting)[:rows])] if rows else []
         running += [b for call in issued for b, (seq, _, last) in call.prompts.items() if last and seq.may_issue()]
         if running:

@@ -67,6 +67,7 @@ class PromptIntake:
                                   breaker=self.options.breaker(), confidence=self._first_confidence())
         self._slot_of[rid] = b
         self._pending[b] = PendingPrompt(prompt)
+        self.arrivals.admitted(self._pending[b].since)
         return rid
 
     def _first_confidence(self) -> np.ndarray | None:

@@ -4,6 +4,7 @@ more to share it (`batch.prefill_waits`, `batch.prompts_this_step`)."""
 import time
 
 import numpy as np
+import pytest
 
 from jdspark.engine import batch
 from jdspark.engine.batch import PendingPrompt, prefill_waits, prompts_this_step, prompts_to_prefill
@@ -65,6 +66,33 @@ def test_a_prefill_never_waits_with_nothing_running_without_a_profile_or_once_a_
     assert not prefill_waits([], running_rows=4, call_s=0.010, now=1.0)
 
 
+def test_a_prefill_does_not_wait_where_prompts_come_too_seldom_for_the_wait_to_pay():
+    """4 running rows, a call of 10 ms (40 row-ms of stall): with prompts 50 ms apart a lone prompt goes
+    at once, since waiting for the next would cost it ~50 ms; 5 ms apart it waits as before, and two
+    pending prompts 25 ms apart (50 ms of waits for the next) go. Mutation caught: the gap not weighed
+    by the pending prompts."""
+    assert not prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.001, arrival_gap=0.050)
+    assert prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.001, arrival_gap=0.005)
+    assert prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.001, arrival_gap=None)
+    assert prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.001, arrival_gap=0.025)
+    assert not prefill_waits(pending_since(1.0, 1.0), running_rows=4, call_s=0.010, now=1.001, arrival_gap=0.025)
+
+
+def test_arrivals_tell_the_median_gap_between_admissions_once_there_are_enough():
+    """A burst of admissions at once and a long idle gap do not move the median far; fewer than
+    GAPS + 1 admissions tell nothing."""
+    arrivals = batch.Arrivals()
+    times = [0.0, 0.0, 0.0, 0.0, 0.1, 0.2, 0.3, 0.4, 5.0]  # a wave of 4, three 100 ms apart, then idle
+    for t in times[:-1]:
+        arrivals.admitted(t)
+        assert arrivals.gap() is None
+    arrivals.admitted(times[-1])
+    assert arrivals.gap() == pytest.approx(0.1)
+    for t in (5.05, 5.1, 5.15, 5.2):  # the wave's gaps drop out: four of 50 ms, three of 100 ms, the idle one
+        arrivals.admitted(t)
+    assert arrivals.gap() == pytest.approx(0.075)
+
+
 def test_the_step_prices_the_call_of_the_bucket_it_would_run_in():
     """Three pending prompts run in bucket 4: its call's cost decides, not bucket 1's. An empty
     profile never holds a call back."""
@@ -80,3 +108,4 @@ def test_the_call_waits_only_for_the_part_of_its_cost_later_prompts_would_not_ad
     pending = dict(enumerate(pending_since(*[time.perf_counter() - 0.1] * 3)))  # 0.3 row-s waited, past 0.2
     assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 0.1, 4: 1.0}, row_s=0.3) == 3
     assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 0.1, 4: 1.0}, row_s=0.0) == 0  # the whole call: 2 row-s
+    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 0.1, 4: 1.0}, row_s=0.0, arrival_gap=1.0) == 3
