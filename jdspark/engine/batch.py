@@ -52,16 +52,20 @@ MAX_WAIT_CALLS = 8  # the longest a prompt waits for others to share its prefill
 
 
 class Arrivals:
-    """When the last GAPS + 1 prompts were admitted: the typical gap between two (their median), which
-    says whether a prefill call held back (`prefill_waits`) can expect the next prompt soon enough."""
+    """When prompts were last admitted, GAPS + 1 times: the typical gap between two (their median), which
+    says whether a prefill call held back (`prefill_waits`) can expect the next prompt soon enough.
+    Prompts admitted together (within SAME_S) count once: they are pending together, and a run of zero
+    gaps would say that the next prompt comes at once (requests of one wave ending on one step)."""
 
     GAPS = 8
+    SAME_S = 0.001
 
     def __init__(self):
         self._times: collections.deque[float] = collections.deque(maxlen=self.GAPS + 1)
 
     def admitted(self, when: float) -> None:
-        self._times.append(when)
+        if not self._times or when - self._times[-1] >= self.SAME_S:
+            self._times.append(when)
 
     def gap(self) -> float | None:
         """Seconds between two admissions, the median of the last GAPS; None until there are as many."""

@@ -79,16 +79,17 @@ def test_a_prefill_does_not_wait_where_prompts_come_too_seldom_for_the_wait_to_p
 
 
 def test_arrivals_tell_the_median_gap_between_admissions_once_there_are_enough():
-    """A burst of admissions at once and a long idle gap do not move the median far; fewer than
-    GAPS + 1 admissions tell nothing."""
+    """Prompts admitted together count once, a long idle gap does not move the median far, and fewer
+    than GAPS + 1 admissions tell nothing. Mutation caught: each of a wave's prompts counted (a median of
+    0: the next prompt expected at once)."""
     arrivals = batch.Arrivals()
-    times = [0.0, 0.0, 0.0, 0.0, 0.1, 0.2, 0.3, 0.4, 5.0]  # a wave of 4, three 100 ms apart, then idle
+    times = [0.0, 0.0, 0.0, 0.0, 0.1, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 5.0]  # waves of 4 and 2, then idle
     for t in times[:-1]:
         arrivals.admitted(t)
         assert arrivals.gap() is None
     arrivals.admitted(times[-1])
     assert arrivals.gap() == pytest.approx(0.1)
-    for t in (5.05, 5.1, 5.15, 5.2):  # the wave's gaps drop out: four of 50 ms, three of 100 ms, the idle one
+    for t in (5.05, 5.1, 5.15, 5.2):  # four gaps of 50 ms in, the oldest four of 100 ms out
         arrivals.admitted(t)
     assert arrivals.gap() == pytest.approx(0.075)
 
