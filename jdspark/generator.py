@@ -42,26 +42,29 @@ class Generator:
         call) as in `EngineConfig` and `Engine`."""
         config, widths = cls._settings(model.config, speculative=speculative, gamma=gamma, max_seq_len=max_seq_len,
                                        max_batch=max_batch, batch_buckets=batch_buckets, options=options, widths=widths,
-                                       prefill_buckets=prefill_buckets, prompt_segment=prompt_segment)
+                                       prefill_buckets=prefill_buckets, prompt_segment=prompt_segment,
+                                       implementation=implementation)
         engine = Engine(model, config, tokenizer=tokenizer, speculative=speculative, prefill_chunk=prefill_chunk,
                         prefill_budget=prefill_budget, options=options, implementation=implementation, widths=widths,
                         defer_steps=defer_steps, ride_prompts=ride_prompts, prompt_segment=prompt_segment)
         return cls(engine)
 
     @staticmethod
-    def _settings(model_config, *, speculative: bool = True, gamma: int | None = None, max_seq_len: int = 4096,
-                  max_batch: int = 1, batch_buckets: tuple[int, ...] = (), prefill_buckets: tuple[int, ...] = (),
-                  options: SpecOptions = SpecOptions(), widths: tuple[int, ...] | None = None, prompt_segment: int = 0,
+    def _settings(model_config, *, speculative: bool, gamma: int | None, max_seq_len: int, max_batch: int,
+                  batch_buckets: tuple[int, ...], prefill_buckets: tuple[int, ...], options: SpecOptions,
+                  widths: tuple[int, ...] | None, prompt_segment: int, implementation: str,
                   **engine_only) -> tuple[EngineConfig, tuple[int, ...]]:
         """(the engine's config, the widths to compile) for a model of `model_config`, every option checked
-        that needs no weights (`checked_widths`); `engine_only`: the options that only the engine reads."""
+        that needs no weights (`checked_widths`); `engine_only`: the options that only the engine reads. No
+        defaults: `from_model`'s are the ones."""
         if gamma is None:
             gamma = model_config.dspark.block_size if model_config.dspark else 5
         if widths is None and speculative and options.width is not None:
             widths = (options.width,)
         config = EngineConfig(max_seq_len=max_seq_len, gamma=gamma, max_batch=max_batch, batch_buckets=batch_buckets,
                               prefill_batch_buckets=prefill_buckets)
-        return config, checked_widths(model_config, config, speculative, widths, options, prompt_segment)
+        return config, checked_widths(model_config, config, speculative, widths, options, prompt_segment,
+                                      implementation)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, *, speculative: bool = True, gamma: int | None = None,
@@ -79,9 +82,11 @@ class Generator:
         CPU backend for checkpoints of up to 1 GiB, where decoding them in every call costs more,
         `decode_at_load_by_default`; a GPU reads them in place)."""
         path = default_model_dir() if path is None else path
-        # a bad option (or an unknown one's name) fails before the weights load
-        inspect.signature(cls.from_model).bind(None, **engine_options)
-        cls._settings(read_config(path), speculative=speculative, gamma=gamma, max_seq_len=max_seq_len, **engine_options)
+        # a bad option (or an unknown one's name) fails before the weights load, checked with from_model's defaults
+        bound = inspect.signature(cls.from_model).bind(None, None, speculative=speculative, gamma=gamma,
+                                                       max_seq_len=max_seq_len, **engine_options)
+        bound.apply_defaults()
+        cls._settings(read_config(path), **{k: v for k, v in bound.arguments.items() if k not in ("model", "tokenizer")})
         mesh = make_mesh(tensor_parallel_size, expert_parallel_size)
         if dequantize is None:
             dequantize = decode_at_load_by_default(path, mesh, gpu_memory)

@@ -143,7 +143,9 @@ def synthetic_model(args):
 
 
 def set_mode(engine, mode: str, ride_prompts: int = 0) -> None:
+    from jdspark.engine.batch import Arrivals
     engine.batch_prefills = not mode.endswith("_eager")
+    engine.arrivals = Arrivals()  # each mode's prefill holds weigh its own prompts' gaps, not the last mode's
     engine.ride_prompts = ride_prompts if mode.endswith("_riding") else 0
     engine.segment_prompts = mode.endswith("_segment")
     mode = mode.removesuffix("_eager").removesuffix("_riding").removesuffix("_segment")

@@ -117,9 +117,9 @@ def main(argv=None) -> list[dict]:
                     rows_out.append(row)
                     continue
                 row["ms"] = kernel_ms(fn, call, args.runs)
-                parts = "  ".join(f"{kernel} {row['ms'][kernel] * 1e3:6.1f} us "
-                                  f"({floors[kernel] / row['ms'][kernel]:5.1%} of floor)" for kernel in floors
-                                  if kernel in row["ms"])
+                parts = "  ".join(f"{part} {row['ms'][part] * 1e3:6.1f} us "
+                                  f"({floors[part] / row['ms'][part]:5.1%} of floor)" for part in floors
+                                  if part in row["ms"])
                 print(f"R={rows} [{row['tiles']}] {parts}  other {row['ms'].get('other', 0) * 1e3:5.1f} us  "
                       f"err {row['rel_err']:.1e}", flush=True)
             except Exception as exc:  # a tiling Triton refuses: say so, go on with the others

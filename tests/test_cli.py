@@ -56,6 +56,10 @@ def test_engine_options_are_checked_before_the_weights_load(dspark_checkpoint, c
     from jdspark import Generator
     with pytest.raises(TypeError, match="prompt_segmnt"):  # the Python API: a misspelt option's name
         Generator.from_pretrained(dspark_checkpoint, prompt_segmnt=8)
+    with pytest.raises(TypeError, match="tokenizer"):  # from_pretrained reads the checkpoint's own
+        Generator.from_pretrained(dspark_checkpoint, tokenizer=None)
+    with pytest.raises(ValueError, match="implementation='triton'"):
+        Generator.from_pretrained(dspark_checkpoint, implementation="triton")
 
 
 def test_gpu_memory_reaches_the_placement(dspark_checkpoint, capsys):

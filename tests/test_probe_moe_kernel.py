@@ -30,5 +30,6 @@ def test_probe_runs_each_tiling_against_the_reference_on_the_cpu():
 
 
 def test_probe_runs_the_grouped_form_on_the_cpu():
+    """--grouped times `grouped_moe` (the form calls of many rows take) against the same reference."""
     rows = probe.main(["--dims", "16", "512", "256", "--rows", "5", "--runs", "0", "--grouped"])
     assert [(r["rows"], r["form"]) for r in rows] == [(5, "grouped_moe")] and rows[0]["rel_err"] < 1e-2

@@ -54,8 +54,10 @@ MAX_WAIT_CALLS = 8  # the longest a prompt waits for others to share its prefill
 class Arrivals:
     """When prompts were last admitted, GAPS + 1 times: the typical gap between two (their median), which
     says whether a prefill call held back (`prefill_waits`) can expect the next prompt soon enough.
-    Prompts admitted together (within SAME_S) count once: they are pending together, and a run of zero
-    gaps would say that the next prompt comes at once (requests of one wave ending on one step)."""
+    Prompts admitted together (one `Engine.admit`, or within SAME_S) count once: they are pending
+    together, and a run of zero gaps would say that the next prompt comes at once (requests of one wave
+    ending on one step). The gap does not age: after a burst, a quiet spell keeps its small gaps until
+    GAPS more admissions (a hold still ends at its stall or MAX_WAIT_CALLS)."""
 
     GAPS = 8
     SAME_S = 0.001

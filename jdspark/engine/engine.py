@@ -39,18 +39,20 @@ from jdspark.engine.widths import choose, compiled_widths, judged
 from jdspark.model.model import Model
 from jdspark.speculative.calibration import Calibration
 from jdspark.tokenizer.tokenizer import Tokenizer
+from pallas_kernels import resolve_implementation
 
 log = logging.getLogger(__name__)
 
 
 def checked_widths(model_config, config: EngineConfig, speculative: bool, widths: tuple[int, ...] | None,
-                   options: SpecOptions, prompt_segment: int) -> tuple[int, ...]:
+                   options: SpecOptions, prompt_segment: int, implementation: str) -> tuple[int, ...]:
     """The widths to compile, after every check of the engine's options that needs no weights (the widths,
-    the fallback options, the prompt segment): `Generator.from_pretrained` runs it before the checkpoint
-    loads, the engine before anything compiles."""
+    the fallback options, the prompt segment, the kernels' implementation; `EngineConfig` checks its own):
+    `Generator.from_pretrained` runs it before the checkpoint loads, the engine before anything compiles."""
     widths = compiled_widths(model_config, config, speculative, widths, options.width)
     options.breaker()
     check_segment(config, prompt_segment)
+    resolve_implementation(implementation)
     return widths
 
 
@@ -83,7 +85,7 @@ class Engine(PromptIntake, SpeculationPolicy):
         the step's width + 1 tokens a call, instead of taking prefill calls of its own (0: never; `step`);
         `prompt_segment`: beside running requests the oldest pending prompt comes in the verify call, this
         many tokens a call (>= gamma + 1; 0: never), in the same model pass (`intake`; while on, none rides)."""
-        widths = checked_widths(model.config, config, speculative, widths, options, prompt_segment)
+        widths = checked_widths(model.config, config, speculative, widths, options, prompt_segment, implementation)
         self.model, self.config, self.speculative, self.options = model, config, speculative, options
         self.overlap, self.batch_prefills, self.ride_prompts = overlap, batch_prefills, ride_prompts
         self.segment_prompts = bool(prompt_segment)  # whether steps use the segment executables (compiled if N > 0)

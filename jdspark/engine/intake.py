@@ -57,17 +57,18 @@ class PromptIntake:
         if len(free) < len(requests):
             raise CapacityError(f"{len(requests)} request(s) but only {len(free)} of {self.config.max_batch} "
                                 "slots are free")
-        return [self._admit(b, ids, params) for b, ids, (_, params) in zip(free, prompts, requests)]
+        now = time.perf_counter()  # one time for them all: they are pending together (`batch.Arrivals`)
+        self.arrivals.admitted(now)
+        return [self._admit(b, ids, params, now) for b, ids, (_, params) in zip(free, prompts, requests)]
 
-    def _admit(self, b: int, prompt: np.ndarray, params: SamplingParams) -> int:
+    def _admit(self, b: int, prompt: np.ndarray, params: SamplingParams, now: float) -> int:
         seed = params.seed if params.seed is not None else int(np.random.default_rng().integers(2 ** 32))
         rid, self._next_id = self._next_id, self._next_id + 1
         self._slots[b] = Sequence(rid, len(prompt), params, seed=seed, gamma=self.config.gamma,
                                   eos_token_id=self.model.config.eos_token_id, tokenizer=self.tokenizer,
                                   breaker=self.options.breaker(), confidence=self._first_confidence())
         self._slot_of[rid] = b
-        self._pending[b] = PendingPrompt(prompt)
-        self.arrivals.admitted(self._pending[b].since)
+        self._pending[b] = PendingPrompt(prompt, since=now)
         return rid
 
     def _first_confidence(self) -> np.ndarray | None:

@@ -215,15 +215,31 @@ def test_a_wave_admitted_with_nothing_running_is_prefilled_in_the_largest_bucket
     assert [tokens[rid] for rid in ids] == [alone[i] for i in short]
 
 
-@pytest.mark.parametrize("batch_prefills", [True, False], ids=["held_back", "at_once"])
-def test_a_new_prompt_waits_for_the_running_one_where_its_prefill_call_costs_more(engine, alone, batch_prefills):
+class StubArrivals:
+    """`batch.Arrivals` with a set gap, keeping the times it is told."""
+
+    def __init__(self, gap):
+        self.times, self._gap = [], gap
+
+    def admitted(self, when):
+        self.times.append(when)
+
+    def gap(self):
+        return self._gap
+
+
+@pytest.mark.parametrize("batch_prefills, gap", [(True, None), (False, None), (True, 1e4)],
+                         ids=["held_back", "at_once", "prompts_seldom"])
+def test_a_new_prompt_waits_for_the_running_one_where_its_prefill_call_costs_more(engine, alone, batch_prefills, gap):
     """A prefill priced at 1000 s a call (`LiveCosts.prefill_s`): beside a running request the new
     prompt's call is held back until nothing runs (`batch.prefill_waits`), so its first token comes
-    in the step after the running request's last; with `batch_prefills` off it comes within two
-    steps. Both emit what they emit alone. Target-only, so that the running request issues a call
-    on every step but its last (a speculating one skips a step where its unread drafts could reach
-    max_tokens, and nothing runs in that step)."""
+    in the step after the running request's last; with `batch_prefills` off, or where prompts come
+    1e4 s apart (`Engine.arrivals`: a wait would not pay), it comes within two steps. All emit what
+    they emit alone, and each admission is one arrival. Target-only, so that the running request
+    issues a call on every step but its last (a speculating one skips a step where its unread drafts
+    could reach max_tokens, and nothing runs in that step)."""
     live, engine.live = engine.live, costs.LiveCosts({}, prefill_s={n: 1000.0 for n in (1, 4, 16)})
+    arrivals, engine.arrivals = engine.arrivals, StubArrivals(gap)
     engine.batch_prefills = batch_prefills
     engine.set_policy(speculative=False)
     try:
@@ -237,11 +253,13 @@ def test_a_new_prompt_waits_for_the_running_one_where_its_prefill_call_costs_mor
                 first_step.setdefault(rid, step)
                 last_step[rid] = step
     finally:
-        engine.live, engine.batch_prefills = live, True
+        stub, engine.live, engine.arrivals, engine.batch_prefills = engine.arrivals, live, arrivals, True
         engine.set_policy(speculative=True)
-    assert (first_step[new] > last_step[running.request_id]) == batch_prefills
-    assert batch_prefills or first_step[new] <= 2
+    held = batch_prefills and gap is None
+    assert (first_step[new] > last_step[running.request_id]) == held
+    assert held or first_step[new] <= 2
     assert got[running.request_id] == alone[1] and got[new] == alone[0]
+    assert len(stub.times) == 2  # the `add` and the `admit`
 
 
 def test_no_compilation_after_warm_up_as_requests_join_and_leave(engine, alone, compile_counter):
