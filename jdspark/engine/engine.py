@@ -233,8 +233,7 @@ class Engine(PromptIntake, SpeculationPolicy):
         for seq, _, last in prompts.values():
             if last:
                 seq.issued(None)  # its first token, unread until this call is
-        kind = width if drafted else "decode"
-        self.live.issued(bucket, kind, with_prompt=segment is not None)
+        self.live.issued(bucket, width if drafted else "decode", with_prompt=segment is not None)
         sequences = {b: self._slots[b] for b in active}
         for b, seq in sequences.items():
             seq.issued(widths.get(b, 0))
