@@ -81,6 +81,8 @@ from jdspark.profile import gpu_kernel_events, host_summary
 from pallas_kernels import fp8_linear as fp8_kernels
 from pallas_kernels import moe as moe_kernels
 
+WARM_S = 0.5  # copies before the copy bandwidth is timed (clocks up)
+
 PRESETS = {"tiny": tiny_config, "flash": flash_config, "pro": pro_config}
 STORAGES = {"bf16": Storage(), "fp8+fp4": Storage(linears="fp8", experts="fp4", scale_dtype="e8m0"),
             "fp8": Storage(linears="fp8", experts="fp8", scale_dtype="e8m0")}
@@ -212,17 +214,24 @@ def call_bytes(config, sizes, context, batch, rows, dtype) -> dict[str, float]:
     return out
 
 
-def copy_bandwidth(n_bytes: int, runs: int = 20) -> float:
-    """Bytes/s of an elementwise bf16 read + write through XLA (median)."""
+def copy_bandwidth(n_bytes: int, runs: int = 20, queued: int = 10) -> float:
+    """Bytes/s of an elementwise bf16 read + write through XLA: the fastest of `runs` samples of `queued`
+    copies issued back to back and synced once, after WARM_S of copies (clocks up). Timed one copy at a
+    time, first thing in the process, it had read 2154 and 2581 GB/s on one H200 in two runs of one
+    session (2734-2856 in earlier ones), and every floor moved with it."""
     x = jnp.ones((n_bytes // 2,), jnp.bfloat16)
-    _copy(x).block_until_ready()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
+    start = time.perf_counter()
+    while time.perf_counter() - start < WARM_S:
         _copy(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    del x
-    return 2 * n_bytes / statistics.median(times)
+    best = float("inf")
+    for _ in range(runs):
+        begin = time.perf_counter()
+        for _ in range(queued):
+            y = _copy(x)
+        y.block_until_ready()
+        best = min(best, (time.perf_counter() - begin) / queued)
+    del x, y
+    return 2 * n_bytes / best
 
 
 # ---- implementations compared ----------------------------------------------------------------------

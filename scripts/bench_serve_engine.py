@@ -153,6 +153,8 @@ def set_mode(engine, mode: str, ride_prompts: int = 0) -> None:
     if engine.selectors:  # an adaptive engine: its selectors measured under the mode's profile
         engine.set_policy(options=dataclasses.replace(engine.options, profile=profile))
     options = engine.options
+    live = engine.live  # each mode learns its own steps, as a fresh server would (not the last mode's)
+    engine.live = type(live)(live.selectors, learn=live.learn, prefill_s=live.prefill_s)
     engine.live.price_host_paced = mode != "per_request_queued_profiled"
     engine.live.FORGET_AFTER = 2 ** 62 if mode == "per_request_queued_remembering" else type(engine.live).FORGET_AFTER
     if mode == "none":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import statistics
 import time
 from collections.abc import Iterable
 
@@ -52,12 +51,14 @@ MAX_WAIT_CALLS = 8  # the longest a prompt waits for others to share its prefill
 
 
 class Arrivals:
-    """When prompts were last admitted, GAPS + 1 times: the typical gap between two (their median), which
-    says whether a prefill call held back (`prefill_waits`) can expect the next prompt soon enough.
-    Prompts admitted together (one `Engine.admit`, or within SAME_S) count once: they are pending
-    together, and a run of zero gaps would say that the next prompt comes at once (requests of one wave
-    ending on one step). The gap does not age: after a burst, a quiet spell keeps its small gaps until
-    GAPS more admissions (a hold still ends at its stall or MAX_WAIT_CALLS)."""
+    """When prompts were last admitted, GAPS + 1 times: the mean gap between two, which says whether a
+    prefill call held back (`prefill_waits`) can expect the next prompt soon enough. The mean, not the
+    median: it is the arrival rate, and requests started together end close together, so gaps come in
+    short and long (a median of the short ones had promised a partner every 11 ms to prompts whose
+    partners came ~77 ms apart on average, Flash dimensions on an H200, 4 requests). An idle spell
+    raises the mean, which only holds fewer calls back (each prefill as it comes). Prompts admitted
+    together (one `Engine.admit`, or within SAME_S) count once: they are pending together, and a run of
+    zero gaps would say that the next prompt comes at once (requests of one wave ending on one step)."""
 
     GAPS = 8
     SAME_S = 0.001
@@ -70,51 +71,69 @@ class Arrivals:
             self._times.append(when)
 
     def gap(self) -> float | None:
-        """Seconds between two admissions, the median of the last GAPS; None until there are as many."""
+        """Seconds between two admissions, the mean of the last GAPS; None until there are as many."""
         if len(self._times) < self.GAPS + 1:
             return None
-        times = list(self._times)
-        return statistics.median(b - a for a, b in zip(times, times[1:]))
+        return (self._times[-1] - self._times[0]) / self.GAPS
 
 
-def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, call_s: float | None, now: float,
+def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, saves: list[float] | None, now: float,
                   arrival_gap: float | None = None) -> bool:
     """Whether a step holds its prefill call back, so that prompts coming later share it. The call
-    stalls the `running_rows` for its cost, of which `call_s` is what later prompts would not add to
-    (`prompts_this_step`): all of it where reading the weights sets it (Flash dimensions on an H100: a
-    bucket-16 prefill ~50 ms beside a 21 ms verify (17-22 ms since prompt chunks compute their logits
-    at the last token alone), paid on step after step while a speculating batch's
-    requests ended a few at a time, docs/BENCHMARKS.md), little where each row's compute does (the
-    CPU); each pending prompt meanwhile waits. So the call waits until the prompts' summed waits reach
-    running_rows x call_s: the TCP acknowledgment-delay rule (Dooly, Goldman and Scott), which for a
-    fixed call cost keeps the summed waits and stalls within twice the best schedule's (here the cost
-    moves with the bucket and the running rows, so that is its reason, not a bound). As TCP caps its
-    delayed acknowledgment, no prompt waits longer than MAX_WAIT_CALLS such calls (a lone prompt
-    beside 63 running rows would otherwise wait 63). Never for a prompt whose prefill has begun, with nothing running, or without
-    a profile (`call_s` None). Nor where prompts come too seldom for a wait to pay (`arrival_gap`: the
-    typical seconds between two admissions, `Arrivals`; None: unknown): waiting for the next one costs
-    the pending prompts about that gap each, and saves at most one stall, running_rows x call_s (Flash
-    dimensions, an H100, 4 requests: a lone prompt waited ~3 verify calls, while requests ended ~6
-    apart, and a slot stood empty on 17% of the steps, docs/BENCHMARKS.md)."""
+    stalls the `running_rows`; `saves[j - 1]` is the stall each of them is spared if j more prompts
+    share it (`sharing_saves`), and each pending prompt meanwhile waits. So the call waits until the
+    prompts' summed waits reach running_rows x the most it could save: the TCP acknowledgment-delay
+    rule (Dooly, Goldman and Scott), which for a fixed call cost keeps the summed waits and stalls
+    within twice the best schedule's (here the saving moves with the bucket and the running rows, so
+    that is its reason, not a bound). As TCP caps its delayed acknowledgment, no prompt waits longer
+    than MAX_WAIT_CALLS such savings (a lone prompt beside 63 running rows would otherwise wait 63).
+    Never for a prompt whose prefill has begun, with nothing running, or where sharing saves nothing
+    (no profile, or the next prompt would spill into a bucket as dear as two calls). Nor where prompts
+    come too seldom for a wait to pay (`arrival_gap`: the typical seconds between two admissions,
+    `Arrivals`; None: unknown): waiting for j more costs the n pending prompts about n j + j (j - 1) / 2
+    gaps, against running_rows x saves[j - 1] (Flash dimensions, an H100, 4 requests: a lone prompt
+    waited ~3 verify calls, while requests ended ~6 apart, and a slot stood empty on 17% of the
+    steps; on an H200 the same after the gap was weighed, as the second prompt spilled into bucket 4,
+    which cost 20.4 ms against bucket 1's 11.2, docs/BENCHMARKS.md)."""
     prompts = list(pending)
-    if not prompts or not running_rows or call_s is None or any(p.done for p in prompts):
+    if not prompts or not running_rows or not saves or max(saves) <= 0 or any(p.done for p in prompts):
         return False
-    if arrival_gap is not None and len(prompts) * arrival_gap >= running_rows * call_s:
+    n = len(prompts)
+    if arrival_gap is not None and all(arrival_gap * (n * j + j * (j - 1) / 2) >= running_rows * save
+                                       for j, save in enumerate(saves, 1)):
         return False
-    waits = [now - p.since for p in prompts]
-    return sum(waits) < running_rows * call_s and max(waits) < MAX_WAIT_CALLS * call_s
+    waits, most = [now - p.since for p in prompts], max(saves)
+    return sum(waits) < running_rows * most and max(waits) < MAX_WAIT_CALLS * most
+
+
+def sharing_saves(prefill_s: dict[int, float], buckets, rows: int, most: int) -> list[float]:
+    """Seconds of stall each running row is spared if the prefill call of `rows` prompts waits for j =
+    1, 2, ... more to share it (up to `most` prompts in the call), against issuing it now and each later
+    prompt in a call of its own: call(rows) + j x call(1) - call(rows + j), every call priced at its
+    bucket's profiled cost (`prefill_s`); the list ends where a bucket is not profiled. A prompt that
+    spills into a larger bucket may save little: prefill buckets 1 and 4 at 11.2 and 20.4 ms (Flash
+    dimensions, an H200) spare 2.0 ms for a second prompt, 13.2 for a third and 24.4 for a fourth."""
+    def call(n):
+        return prefill_s.get(next((b for b in buckets if b >= n), None))
+
+    first, alone, saves = call(rows), call(1), []
+    for j in range(1, most - rows + 1):
+        joint = call(rows + j)
+        if first is None or alone is None or joint is None:
+            break
+        saves.append(first + j * alone - joint)
+    return saves
 
 
 def prompts_this_step(pending: dict[int, PendingPrompt], running_rows: int, budget_rows: int, buckets,
-                      prefill_s: dict[int, float], row_s: float = 0.0, arrival_gap: float | None = None) -> int:
+                      prefill_s: dict[int, float], arrival_gap: float | None = None) -> int:
     """Prompts a step prefills: `prompts_to_prefill`'s, or none while `prefill_waits` holds the call
-    back. `prefill_s`: each bucket's prefill call's seconds (empty: never held back), `row_s`: what
-    they grow by per row, so what later prompts would not add to is the call's cost less its rows';
-    `arrival_gap`: `Arrivals.gap`."""
+    back. `prefill_s`: each bucket's prefill call's seconds (empty: never held back), `arrival_gap`:
+    `Arrivals.gap`. Later prompts may join the call up to the bucket the budget's call runs in."""
     rows = prompts_to_prefill(len(pending), budget_rows, buckets, running_rows > 0)
-    call_s = prefill_s.get(next((b for b in buckets if b >= rows), None))
-    shared = None if call_s is None else max(call_s - rows * row_s, 0.0)
-    return 0 if prefill_waits(pending.values(), running_rows, shared, time.perf_counter(), arrival_gap) else rows
+    most = next((b for b in buckets if b >= budget_rows), budget_rows)
+    saves = sharing_saves(prefill_s, buckets, rows, most)
+    return 0 if prefill_waits(pending.values(), running_rows, saves, time.perf_counter(), arrival_gap) else rows
 
 
 def call_slots(live: list[int], bucket: int, max_batch: int) -> np.ndarray:

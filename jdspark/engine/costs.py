@@ -258,7 +258,6 @@ class LiveCosts:
                  prefill_s: dict[int, float] | None = None):
         self.selectors, self.learn, self.price_host_paced = selectors, learn, True
         self.prefill_s = prefill_s or {}  # bucket -> its prefill call's profiled seconds (`batch.prefill_waits`)
-        self.prefill_row_s = row_cost(self.prefill_s)  # what a prefill call's cost grows by per row
         self.offsets = {n: {"decode": 0.0, "verify": 0.0} for n in selectors}
         self.switch = dict.fromkeys(selectors, 0.0)  # seconds a switched window takes beyond its kind's offset
         self._samples = {n: {kind: collections.deque(maxlen=self.SAMPLES) for kind in ("decode", "verify", "switch")}
@@ -382,14 +381,6 @@ def measured_selectors(engine) -> tuple[dict[int, AdaptiveWidth], AdaptiveWidth,
     alone = jax.process_count() == 1
     prefill_s = {n: measured[n]["prefill"] for n in engine.config.prefill_buckets}
     return selectors, selectors[max(selectors)], LiveCosts(selectors, learn=alone, prefill_s=prefill_s if alone else None)
-
-
-def row_cost(calls: dict[int, float]) -> float:
-    """Seconds a call's cost grows by per row: the slope of the line through the buckets' profiled
-    costs (least squares), at least 0; 0 with one bucket."""
-    if len(calls) < 2:
-        return 0.0
-    return max(float(np.polyfit(list(calls), list(calls.values()), 1)[0]), 0.0)
 
 
 def summary(policy) -> dict:

@@ -198,8 +198,7 @@ class Engine(PromptIntake, SpeculationPolicy):
         riders = [] if segment is not None else self._riders(len(running))
         waiting = {b: prompt for b, prompt in self._pending.items() if b not in riders and b != segment}
         rows = prompts_this_step(waiting, len(running), self.prefill_rows, self.config.prefill_buckets,
-                                 self.live.prefill_s if self.batch_prefills else {}, self.live.prefill_row_s,
-                                 self.arrivals.gap())
+                                 self.live.prefill_s if self.batch_prefills else {}, self.arrivals.gap())
         issued = [self._issue_prefill(list(waiting)[:rows])] if rows else []
         running += [b for call in issued for b, (seq, _, last) in call.prompts.items() if last and seq.may_issue()]
         if running:

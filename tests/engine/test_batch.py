@@ -45,25 +45,25 @@ def test_a_prefill_waits_until_the_prompts_summed_waits_reach_the_stall_it_costs
     """4 running rows, a call of 10 ms: it stalls 40 row-ms, so it waits while the pending prompts
     have waited less than 40 ms in all. Mutation caught: comparing the longest wait, not the sum
     (two prompts of 25 ms each would wait on)."""
-    assert prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.039)
-    assert not prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.041)
-    assert not prefill_waits(pending_since(1.0, 1.0), running_rows=4, call_s=0.010, now=1.025)
-    assert prefill_waits(pending_since(1.0, 1.02), running_rows=4, call_s=0.010, now=1.025)
+    assert prefill_waits(pending_since(1.0), running_rows=4, saves=[0.010], now=1.039)
+    assert not prefill_waits(pending_since(1.0), running_rows=4, saves=[0.010], now=1.041)
+    assert not prefill_waits(pending_since(1.0, 1.0), running_rows=4, saves=[0.010], now=1.025)
+    assert prefill_waits(pending_since(1.0, 1.02), running_rows=4, saves=[0.010], now=1.025)
 
 
 def test_no_prompt_waits_longer_than_max_wait_calls_of_the_call():
     """Beside 63 running rows a lone prompt would wait 63 calls; it waits 8 (`MAX_WAIT_CALLS`).
     Mutation caught: no cap."""
     limit = batch.MAX_WAIT_CALLS * 0.010
-    assert prefill_waits(pending_since(1.0), running_rows=63, call_s=0.010, now=1.0 + limit - 0.001)
-    assert not prefill_waits(pending_since(1.0), running_rows=63, call_s=0.010, now=1.0 + limit + 0.001)
+    assert prefill_waits(pending_since(1.0), running_rows=63, saves=[0.010], now=1.0 + limit - 0.001)
+    assert not prefill_waits(pending_since(1.0), running_rows=63, saves=[0.010], now=1.0 + limit + 0.001)
 
 
 def test_a_prefill_never_waits_with_nothing_running_without_a_profile_or_once_a_prompt_began():
-    assert not prefill_waits(pending_since(1.0), running_rows=0, call_s=0.010, now=1.0)
-    assert not prefill_waits(pending_since(1.0), running_rows=4, call_s=None, now=1.0)
-    assert not prefill_waits(pending_since(1.0, done=8), running_rows=4, call_s=0.010, now=1.0)  # its chunks go on
-    assert not prefill_waits([], running_rows=4, call_s=0.010, now=1.0)
+    assert not prefill_waits(pending_since(1.0), running_rows=0, saves=[0.010], now=1.0)
+    assert not prefill_waits(pending_since(1.0), running_rows=4, saves=None, now=1.0)
+    assert not prefill_waits(pending_since(1.0, done=8), running_rows=4, saves=[0.010], now=1.0)  # its chunks go on
+    assert not prefill_waits([], running_rows=4, saves=[0.010], now=1.0)
 
 
 def test_a_prefill_does_not_wait_where_prompts_come_too_seldom_for_the_wait_to_pay():
@@ -71,42 +71,59 @@ def test_a_prefill_does_not_wait_where_prompts_come_too_seldom_for_the_wait_to_p
     at once, since waiting for the next would cost it ~50 ms; 5 ms apart it waits as before, and two
     pending prompts 25 ms apart (50 ms of waits for the next) go. Mutation caught: the gap not weighed
     by the pending prompts."""
-    assert not prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.001, arrival_gap=0.050)
-    assert prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.001, arrival_gap=0.005)
-    assert prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.001, arrival_gap=None)
-    assert prefill_waits(pending_since(1.0), running_rows=4, call_s=0.010, now=1.001, arrival_gap=0.025)
-    assert not prefill_waits(pending_since(1.0, 1.0), running_rows=4, call_s=0.010, now=1.001, arrival_gap=0.025)
+    assert not prefill_waits(pending_since(1.0), running_rows=4, saves=[0.010], now=1.001, arrival_gap=0.050)
+    assert prefill_waits(pending_since(1.0), running_rows=4, saves=[0.010], now=1.001, arrival_gap=0.005)
+    assert prefill_waits(pending_since(1.0), running_rows=4, saves=[0.010], now=1.001, arrival_gap=None)
+    assert prefill_waits(pending_since(1.0), running_rows=4, saves=[0.010], now=1.001, arrival_gap=0.025)
+    assert not prefill_waits(pending_since(1.0, 1.0), running_rows=4, saves=[0.010], now=1.001, arrival_gap=0.025)
 
 
-def test_arrivals_tell_the_median_gap_between_admissions_once_there_are_enough():
-    """Prompts admitted together count once, a long idle gap does not move the median far, and fewer
-    than GAPS + 1 admissions tell nothing. Mutation caught: each of a wave's prompts counted (a median of
-    0: the next prompt expected at once)."""
+def test_arrivals_tell_the_mean_gap_between_admissions_once_there_are_enough():
+    """Prompts admitted together count once, gaps short and long average (their rate), and fewer than
+    GAPS + 1 admissions tell nothing. Mutations caught: each of a wave's prompts counted (a gap of 0:
+    the next prompt expected at once); the median (threes 10 ms apart, 180 ms between them: 10 ms)."""
     arrivals = batch.Arrivals()
-    times = [0.0, 0.0, 0.0, 0.0, 0.1, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 5.0]  # waves of 4 and 2, then idle
+    times = [0.0, 0.0, 0.0, 0.0, 0.1, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]  # waves of 4 and 2, then one by one
     for t in times[:-1]:
         arrivals.admitted(t)
         assert arrivals.gap() is None
     arrivals.admitted(times[-1])
     assert arrivals.gap() == pytest.approx(0.1)
-    for t in (5.05, 5.1, 5.15, 5.2):  # four gaps of 50 ms in, the oldest four of 100 ms out
+    for t in (0.81, 0.82, 1.0, 1.01, 1.02, 1.2, 1.21, 1.22):  # threes 10 ms apart, 180 ms between them
         arrivals.admitted(t)
-    assert arrivals.gap() == pytest.approx(0.075)
+    assert arrivals.gap() == pytest.approx(0.0525)
+    arrivals.admitted(5.0)  # after an idle spell: a longer mean, fewer calls held back
+    assert arrivals.gap() == pytest.approx((5.0 - 0.81) / 8)
 
 
-def test_the_step_prices_the_call_of_the_bucket_it_would_run_in():
-    """Three pending prompts run in bucket 4: its call's cost decides, not bucket 1's. An empty
-    profile never holds a call back."""
+def test_the_step_prices_the_calls_of_the_buckets_they_would_run_in():
+    """Three pending prompts run in bucket 4, and a fourth would join them there: it would be spared a
+    call of its own, bucket 1's. An empty profile never holds a call back."""
     pending = dict(enumerate(pending_since(*[time.perf_counter() - 1000.0] * 3)))  # waited past any small stall
     assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 1e-6, 4: 1e-6}) == 3
-    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 1e-6, 4: 1e9}) == 0
+    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 1e9, 4: 1e9}) == 0
+    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 1e-6, 4: 1e9}) == 3  # the fourth saves 1e-6 s
     assert prompts_this_step(pending, 2, 16, (1, 4, 16), {}) == 3
 
 
-def test_the_call_waits_only_for_the_part_of_its_cost_later_prompts_would_not_add_to():
-    """A call of 1 s in bucket 4 whose cost grows 0.3 s a row: three prompts in it leave 0.1 s that
-    later ones would share, so 2 running rows wait 0.2 row-s in all, not 2."""
-    pending = dict(enumerate(pending_since(*[time.perf_counter() - 0.1] * 3)))  # 0.3 row-s waited, past 0.2
-    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 0.1, 4: 1.0}, row_s=0.3) == 3
-    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 0.1, 4: 1.0}, row_s=0.0) == 0  # the whole call: 2 row-s
-    assert prompts_this_step(pending, 2, 16, (1, 4, 16), {1: 0.1, 4: 1.0}, row_s=0.0, arrival_gap=1.0) == 3
+def test_sharing_saves_what_later_prompts_would_not_pay_in_calls_of_their_own():
+    """Buckets 1 and 4 at 11.2 and 20.4 ms (Flash dimensions, an H200): a lone prompt's call shared with
+    a second saves 2.0 ms, with a third 13.2, with a fourth 24.4; a fifth would need bucket 16, not
+    profiled, so the list ends. Two prompts already in bucket 4: each later one saves bucket 1's call."""
+    assert batch.sharing_saves({1: 0.0112, 4: 0.0204}, (1, 4, 16), 1, 16) == pytest.approx([0.002, 0.0132, 0.0244])
+    assert batch.sharing_saves({1: 0.0112, 4: 0.0204}, (1, 4, 16), 2, 16) == pytest.approx([0.0112, 0.0224])
+    assert batch.sharing_saves({1: 0.0112, 4: 0.0204}, (1, 4, 16), 1, 1) == []  # nothing may join
+    assert batch.sharing_saves({}, (1, 4, 16), 1, 16) == []
+
+
+def test_a_lone_prompt_does_not_wait_for_partners_whose_bucket_saves_too_little():
+    """Flash dimensions, an H200, 3 running rows: waiting for one more prompt spares each row 2.0 ms,
+    for three 24.4 ms against ~6 gaps of waiting, so with prompts 20 ms apart the call goes at once;
+    5 ms apart they share it. Mutation caught: the call priced at its cost less its rows' slope through
+    the buckets (the rule before: 8.1 ms x 3 rows against one 20 ms gap held it)."""
+    pending = dict(enumerate(pending_since(time.perf_counter())))
+    prefill_s = {1: 0.0112, 4: 0.0204}
+    assert prompts_this_step(pending, 3, 4, (1, 4), prefill_s, arrival_gap=0.060) == 1
+    assert prompts_this_step(pending, 3, 4, (1, 4), prefill_s, arrival_gap=0.020) == 1
+    assert prompts_this_step(pending, 3, 4, (1, 4), prefill_s, arrival_gap=0.005) == 0
+    assert prompts_this_step(pending, 3, 4, (1, 4), prefill_s) == 0  # no gap known: the summed-wait rule

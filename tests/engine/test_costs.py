@@ -283,13 +283,6 @@ def test_a_bucket_forgets_at_once_when_the_limit_falls_below_its_decode_run():
     assert live.policy(1).step_costs[5] == pytest.approx(base.step_costs[5])
 
 
-def test_a_prefill_calls_cost_per_row_is_the_slope_through_the_buckets():
-    assert costs.row_cost({1: 0.011, 4: 0.041, 16: 0.161}) == pytest.approx(0.010)
-    assert costs.row_cost({16: 0.028}) == 0.0  # one bucket: every call costs the same
-    assert costs.row_cost({1: 0.002, 4: 0.002, 16: 0.001}) == 0.0  # flat (or noise below it): nothing per row
-    assert costs.LiveCosts({}, prefill_s={1: 0.011, 4: 0.041}).prefill_row_s == pytest.approx(0.010)
-
-
 def test_with_several_processes_the_live_costs_read_no_clock(monkeypatch):
     """Each process times its own steps: learning from them, or holding prefills back on them, could
     make processes issue different calls. One process learns and holds back; two do neither. (A
