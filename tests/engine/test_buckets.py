@@ -228,18 +228,22 @@ class StubArrivals:
         return self._gap
 
 
-@pytest.mark.parametrize("batch_prefills, gap", [(True, None), (False, None), (True, 1e4)],
-                         ids=["held_back", "at_once", "prompts_seldom"])
-def test_a_new_prompt_waits_for_the_running_one_where_its_prefill_call_costs_more(engine, alone, batch_prefills, gap):
-    """A prefill priced at 1000 s a call (`LiveCosts.prefill_s`): beside a running request the new
-    prompt's call is held back until nothing runs (`batch.prefill_waits`), so its first token comes
-    in the step after the running request's last; with `batch_prefills` off, or where prompts come
-    1e4 s apart (`Engine.arrivals`: a wait would not pay), it comes within two steps. All emit what
-    they emit alone, and each admission is one arrival. Target-only, so that the running request
-    issues a call on every step but its last (a speculating one skips a step where its unread drafts
-    could reach max_tokens, and nothing runs in that step)."""
+@pytest.mark.parametrize("batch_prefills, gap, rows", [(True, None, 16), (False, None, 16), (True, 1e4, 16),
+                                                        (True, None, 1)],
+                         ids=["held_back", "at_once", "prompts_seldom", "one_prompt_a_call"])
+def test_a_new_prompt_waits_for_the_running_one_where_its_prefill_call_costs_more(engine, alone, batch_prefills, gap,
+                                                                                  rows):
+    """A prefill priced at 1000 s a call (`LiveCosts.prefill_s`), a budget of 16 prompts a call (the
+    GPU's default): beside a running request the new prompt's call is held back until nothing runs
+    (`batch.prefill_waits`), so its first token comes in the step after the running request's last;
+    with `batch_prefills` off, where prompts come 1e4 s apart (`Engine.arrivals`: a wait would not
+    pay), or with a budget of one prompt a call (the CPU's default: none could share it), it comes
+    within two steps. All emit what they emit alone, and each admission is one arrival. Target-only,
+    so that the running request issues a call on every step but its last (a speculating one skips a
+    step where its unread drafts could reach max_tokens, and nothing runs in that step)."""
     live, engine.live = engine.live, costs.LiveCosts({}, prefill_s={n: 1000.0 for n in (1, 4, 16)})
     arrivals, engine.arrivals = engine.arrivals, StubArrivals(gap)
+    budget, engine.prefill_rows = engine.prefill_rows, rows
     engine.batch_prefills = batch_prefills
     engine.set_policy(speculative=False)
     try:
@@ -254,8 +258,9 @@ def test_a_new_prompt_waits_for_the_running_one_where_its_prefill_call_costs_mor
                 last_step[rid] = step
     finally:
         stub, engine.live, engine.arrivals, engine.batch_prefills = engine.arrivals, live, arrivals, True
+        engine.prefill_rows = budget
         engine.set_policy(speculative=True)
-    held = batch_prefills and gap is None
+    held = batch_prefills and gap is None and rows > 1
     assert (first_step[new] > last_step[running.request_id]) == held
     assert held or first_step[new] <= 2
     assert got[running.request_id] == alone[1] and got[new] == alone[0]
