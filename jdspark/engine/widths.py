@@ -28,7 +28,7 @@ import numpy as np
 from jdspark.engine.errors import EngineError
 from jdspark.engine.options import WidthPolicy
 from jdspark.speculative.budget import allocate_widths, padded_cost
-from jdspark.speculative.selector import AdaptiveWidth
+from jdspark.speculative.selector import DRAFT_MARGIN, AdaptiveWidth
 
 
 def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, bool], policy: WidthPolicy,
@@ -65,7 +65,8 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     tokens per second over all rows, sum_i E_i(width_i) / S(K), wins among the compiled widths (only
     those up to the rows' own widest while none is lifted: narrower ones clip rows) and, if
     `may_decode` (the engine's pauses are on: a decode call refreshes no confidences, and the
-    pauses' probes are what drafts again), the decode call; the rows' own choice stays unless
+    pauses' probes are what drafts again), the decode call, unless the best width is priced more than
+    `selector.DRAFT_MARGIN` above it (what drafting costs beyond its calls); the rows' own choice stays unless
     another is strictly better. Alone and not lifted, a row keeps its own choice: it already
     maximises E(k) / S(k), and the pause compared it with decoding.
 
@@ -103,7 +104,7 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
             start = np.ones((1, expected.shape[1] - 1)) if probe_confidence is None else probe_confidence[None]
             probed = tokens_per_second(table, probe_tokens=policy.expected_tokens(start)[0])
             could = max(probed[sorted(compiled)].tolist())
-        if len(rows) / (policy.decode_cost + switch_cost * (stay != "decode")) > could:
+        if len(rows) * (1.0 + DRAFT_MARGIN) / (policy.decode_cost + switch_cost * (stay != "decode")) >= could:
             return None, {b: 0 for b in rows}
     return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}
 

@@ -14,6 +14,15 @@ import math
 import numpy as np
 
 
+DRAFT_MARGIN = 0.10  # how much more per second than a plain decode call drafting must be priced to bring
+# Drafting costs what E(k) / S(k) does not count: a speculating batch's requests end on different steps,
+# each leaving its slot empty for a step or two of the longer verify calls and taking a prefill call of its
+# own, where target-only requests of one length end and refill together, and a request's last drafts are
+# cut at max_tokens. Flash dimensions on an H200, 4 requests of 64 tokens (docs/BENCHMARKS.md): width 3
+# priced 0-5% above decoding was served at 0.82-0.94 of it, with 3.2-3.8 of 4 rows a step; every regime
+# where drafting paid was priced far above this (the embedded model: 1.1-1.8x).
+
+
 def floored_costs(verify_costs) -> np.ndarray:
     """V as measured, floored at 1e-6. Not forced non-decreasing (vLLM's running max): each width is its
     own executable, and on the H200 some compiled slower than wider ones (bucket 1: step3 4.27 ms,
@@ -105,11 +114,12 @@ class AdaptiveWidth:
 
     def drafting_pays(self, confidences) -> np.ndarray:
         """[R] bool: whether the best width's E(k) / (D + V(k)) beats a plain decode call's one token
-        per `decode_cost` (strictly: a tie keeps the cheaper call). All True without a decode cost."""
+        per `decode_cost` by more than DRAFT_MARGIN (a tie keeps the cheaper call). All True without a
+        decode cost."""
         throughputs = self._throughputs(confidences)
         if self.decode_cost is None:
             return np.ones(throughputs.shape[0], bool)
-        return throughputs.max(axis=1) > 1.0 / self.decode_cost
+        return throughputs.max(axis=1) > (1.0 + DRAFT_MARGIN) / self.decode_cost
 
     def expected_tokens(self, confidences) -> np.ndarray:
         """[R, gamma + 1]: E(k) = 1 + sum_{i<=k} S_i per row and width, of checked [R, gamma] confidences.

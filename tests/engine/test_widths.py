@@ -13,7 +13,7 @@ from jdspark.engine.options import SpecOptions
 from jdspark.engine.request import SamplingParams
 from jdspark.engine.sequence import Sequence
 from jdspark.engine.widths import executable_width, price_for_the_batch, price_the_step, row_widths
-from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker
+from jdspark.speculative.selector import DRAFT_MARGIN, AdaptiveWidth, FallbackBreaker
 
 STALE = {0: np.array([0.9, 0.9, 0.9]), 3: np.array([0.2, 0.5, 0.5]), 5: np.array([1.0, 1.0, 0.1])}
 SPECULATING = {0: True, 3: True, 5: False}  # slot 5's breaker is cooling down
@@ -85,6 +85,16 @@ def test_a_drafting_step_is_priced_for_every_row_it_runs():
     assert price_the_step({0: 3, 1: 3}, {0: sure, 1: sure}, costs, COMPILED, may_decode=True) == (3, {0: 3, 1: 3})
     assert price_the_step({0: 3, 1: 0}, {0: sure, 1: cool}, costs, COMPILED, may_decode=True) == (None, {0: 0, 1: 0})
     assert price_the_step({0: 3, 1: 0}, {0: sure, 1: cool}, costs, COMPILED, may_decode=False) == (3, {0: 3, 1: 0})
+
+
+def test_a_drafting_step_must_be_priced_above_decoding_by_the_margin():
+    """Two sure rows at width 3 (4 tokens each), decode 1 s: S(3) priced at 1.05 tokens a second
+    beyond decoding's decodes, at 1.15 it drafts (`selector.DRAFT_MARGIN` = 0.10). Mutation caught:
+    no margin."""
+    sure = np.ones(3)
+    for gain, width in ((1.05, None), (1.15, 3)):
+        costs = AdaptiveWidth([4.0 / gain] * 4, 0.0, gamma=3, decode_cost=1.0)
+        assert price_the_step({0: 3, 1: 3}, {0: sure, 1: sure}, costs, COMPILED, may_decode=True)[0] == width
 
 
 def test_a_probe_drafts_only_where_its_best_case_could_make_the_draft_pay():
@@ -165,7 +175,7 @@ def priced_one_row_at_a_time(widths, stale, policy, compiled, may_decode, probin
         if probing & set(widths):
             start = expected(np.ones(len(cost) - 1) if probe_confidence is None else probe_confidence)
             could = max(rate(k, judge, start) for k in sorted(compiled))
-        if len(widths) / (policy.decode_cost + switch_cost * (stay != "decode")) > could:
+        if len(widths) * (1 + DRAFT_MARGIN) / (policy.decode_cost + switch_cost * (stay != "decode")) >= could:
             return None, dict.fromkeys(widths, 0)
     return best, {b: best if b in lifted else min(w, best) for b, w in widths.items()}
 

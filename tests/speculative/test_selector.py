@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jdspark.speculative import selector
 from jdspark.speculative.selector import AdaptiveWidth, FallbackBreaker, choose_width, floored_costs
 
 
@@ -70,13 +71,15 @@ def test_widths_of_a_batch_are_the_per_row_choices():
         policy.widths(np.full((1, 5), np.nan))
 
 
-def test_drafting_pays_where_the_best_width_beats_a_plain_decode():
+def test_drafting_pays_where_the_best_width_beats_a_plain_decode_by_the_margin():
+    """Mutation caught: no margin (rows priced between 1 and 1 + DRAFT_MARGIN times decoding)."""
     rng = np.random.default_rng(3)
-    v, d, decode = np.sort(rng.random(6)) * 5e-3 + 1e-3, 2e-3, 1.5e-3
+    v, d, decode = np.sort(rng.random(6)) * 5e-3 + 1e-3, 2e-3, 2e-3
     c = rng.random((200, 5))
     best = (1.0 + np.concatenate([np.zeros((200, 1)), np.cumsum(np.cumprod(c, axis=1), axis=1)], axis=1)) / (d + v)
     pays = AdaptiveWidth(v, d, gamma=5, decode_cost=decode).drafting_pays(c)
-    np.testing.assert_array_equal(pays, best.max(axis=1) > 1 / decode)
+    np.testing.assert_array_equal(pays, best.max(axis=1) > (1 + selector.DRAFT_MARGIN) / decode)
+    assert (best.max(axis=1) > 1 / decode).sum() > pays.sum()  # the margin keeps some rows decoding
     assert 0 < pays.sum() < 200  # both answers occur
     assert AdaptiveWidth(v, d, gamma=5).drafting_pays(c).all()  # no decode cost: never pauses
     with pytest.raises(ValueError, match="decode_cost=0.0"):
