@@ -124,13 +124,13 @@ def test_expensive_wide_widths_make_the_engine_choose_narrow_ones(engine):
 
 
 def test_where_drafting_does_not_pay_the_engine_decodes_and_probes(engine):
-    """S(k) = 23.96 ms for every width, decode 4 ms: drafting pays only on confidences of 1 (E(5) = 6
-    tokens per 23.96 ms against 1 per 4 ms). The new request drafts once, then decodes without
+    """S(k) = 21.5 ms for every width, decode 4 ms: drafting pays only on confidences of 1 (E(5) = 6
+    tokens per 21.5 ms, 1.12x of 1 per 4 ms: past `selector.DRAFT_MARGIN`). The new request drafts once, then decodes without
     drafting, drafts once after each pause to refresh its confidences, each pause twice the one
     before (4, 8, ... steps), and emits the target-only tokens. Mutation caught: no pause (every step
     drafts), a pause that never ends, no backoff, or a probe judged on the stale confidences that
     paused it (it would never draft again)."""
-    policy = AdaptiveWidth([0.01396] * 6, 0.010, gamma=5, decode_cost=0.004)
+    policy = AdaptiveWidth([0.0115] * 6, 0.010, gamma=5, decode_cost=0.004)
     reference, slot, records = generate_recorded(engine, policy)
     assert slot.token_ids == reference
     drafted = [r.drafted_call for r in records]
@@ -152,12 +152,13 @@ def test_a_probe_that_could_not_pay_even_on_perfect_confidences_waits(engine):
 
 
 def test_one_call_runs_every_row_so_the_step_is_priced_for_the_batch(engine):
-    """S(k) = 23.96 ms for every width, decode 4 ms: a lone new request (confidences 1, E(5) = 6)
-    drafts, 6 tokens per 23.96 ms beating 1 per 4 ms, and any request with real confidences pauses.
-    Next to a paused request a new one would still draft on its own terms, but the call would cost
-    both rows 23.96 ms for 1 + 6 tokens against 2 tokens per 4 ms: the step decodes. Mutation
+    """S(k) = 21.5 ms for every width, decode 4 ms: a lone new request (confidences 1, E(5) = 6)
+    drafts, 6 tokens per 21.5 ms beating 1 per 4 ms by more than `selector.DRAFT_MARGIN`, and any
+    request with real confidences pauses. Next to a paused request a new one would still draft on its
+    own terms, but the call would cost both rows 21.5 ms for 1 + 6 tokens against 2 tokens per 4 ms:
+    the step decodes. Mutation
     caught: pricing rows one by one (the new request's steps draft). Tokens are the target-only ones."""
-    policy = AdaptiveWidth([0.01396] * 6, 0.010, gamma=5, decode_cost=0.004)
+    policy = AdaptiveWidth([0.0115] * 6, 0.010, gamma=5, decode_cost=0.004)
     completions, records = join_after_three_steps(engine, policy, SpecOptions(pause_steps=64, first_confidence="ones"))
     assert records[0].drafted_call and not any(r.drafted_call for r in records[1:3])  # alone, then paused
     together = [r for r in records if len(r.rows) == 2]
