@@ -19,8 +19,9 @@ DRAFT_MARGIN = 0.10  # how much more per second than a plain decode call draftin
 # each leaving its slot empty for a step or two of the longer verify calls and taking a prefill call of its
 # own, where target-only requests of one length end and refill together, and a request's last drafts are
 # cut at max_tokens. Flash dimensions on an H200, 4 requests of 64 tokens (docs/BENCHMARKS.md): width 3
-# priced 0-5% above decoding was served at 0.82-0.94 of it, with 3.2-3.8 of 4 rows a step; every regime
-# where drafting paid was priced far above this (the embedded model: 1.1-1.8x).
+# priced 0-5% above decoding was served at 0.82-0.94 of it, with 3.2-3.8 of 4 rows a step. Its price:
+# where drafting brings less than that, the engine decodes (the embedded model at c = 16 on an H100:
+# width 5 served 1.05x of target-only).
 
 
 def floored_costs(verify_costs) -> np.ndarray:
