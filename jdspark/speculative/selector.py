@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 
-DRAFT_MARGIN = 0.10  # how much more per second than a plain decode call drafting must be priced to bring
+DRAFT_MARGIN = 0.10  # drafting is chosen only where priced above (1 + this) x a plain decode call's tokens a second.
 # Drafting costs what E(k) / S(k) does not count: a speculating batch's requests end on different steps,
 # each leaving its slot empty for a step or two of the longer verify calls and taking a prefill call of its
 # own, where target-only requests of one length end and refill together, and a request's last drafts are
