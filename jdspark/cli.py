@@ -164,9 +164,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefill-wait", dest="prefill_wait", action="store_false",
                    help="prefill new prompts at the next step; by default, where the engine measured its calls' "
                         "costs (adaptive widths), a prefill call beside running requests waits for more prompts to "
-                        "share it while their waits cost less than its stall of the running ones, each at most 8 "
-                        "such calls, and only where prompts come often enough for that (without it: a shorter "
-                        "time to first token, less throughput and longer inter-token gaps under load)")
+                        "share it while their waits cost less than the stall of the running ones that sharing "
+                        "saves, each at most 8 such savings, and only where prompts come often enough for that "
+                        "(without it: a shorter time to first token, less throughput and longer inter-token gaps "
+                        "under load)")
     p.add_argument("--ride-prompts", type=int, default=RIDE_PROMPTS,
                    help="beside running requests, prompts with at most this many tokens left ride in the verify calls, "
                         "the step's width + 1 tokens a call, instead of taking prefill calls of their own (0: never)")

@@ -219,7 +219,10 @@ def copy_bandwidth(n_bytes: int, runs: int = 20, queued: int = 10) -> float:
     copies issued back to back and synced once, after WARM_S of copies (clocks up). Timed one copy at a
     time, first thing in the process, it had read 2154 and 2581 GB/s on one H200 in two runs of one
     session (2734-2856 in earlier ones), and every floor moved with it."""
+    if runs < 1 or queued < 1:
+        raise ValueError(f"runs={runs}, queued={queued}: each must be >= 1")
     x = jnp.ones((n_bytes // 2,), jnp.bfloat16)
+    _copy(x).block_until_ready()  # compiled outside the warm-up
     start = time.perf_counter()
     while time.perf_counter() - start < WARM_S:
         _copy(x).block_until_ready()

@@ -155,7 +155,9 @@ def set_mode(engine, mode: str, ride_prompts: int = 0) -> None:
     if engine.selectors:  # an adaptive engine: its selectors measured under the mode's profile
         engine.set_policy(options=dataclasses.replace(engine.options, profile=profile))
     options = engine.options
-    live = engine.live  # each mode learns its own steps, as a fresh server would (not the last mode's)
+    # each mode learns its own steps, as a fresh server would (not the last mode's); the engine's cache of
+    # its profiles (`_measured`) keeps the old object, which the next set_mode replaces again
+    live = engine.live
     engine.live = type(live)(live.selectors, learn=live.learn, prefill_s=live.prefill_s)
     engine.live.price_host_paced = mode != "per_request_queued_profiled"
     engine.live.FORGET_AFTER = 2 ** 62 if mode == "per_request_queued_remembering" else type(engine.live).FORGET_AFTER
@@ -495,7 +497,8 @@ def main(argv=None) -> int:
                       + f"  slowest steps {level['slowest_steps_ms']} ms",
                       flush=True)
             if args.out:  # after every level, so a run cut short keeps what it measured
-                Path(args.out).write_text(json.dumps({"startup_s": startup, "levels": results}, indent=1))
+                Path(args.out).write_text(json.dumps({"startup_s": startup, "temperature": args.temperature,
+                                                      "levels": results}, indent=1))
     print_medians(results)
     if profiles:
         Path(args.host_profile).write_text("".join(top_functions(label, prof) for label, prof in profiles.items()))

@@ -47,7 +47,7 @@ def prompts_to_prefill(pending: int, budget_rows: int, buckets, running: bool) -
     return min(pending, fill)
 
 
-MAX_WAIT_CALLS = 8  # the longest a prompt waits for others to share its prefill call, in such calls
+MAX_WAIT_CALLS = 8  # the longest a prompt waits for others to share its prefill call, in the savings it waits for
 
 
 class Arrivals:
@@ -58,7 +58,9 @@ class Arrivals:
     partners came ~77 ms apart on average, Flash dimensions on an H200, 4 requests). An idle spell
     raises the mean, which only holds fewer calls back (each prefill as it comes). Prompts admitted
     together (one `Engine.admit`, or within SAME_S) count once: they are pending together, and a run of
-    zero gaps would say that the next prompt comes at once (requests of one wave ending on one step)."""
+    zero gaps would say that the next prompt comes at once (requests of one wave ending on one step).
+    The gap does not age: a prompt coming after a burst is judged on the burst's gaps, its own
+    included (a hold still ends at its summed waits or MAX_WAIT_CALLS)."""
 
     GAPS = 8
     SAME_S = 0.001
@@ -81,29 +83,32 @@ def prefill_waits(pending: Iterable[PendingPrompt], running_rows: int, saves: li
                   arrival_gap: float | None = None) -> bool:
     """Whether a step holds its prefill call back, so that prompts coming later share it. The call
     stalls the `running_rows`; `saves[j - 1]` is the stall each of them is spared if j more prompts
-    share it (`sharing_saves`), and each pending prompt meanwhile waits. So the call waits until the
-    prompts' summed waits reach running_rows x the most it could save: the TCP acknowledgment-delay
-    rule (Dooly, Goldman and Scott), which for a fixed call cost keeps the summed waits and stalls
-    within twice the best schedule's (here the saving moves with the bucket and the running rows, so
-    that is its reason, not a bound). As TCP caps its delayed acknowledgment, no prompt waits longer
-    than MAX_WAIT_CALLS such savings (a lone prompt beside 63 running rows would otherwise wait 63).
-    Never for a prompt whose prefill has begun, with nothing running, or where sharing saves nothing
-    (no profile, or the next prompt would spill into a bucket as dear as two calls). Nor where prompts
-    come too seldom for a wait to pay (`arrival_gap`: the typical seconds between two admissions,
-    `Arrivals`; None: unknown): waiting for j more costs the n pending prompts about n j + j (j - 1) / 2
-    gaps, against running_rows x saves[j - 1] (Flash dimensions, an H100, 4 requests: a lone prompt
-    waited ~3 verify calls, while requests ended ~6 apart, and a slot stood empty on 17% of the
-    steps; on an H200 the same after the gap was weighed, as the second prompt spilled into bucket 4,
-    which cost 20.4 ms against bucket 1's 11.2, docs/BENCHMARKS.md)."""
+    share it (`sharing_saves`), and each pending prompt meanwhile waits. The hold aims at the j whose
+    saving pays best: with `arrival_gap` (the mean seconds between two admissions, `Arrivals`), waiting
+    for j more costs the n pending prompts about n j + j (j - 1) / 2 gaps, so the j with the most
+    running_rows x saves[j - 1] beyond that, and no hold where none gains (Flash dimensions, an H100, 4
+    requests: a lone prompt waited ~3 verify calls, while requests ended ~6 apart, and a slot stood
+    empty on 17% of the steps; on an H200 the same with the gap weighed, the second prompt spilling
+    into bucket 4: 20.4 ms against bucket 1's 11.2, docs/BENCHMARKS.md); with no gap known, the next
+    prompt's saving alone. The call then waits until the prompts' summed waits reach running_rows x that
+    saving: the TCP acknowledgment-delay rule (Dooly, Goldman and Scott), which for a fixed call cost
+    keeps the summed waits and stalls within twice the best schedule's (here the saving moves with the
+    bucket and the running rows, so that is its reason, not a bound). As TCP caps its delayed
+    acknowledgment, no prompt waits longer than MAX_WAIT_CALLS such savings (a lone prompt beside 63
+    running rows would otherwise wait 63). Never for a prompt whose prefill has begun, with nothing
+    running, or where the aimed-at saving is none (no profile, or a next prompt that spills into a
+    bucket as dear as its own call)."""
     prompts = list(pending)
-    if not prompts or not running_rows or not saves or max(saves) <= 0 or any(p.done for p in prompts):
+    if not prompts or not running_rows or not saves or any(p.done for p in prompts):
         return False
-    n = len(prompts)
-    if arrival_gap is not None and all(arrival_gap * (n * j + j * (j - 1) / 2) >= running_rows * save
-                                       for j, save in enumerate(saves, 1)):
+    n, save = len(prompts), saves[0]
+    if arrival_gap is not None:
+        gains = [running_rows * s - arrival_gap * (n * j + j * (j - 1) / 2) for j, s in enumerate(saves, 1)]
+        save = saves[max(range(len(gains)), key=gains.__getitem__)] if max(gains) > 0 else 0.0
+    if save <= 0:
         return False
-    waits, most = [now - p.since for p in prompts], max(saves)
-    return sum(waits) < running_rows * most and max(waits) < MAX_WAIT_CALLS * most
+    waits = [now - p.since for p in prompts]
+    return sum(waits) < running_rows * save and max(waits) < MAX_WAIT_CALLS * save
 
 
 def sharing_saves(prefill_s: dict[int, float], buckets, rows: int, most: int) -> list[float]:
@@ -131,6 +136,8 @@ def prompts_this_step(pending: dict[int, PendingPrompt], running_rows: int, budg
     back. `prefill_s`: each bucket's prefill call's seconds (empty: never held back), `arrival_gap`:
     `Arrivals.gap`. Later prompts may join the call up to the bucket the budget's call runs in."""
     rows = prompts_to_prefill(len(pending), budget_rows, buckets, running_rows > 0)
+    if not rows or not running_rows or not prefill_s:
+        return rows  # nothing to hold (the savings' list is host time in every step)
     most = next((b for b in buckets if b >= budget_rows), budget_rows)
     saves = sharing_saves(prefill_s, buckets, rows, most)
     return 0 if prefill_waits(pending.values(), running_rows, saves, time.perf_counter(), arrival_gap) else rows

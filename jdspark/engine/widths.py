@@ -72,7 +72,7 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
 
     A probing row (`probing`: back from a pause) is judged as a new request would be, at
     `probe_confidence` (default ones, its best case; the engine passes where new requests start):
-    if even then no width beats the decode call, its probe could not change the choice, and the step
+    if even then no width beats the decode call by `DRAFT_MARGIN`, its probe could not change the choice, and the step
     decodes (the engine keeps the probe for a later step); otherwise the step drafts.
 
     `switch` = (the call issued last: a width, "decode" or None, the seconds issuing another costs;

@@ -127,3 +127,15 @@ def test_a_lone_prompt_does_not_wait_for_partners_whose_bucket_saves_too_little(
     assert prompts_this_step(pending, 3, 4, (1, 4), prefill_s, arrival_gap=0.020) == 1
     assert prompts_this_step(pending, 3, 4, (1, 4), prefill_s, arrival_gap=0.005) == 0
     assert prompts_this_step(pending, 3, 4, (1, 4), prefill_s) == 0  # no gap known: the summed-wait rule
+
+
+def test_the_hold_aims_at_the_saving_that_pays_best_not_the_largest():
+    """Buckets 1 / 4 / 16 at 10 / 20 / 50 ms, a budget of 16, one pending prompt, 15 running rows,
+    prompts 35 ms apart: three more prompts (20 ms saved, ~6 gaps of waiting) pay best; fifteen would
+    save 110 ms but take ~120 gaps. So the prompt waits at most 8 x 20 ms, not 8 x 110. Mutation
+    caught: the waits bounded by the largest saving."""
+    saves = batch.sharing_saves({1: 0.010, 4: 0.020, 16: 0.050}, (1, 4, 16), 1, 16)
+    assert saves[:3] == pytest.approx([0.0, 0.010, 0.020]) and max(saves) == pytest.approx(0.110)
+    assert prefill_waits(pending_since(1.0), running_rows=15, saves=saves, now=1.15, arrival_gap=0.035)
+    assert not prefill_waits(pending_since(1.0), running_rows=15, saves=saves, now=1.17, arrival_gap=0.035)
+    assert not prefill_waits(pending_since(1.0), running_rows=15, saves=saves, now=1.001)  # no gap: saves[0], 0

@@ -88,8 +88,8 @@ def test_a_drafting_step_is_priced_for_every_row_it_runs():
 
 
 def test_a_drafting_step_must_be_priced_above_decoding_by_the_margin():
-    """Two sure rows at width 3 (4 tokens each), decode 1 s: S(3) priced at 1.05 tokens a second
-    beyond decoding's decodes, at 1.15 it drafts (`selector.DRAFT_MARGIN` = 0.10). Mutation caught:
+    """Two sure rows at width 3 (4 tokens each), decode 1 s: S(3) priced at 1.05x decoding's tokens a
+    second decodes, at 1.15x it drafts (`selector.DRAFT_MARGIN` = 0.10). Mutation caught:
     no margin."""
     sure = np.ones(3)
     for gain, width in ((1.05, None), (1.15, 3)):
