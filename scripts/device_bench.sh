@@ -24,6 +24,8 @@
 #   bash scripts/device_bench.sh prefill-ab       (issue 26: Flash dims at c = 16, prefill buckets 16 64 against
 #       1 4 16 64, one process each on one compile cache)
 #   bash scripts/device_bench.sh sweep            (issue 23: routed-expert kernel tilings, then the model)
+#   bash scripts/device_bench.sh serve-engine keep-cache   (then the compile cache comes back: copy its parts into
+#       build/device-cache and carry that folder; the next machine's serve parts start warm)
 #   bash scripts/device_bench.sh kernel-tests many-rows   (the kernel's grouped form and missing slots compiled,
 #       then timed against the slot form and the former padding)
 set -uo pipefail
@@ -32,6 +34,11 @@ OUT=${OUT:-/tmp/jdspark-out}; WORK=${WORK:-/tmp/jdspark-work}; mkdir -p "$OUT" "
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD JDSPARK_CACHE=$WORK/cache
 CORPUS=${CORPUS:-build/corpus}; MODEL=${MODEL:-}
 ASSETS=jdspark/assets/tiny-code
+CARRIED=build/device-cache  # the serving benches' compile cache a `keep-cache` part brought back, carried in
+if ls "$CARRIED"/serve-xla.tar.gz.part* >/dev/null 2>&1 && [ ! -d "$WORK/serve-cache/xla" ]; then
+  mkdir -p "$WORK/serve-cache" && cat "$CARRIED"/serve-xla.tar.gz.part* | tar -xzf - -C "$WORK/serve-cache" \
+    && echo "compile cache from $CARRIED: $(du -sh "$WORK/serve-cache/xla" | cut -f1)"
+fi
 
 keep_model() {  # the checkpoint just trained in $WORK/tiny-code -> $OUT/tiny-code, and `eval` measures it
   [ -f "$WORK/tiny-code/config.json" ] || return 1
@@ -294,6 +301,16 @@ for part in "$@"; do
         ${SERVE_ARGS:---max-running 64} --concurrency ${CONCURRENCY:-1 4 16 64} --requests ${REQUESTS:-32} ${MODES:+--modes $MODES} \
         --rounds ${ROUNDS:-3} --out "$OUT/bench_serve_engine_${LABEL}.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench_serve_engine_${LABEL}.log" ;;
+    keep-cache)  # the serving benches' compile cache back through $OUT, in parts of 15 MiB (files come back up to 16
+      # MiB, 8 of them, 64 MiB in all): put them in build/device-cache and carry it, and a fresh machine of the same kind
+      # and jax loads the executables instead of compiling them (Flash dims, 12 executables: 197 s cold on an H100)
+      tar -czf "$WORK/serve-xla.tar.gz" -C "$WORK/serve-cache" xla
+      size=$(stat -c %s "$WORK/serve-xla.tar.gz")
+      if [ "$size" -le $((45 << 20)) ]; then
+        split -b 15M -d -a 1 "$WORK/serve-xla.tar.gz" "$OUT/serve-xla.tar.gz.part" && ls -l "$OUT"/serve-xla.tar.gz.part*
+      else
+        echo "compile cache $((size >> 20)) MiB compressed: over the 45 MiB kept back, not returned"
+      fi ;;
     *)
       echo "unknown part: $part" ;;
   esac
