@@ -1,8 +1,9 @@
 """Measured costs of the engine's executables, cached on disk per (device kind, model config,
 engine config, the executables themselves and what they run on: `programs_key`).
 
-A cost is, per call, the fastest of N samples of `QUEUED` calls of one compiled executable issued back
-to back on the engine's state and synchronised once (`SpecOptions(profile="queued")`, the default):
+A cost is, per call, what a call adds to `QUEUED` calls of one compiled executable issued back to back on
+the engine's state and synchronised once: the fastest of N such samples less the fastest of N samples of
+one call, over QUEUED - 1 (`measure`; `SpecOptions(profile="queued")`, the default):
 overlapped steps issue a call before reading the one before, so on a GPU the host's dispatch hides
 behind the device, and one call at a time prices what serving does not pay (H200, embedded model:
 step[5] profiled one at a time at 2.47 ms, its overlapped serving calls 2.01-2.11);
@@ -71,30 +72,37 @@ def programs_key(exe) -> str:
 
 
 WARM_S = 0.5  # warm-up rounds run at least this long (clocks up, caches filled)
-QUEUED = 4  # calls per timed sample of the "queued" profile
+QUEUED = 4  # calls per timed sample of the "queued" profile (besides samples of one call, `measure`)
+TIMING = "a queued call's addition"  # how `measure` prices queued calls (in the cache key: other timings measure again)
 
 
 def measure(run, labels, runs: int, reset=lambda: None, clock: Callable[[], float] = time.perf_counter,
             calls: dict[str, int] | None = None) -> list[float]:
-    """The fastest of `runs` timed samples per label (interference only slows a call), over `calls[label]`
-    (the calls one sample of it makes; default 1), in rounds that sample every label once; `run(label)`
-    runs one sample and blocks on it, `reset()` (untimed) runs before each sample; `clock` reads the
-    time (a test passes a fake one)."""
+    """Seconds a call of each label, from the fastest of `runs` timed samples (interference only slows a
+    call) in rounds that sample every label once; `run(label, n)` issues n calls and blocks on the last,
+    `reset()` (untimed) runs before each sample, `clock` reads the time. A label of `calls[label]` = N >
+    1 is also sampled with one call: (fastest N - fastest 1) / (N - 1) is what a call adds to a queue,
+    not the first call's idle wait after the sync (an H200 at Flash dimensions: ~1.1 ms; 4-call samples
+    had priced the decode call at 4.19 ms against its served 3.79); noise past that: fastest N / N."""
+    counts = {label: (calls or {}).get(label, 1) for label in labels}
+    samples = [(label, n) for label in labels for n in sorted({1, counts[label]})]
     start = clock()
     while True:  # warm-up rounds
-        for label in labels:
+        for label, n in samples:
             reset()
-            run(label)
+            run(label, n)
         if clock() - start >= WARM_S:
             break
-    times = {label: [] for label in labels}
+    times = {sample: [] for sample in samples}
     for _ in range(runs):
-        for label in labels:
+        for label, n in samples:
             reset()
             begin = clock()
-            run(label)
-            times[label].append(clock() - begin)
-    return [min(times[label]) / (calls or {}).get(label, 1) for label in labels]
+            run(label, n)
+            times[label, n].append(clock() - begin)
+    fastest = {sample: min(seconds) for sample, seconds in times.items()}
+    return [fastest[label, n] if n == 1 else (fastest[label, n] - fastest[label, 1]) / (n - 1)
+            if fastest[label, n] > fastest[label, 1] else fastest[label, n] / n for label, n in counts.items()]
 
 
 def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path | None, reprofile: bool,
@@ -143,7 +151,7 @@ def bucket_profile(engine, n: int) -> tuple[str, list[str]]:
               *(f"step{k}" for k in sorted(exe.step))]
     mesh = {"mesh": dict(engine.model.mesh.shape)} if engine.model.mesh is not None else {}  # other executables
     key = cost_key(engine.model.config.to_dict(), str(engine.model.dtype),
-                   {**dataclasses.asdict(engine.config), "bucket": n, "profile": profile, **mesh,
+                   {**dataclasses.asdict(engine.config), "bucket": n, "profile": profile, "timing": TIMING, **mesh,
                     "programs": programs_key(engine.exe)})
     return key, labels
 
@@ -183,8 +191,8 @@ def measure_bucket(engine, n: int) -> dict[str, float]:
     calls = {label: program(label) for label in labels}
     per_sample = {label: 1 if label == "prefill" else queued for label in labels}
 
-    def run(label):
-        for _ in range(per_sample[label]):
+    def run(label, n):
+        for _ in range(n):
             out, engine.state, engine.draft_cache = calls[label](engine.exe.params.arrays, engine.state,
                                                                  engine.draft_cache, slots)
         jax.block_until_ready(out)

@@ -24,7 +24,7 @@ class FakeClock:
 def test_warm_up_rounds_last_at_least_warm_s(tmp_path):
     clock, runs = FakeClock(), []
 
-    def run(label):
+    def run(label, n):
         runs.append(label)
         clock.now += 0.1
 
@@ -37,7 +37,7 @@ def test_reset_runs_before_every_call_and_is_not_timed(tmp_path):
     clock, calls = FakeClock(), []
     durations = {"step0": iter([100.0, 1.0, 5.0, 2.0]), "step2": iter([100.0, 3.0, 4.0, 9.0])}  # warm-up first
 
-    def run(label):
+    def run(label, n):
         calls.append(("run", label))
         clock.now += next(durations[label])
 
@@ -70,7 +70,7 @@ def test_a_damaged_cost_file_is_measured_again_and_rewritten_whole(tmp_path, cap
     measured again, not an error at every step; the file is then replaced whole (written aside first)."""
     clock, path = FakeClock(), tmp_path / "key.json"
 
-    def run(label):
+    def run(label, n):
         clock.now += 2.0
 
     for text in ("", '{"labels": ["step0"]', '{"labels": ["step0"], "costs_s": []}', "[1, 2]", '{"costs_s": [1]}'):
@@ -82,15 +82,24 @@ def test_a_damaged_cost_file_is_measured_again_and_rewritten_whole(tmp_path, cap
     assert list(tmp_path.iterdir()) == [path]
 
 
-def test_a_queued_sample_is_priced_per_call():
-    """The "queued" profile times samples of several calls issued back to back: a cost is per call (a
-    label's own count: the prefill is sampled one call at a time)."""
-    clock = FakeClock()
+def test_a_queued_call_is_priced_at_what_it_adds_to_the_queue():
+    """The "queued" profile times samples of several calls issued back to back and of one: a call
+    costs what it adds (the first call's 1 s wait after the sync left out); a label's own count: the
+    prefill is sampled one call at a time. Where noise makes the later calls add nothing, the
+    average. Mutation caught: the sample's average (9 s / 4 = 2.25 s)."""
+    clock, sampled = FakeClock(), []
 
-    def run(label):  # one sample: 4 calls of 2 s each, or one prefill of 3 s
-        clock.now += 4 * 2.0 if label == "step5" else 3.0
+    def run(label, n):  # a sample of n calls: a 1 s wait, then 2 s a call; a prefill: 3 s
+        sampled.append((label, n))
+        clock.now += 1.0 + 2.0 * n if label == "step5" else 3.0
 
     assert costs.measure(run, ["step5", "prefill"], 2, clock=clock, calls={"step5": 4}) == [2.0, 3.0]
+    assert set(sampled) == {("step5", 1), ("step5", 4), ("prefill", 1)}
+
+    def flat(label, n):  # four calls timed as fast as one
+        clock.now += 8.0
+
+    assert costs.measure(flat, ["step5"], 2, clock=clock, calls={"step5": 4}) == [2.0]
 
 
 def test_options_name_an_unknown_profile():
