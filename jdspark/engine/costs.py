@@ -101,8 +101,8 @@ def measure(run, labels, runs: int, reset=lambda: None, clock: Callable[[], floa
             run(label, n)
             times[label, n].append(clock() - begin)
     fastest = {sample: min(seconds) for sample, seconds in times.items()}
-    return [fastest[label, n] if n == 1 else (fastest[label, n] - fastest[label, 1]) / (n - 1)
-            if fastest[label, n] > fastest[label, 1] else fastest[label, n] / n for label, n in counts.items()]
+    return [(fastest[label, n] - fastest[label, 1]) / (n - 1) if fastest[label, n] > fastest[label, 1]
+            else fastest[label, n] / n for label, n in counts.items()]  # n = 1: one sample, as timed
 
 
 def load_or_measure(key: str, run, labels: list[str], runs: int, cache_dir: Path | None, reprofile: bool,
