@@ -46,7 +46,7 @@ def build(args):
     from jdspark.assets import default_model_dir
     from jdspark.checkpoint.loader import load_model
     from jdspark.config import EngineConfig
-    from jdspark.engine import costs
+    from jdspark.engine.live_costs import LiveCosts
     from jdspark.engine.engine import Engine
     from jdspark.engine.options import SpecOptions
     from jdspark.speculative.selector import AdaptiveWidth
@@ -64,7 +64,7 @@ def build(args):
     draft = steps[0] - decode
     selector = AdaptiveWidth([s - draft for s in steps], draft, 5, decode_cost=decode)
     engine.selectors = dict.fromkeys(config.buckets, selector)
-    engine.selector, engine.live = selector, costs.LiveCosts(engine.selectors, learn=False)
+    engine.selector, engine.live = selector, LiveCosts(engine.selectors, learn=False)
     return engine
 
 

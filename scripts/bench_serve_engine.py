@@ -267,7 +267,7 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             # the rows of the verify calls by the width each verified (0: a row that did not draft there)
             "rows_by_width": {str(k): n for k, n in sorted(collections.Counter(
                 row.width for r in calls["verify"] for row in r.rows).items())},
-            # what the engine learnt a switch of executables adds to a step, per bucket (`costs.LiveCosts`)
+            # what the engine learnt a switch of executables adds to a step, per bucket (`live_costs.LiveCosts`)
             "learnt_switch_ms": {str(b): cost * 1e3 for b, cost in engine.live.switch.items()},
             "tokens_per_step": tokens / max(len(records), 1),
             # running requests a step ran for (against the concurrency: slots left empty while

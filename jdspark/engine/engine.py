@@ -25,11 +25,12 @@ import numpy as np
 
 from jdspark.config import EngineConfig
 from jdspark.drafter import dspark
-from jdspark.engine import calls, costs, deferred
+from jdspark.engine import calls, deferred
 from jdspark.engine.batch import (Arrivals, IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs,
                                   call_slots, prompts_this_step)
 from jdspark.engine.executables import Executables, check_segment
 from jdspark.engine.intake import PromptIntake
+from jdspark.engine.live_costs import LiveCosts
 from jdspark.engine.options import RIDE_PROMPTS, SpecOptions, WidthPolicy
 from jdspark.engine.policy import SpeculationPolicy
 from jdspark.engine.request import Completion, Delta
@@ -109,8 +110,8 @@ class Engine(PromptIntake, SpeculationPolicy):
             self._width_policy(width_policy, widths, True, measure=False)  # a bad choice fails now, not when taken
         self.exe.compile(self.state, self.draft_cache, which)
         self.state, self.draft_cache = self.exe.warm_up(self.state, self.draft_cache, which)
-        self.selector, self.selectors, self.live = None, {}, costs.LiveCosts({})  # the measured selectors: the
-        # largest bucket's, every bucket's, and as the steps take them (`costs.LiveCosts`), once measured
+        self.selector, self.selectors, self.live = None, {}, LiveCosts({})  # the measured selectors: the
+        # largest bucket's, every bucket's, and as the steps take them (`LiveCosts`), once measured
         self._measured: dict[str, tuple] = {}  # profile -> (selectors, selector, live) measured under it
         self._build, self._speculate_when_built = None, False  # `defer_steps`: the step executables' build
         if defer:

@@ -51,7 +51,7 @@ class SpecOptions:
     calibrate: bool = True  # adaptive widths read stale confidences scaled to the acceptance the engine saw
     # after such confidences, per position, greedy and sampled apart (`speculative.calibration`)
     price_switches: bool = True  # adaptive widths price issuing another executable than the last one at
-    # what such steps were seen to cost beyond the others (`costs.LiveCosts`; ~0 on the CPU)
+    # what such steps were seen to cost beyond the others (`live_costs.LiveCosts`; ~0 on the CPU)
 
     def __post_init__(self):
         if not isinstance(self.pause_steps, int) or self.pause_steps < 0:

@@ -76,7 +76,7 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     decodes (the engine keeps the probe for a later step); otherwise the step drafts.
 
     `switch` = (the call issued last: a width, "decode" or None, the seconds issuing another costs;
-    `costs.LiveCosts.switch_price`): every call but that one is priced that much dearer. `typical`
+    `live_costs.LiveCosts.switch_price`): every call but that one is priced that much dearer. `typical`
     (the rows' `Sequence.typical`, as the pauses judge them; default the stale confidences) prices the
     drafting step against the decode call: a step the pauses let draft is not decoded on one step's
     proposal (a decode call would bring none to correct it)."""

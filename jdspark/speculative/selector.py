@@ -94,7 +94,7 @@ class AdaptiveWidth:
         self._last: dict = {}  # confidences' (shape, bytes) -> E(k): the last two `expected_tokens`
 
     def repriced(self, verify_costs, decode_cost: float | None) -> "AdaptiveWidth":
-        """The same policy at other costs (`costs.LiveCosts` moves them after every step), keeping the
+        """The same policy at other costs (`live_costs.LiveCosts` moves them after every step), keeping the
         last `expected_tokens`, which do not depend on them: the next step's rows are often the same."""
         policy = AdaptiveWidth(verify_costs, self.draft_cost, self.gamma, decode_cost)
         policy._last = self._last

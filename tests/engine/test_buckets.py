@@ -15,6 +15,7 @@ import pytest
 from jdspark.config import EngineConfig
 from jdspark.engine import costs
 from jdspark.engine.engine import Engine
+from jdspark.engine.live_costs import LiveCosts
 from jdspark.engine.request import SamplingParams
 
 pytestmark = pytest.mark.slow  # compiles its own 16-slot engine
@@ -241,7 +242,7 @@ def test_a_new_prompt_waits_for_the_running_one_where_its_prefill_call_costs_mor
     within two steps. All emit what they emit alone, and each admission is one arrival. Target-only,
     so that the running request issues a call on every step but its last (a speculating one skips a
     step where its unread drafts could reach max_tokens, and nothing runs in that step)."""
-    live, engine.live = engine.live, costs.LiveCosts({}, prefill_s={n: 1000.0 for n in (1, 4, 16)})
+    live, engine.live = engine.live, LiveCosts({}, prefill_s={n: 1000.0 for n in (1, 4, 16)})
     arrivals, engine.arrivals = engine.arrivals, StubArrivals(gap)
     budget, engine.prefill_rows = engine.prefill_rows, rows
     engine.batch_prefills = batch_prefills
@@ -317,7 +318,7 @@ def test_prefill_buckets_of_their_own(small_prefills, alone, compile_counter):
     for n, bucket in exe.buckets.items():
         bucket.prefill = lambda *a, _program=bucket.prefill, _n=n: (calls.update([_n]), _program(*a))[1]
     before, live = compile_counter.count, engine.live
-    engine.live = costs.LiveCosts({}, prefill_s={1: 1e-9, 4: 1000.0})
+    engine.live = LiveCosts({}, prefill_s={1: 1e-9, 4: 1000.0})
     try:
         running = engine.add(PROMPTS[1], GREEDY)  # 10 tokens: two chunks of 8
         got, first_step, step = {running.request_id: list(running.tokens)}, {}, 0

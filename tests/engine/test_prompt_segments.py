@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from jdspark.config import EngineConfig
-from jdspark.engine import costs
 from jdspark.engine.engine import Engine
 from jdspark.engine.options import SpecOptions
 from jdspark.engine.executables import Executables
+from jdspark.engine.live_costs import LiveCosts
 from jdspark.engine.request import SamplingParams
 from jdspark.speculative.selector import AdaptiveWidth
 
@@ -185,7 +185,7 @@ def test_the_segment_executables_are_counted_and_checked(engine, dspark_model):
 def test_a_window_with_a_segment_teaches_the_live_costs_nothing():
     """A verify call with a prompt segment is another executable whose window pays the prompt: it feeds
     neither the verify offset nor the switch cost, and the plain call after it is a switch."""
-    live = costs.LiveCosts({1: AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)})
+    live = LiveCosts({1: AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)})
     live.issued(1, 5)
     live.observe(1, True, 5, 0.004)
     live.issued(1, 5, with_prompt=True)
@@ -200,7 +200,7 @@ def test_a_repeated_call_is_told_apart_by_its_segment():
     """The call a step would repeat (`LiveCosts.switch_price`) is the same width only with the same kind of
     call: a segment call after a segment call, a plain one after a plain one (else every width, the one
     repeated too, would be priced as a switch while a long prompt streams in)."""
-    live = costs.LiveCosts({1: AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)})
+    live = LiveCosts({1: AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)})
     live.issued(1, 5, with_prompt=True)
     assert live.switch_price(1, with_prompt=True)[0] == 5 and live.switch_price(1)[0] is None
     live.issued(1, "decode", with_prompt=True)

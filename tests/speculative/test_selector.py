@@ -143,7 +143,7 @@ def test_expected_tokens_reuses_only_the_same_rows():
 
 
 def test_a_repriced_policy_chooses_at_its_new_costs_and_keeps_the_rows_memo():
-    """`repriced` (what `costs.LiveCosts` does after every step): the costs and choices of a policy
+    """`repriced` (what `live_costs.LiveCosts` does after every step): the costs and choices of a policy
     built at the new costs, the original unchanged, and E(k) of the same rows not computed again."""
     rng = np.random.default_rng(5)
     old = AdaptiveWidth([1.0, 1.1, 1.2, 1.3, 1.4, 1.5], 0.5, 5, decode_cost=0.9)
