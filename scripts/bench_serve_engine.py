@@ -21,8 +21,8 @@ one admitted as soon as one finishes. For each speculation mode, on one compiled
 - per_request_queued_profiled: per_request_queued with widths priced by the profile's shape where the
                host sets the pace too (`LiveCosts.price_host_paced` off: the engine before it);
 - per_request_queued_remembering: per_request_queued whose buckets never forget their verify and
-               switched windows however long they only decode (`LiveCosts.FORGET_AFTER` unreached: the
-               engine before it);
+               switched windows however long they only decode, nor their decode windows however long
+               they only draft (`LiveCosts.FORGET_AFTER` unreached: the engine before it);
 - budget:      Algorithm 1 over stale confidences with the bucket's measured costs;
 - fixed3, alternate35 (diagnostics): every request at width 3, or at 3 and 5 on alternate steps (what
                switching executables between steps costs, against fixed3 and fixed5);
