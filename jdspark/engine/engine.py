@@ -29,7 +29,7 @@ from jdspark.engine import calls, deferred
 from jdspark.engine.batch import (Arrivals, IssuedPrefill, IssuedVerify, PendingPrompt, advance_prompts, call_inputs,
                                   call_slots, prompts_this_step)
 from jdspark.engine.executables import Executables, check_segment
-from jdspark.engine.intake import PromptIntake
+from jdspark.engine.intake import PromptIntake, prefill_chunk_of
 from jdspark.engine.live_costs import LiveCosts
 from jdspark.engine.options import RIDE_PROMPTS, SpecOptions, WidthPolicy
 from jdspark.engine.policy import SpeculationPolicy
@@ -94,7 +94,7 @@ class Engine(PromptIntake, SpeculationPolicy):
         self._last_width = None  # the executable width of the last verify call (0: a decode; None: none yet)
         on_gpu = jax.default_backend() == "gpu"
         pack_params = on_gpu if pack_params is None else pack_params
-        chunk = min(prefill_chunk, config.max_seq_len)
+        chunk = prefill_chunk_of(prefill_chunk, prefill_budget, config.max_seq_len)
         default_rows = config.max_batch if on_gpu else 1  # prompts prefilled beside running requests
         self.prefill_rows = default_rows if prefill_budget is None else max(1, prefill_budget // chunk)
         self.exe = Executables(model, config, chunk, implementation, widths if speculative else (), pack_params,
