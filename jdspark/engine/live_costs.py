@@ -81,7 +81,8 @@ class LiveCosts:
                          for n in selectors}
         self._widths, self.width_offsets, self.windows, self._verify_s = {}, {}, {}, {}
         self._runs = dict.fromkeys(selectors, ("decode", 0))  # (the last window's kind, windows of it in a row)
-        self._decode_ready = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}  # was each decode window's call done?
+        # was each decode window's call done (`_forget_decode`)?
+        self._decode_ready = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}
         for n in selectors:
             self._forget(n)
         self._ready = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}  # was each window's call done?
