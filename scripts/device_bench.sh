@@ -24,8 +24,9 @@
 #   bash scripts/device_bench.sh prefill-ab       (issue 26: Flash dims at c = 16, prefill buckets 16 64 against
 #       1 4 16 64, one process each on one compile cache)
 #   bash scripts/device_bench.sh sweep            (issue 23: routed-expert kernel tilings, then the model)
-#   bash scripts/device_bench.sh serve-engine keep-cache   (then the compile cache comes back: copy its parts into
-#       build/device-cache and carry that folder; the next machine's serve parts start warm)
+#   bash scripts/device_bench.sh serve-engine keep-cache   (then XLA's compile cache comes back, its newest KEEP_MIB
+#       (44) MiB: copy its parts into build/device-cache and carry that folder; the next machine's serve parts find
+#       the programs they compile there)
 #   bash scripts/device_bench.sh kernel-tests many-rows   (the kernel's grouped form and missing slots compiled,
 #       then timed against the slot form and the former padding)
 set -uo pipefail
@@ -301,15 +302,18 @@ for part in "$@"; do
         ${SERVE_ARGS:---max-running 64} --concurrency ${CONCURRENCY:-1 4 16 64} --requests ${REQUESTS:-32} ${MODES:+--modes $MODES} \
         --rounds ${ROUNDS:-3} --out "$OUT/bench_serve_engine_${LABEL}.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench_serve_engine_${LABEL}.log" ;;
-    keep-cache)  # the serving benches' compile cache back through $OUT, in parts of 15 MiB (files come back up to 16
-      # MiB, 8 of them, 64 MiB in all): put them in build/device-cache and carry it, and a fresh machine of the same kind
-      # and jax loads the executables instead of compiling them (Flash dims, 12 executables: 197 s cold on an H100)
-      tar -czf "$WORK/serve-xla.tar.gz" -C "$WORK/serve-cache" xla
-      size=$(stat -c %s "$WORK/serve-xla.tar.gz")
-      if [ "$size" -le $((45 << 20)) ]; then
-        split -b 15M -d -a 1 "$WORK/serve-xla.tar.gz" "$OUT/serve-xla.tar.gz.part" && ls -l "$OUT"/serve-xla.tar.gz.part*
-      else
-        echo "compile cache $((size >> 20)) MiB compressed: over the 45 MiB kept back, not returned"
+    keep-cache)  # the serving benches' XLA compile cache back through $OUT, in parts of 15 MiB (files come back up to
+      # 16 MiB, 64 MiB in all): put them in build/device-cache and carry it, and a fresh machine of the same kind and
+      # jax finds the programs its serve parts compile there (Flash dims, 64 slots, 16 programs: 248 s cold on an
+      # H100). Only XLA's entries, newest first, up to KEEP_MIB (44) MiB: jdspark's store of whole executables
+      # (xla/jdspark) is keyed by the sources too, so the next commit would not load it, and it doubles the size.
+      (cd "$WORK/serve-cache" && find xla -maxdepth 1 -name '*-cache' -printf '%T@ %s %p\n' | sort -rn \
+        | awk -v limit=$(( ${KEEP_MIB:-44} << 20 )) '{ if (t + $2 <= limit) { t += $2; n++; print $3 } }
+            END { printf "keeping %d of %d XLA cache entries, %.1f MiB\n", n, NR, t / 2^20 > "/dev/stderr" }' \
+        > "$WORK/keep.list")
+      if [ -s "$WORK/keep.list" ]; then
+        tar -czf "$WORK/serve-xla.tar.gz" -C "$WORK/serve-cache" -T "$WORK/keep.list" \
+          && split -b 15M -d -a 1 "$WORK/serve-xla.tar.gz" "$OUT/serve-xla.tar.gz.part" && ls -l "$OUT"/serve-xla.tar.gz.part*
       fi ;;
     *)
       echo "unknown part: $part" ;;
