@@ -64,6 +64,7 @@ class Sequence:
         self.typical: np.ndarray | None = None
         self.calls = 0  # verify calls issued for it: the counter of the request's own noise
         self.unread = 0  # tokens its issued calls not yet read may emit (each at most its width + 1)
+        self.unread_calls = 0  # its issued calls not yet read (each emits at least one token)
         self.stats = CompletionStats.empty(prompt_len, gamma)
         self.started = time.perf_counter()
         self.finish_reason: str | None = None
@@ -114,13 +115,21 @@ class Sequence:
         last chunk, which samples its first token (read by `first_read`)."""
         self.calls += width is not None
         self.unread += 1 if width is None else width + 1
+        self.unread_calls += 1
 
     def first_read(self) -> None:
         self.unread -= 1
+        self.unread_calls -= 1
+
+    def draft_room(self) -> int:
+        """The most drafts its next call could emit before max_tokens: the tokens left, less one for each
+        call not yet read (each emits at least one) and one for the call's own token."""
+        return self.params.max_tokens - len(self.tokens) - self.unread_calls - 1
 
     def record(self, step: StepRecord, row: RowRecord, confidence: np.ndarray | None) -> None:
         """What the engine learned of this request in a step read (after its tokens were emitted)."""
         self.unread -= row.width + 1
+        self.unread_calls -= 1
         self.stats.record(step, row)
         if row.width and self.breaker is not None:
             self.breaker.record(row.n_accepted, row.width)

@@ -198,15 +198,30 @@ def judged(stale: dict[int, np.ndarray], sequences, calibration, options, adapti
            ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None]:
     """(the rows' stale confidences, what pauses and the decode call's price judge) for a step's
     choice. Under the engine's adaptive widths both pass through its calibration
-    (`options.calibrate`); with pauses on, the second is each row's `Sequence.typical` (its stale
-    confidences until it has one), else None."""
+    (`options.calibrate`) and lose the drafts a request has no room for (`within_room`); with pauses
+    on, the second is each row's `Sequence.typical` (its stale confidences until it has one), else None."""
     typical = ({b: c if sequences[b].typical is None else sequences[b].typical for b, c in stale.items()}
                if adaptive and options.pause_steps else None)
     if adaptive and options.calibrate:
         greedy = {b: sequences[b].greedy for b in stale}
         stale = calibration.apply(stale, greedy)
         typical = None if typical is None else calibration.apply(typical, greedy)
+    short = {b: room for b in stale if (room := sequences[b].draft_room()) < len(stale[b])} if adaptive else {}
+    if short:  # rows near their max_tokens
+        stale, typical = within_room(stale, short), None if typical is None else within_room(typical, short)
     return stale, typical
+
+
+def within_room(confidences: dict[int, np.ndarray], rooms: dict[int, int]) -> dict[int, np.ndarray]:
+    """The rows' confidences with the drafts past a row's room (`rooms`: slot -> the most drafts it can
+    still emit, `Sequence.draft_room`, for the rows near their max_tokens) at 0, so that E(k) prices
+    only tokens a request can take (64-token requests at acceptance 0.8 took 2.82-2.89 tokens a
+    row-step at width 3, against E(3) = 2.95)."""
+    out = dict(confidences)
+    for b, room in rooms.items():
+        c = confidences[b]
+        out[b] = np.where(np.arange(len(c)) < room, c, np.float32(0)).astype(c.dtype)
+    return out
 
 
 def choose(stale: dict[int, np.ndarray], speculating: dict[int, bool], policy, adaptive: bool, compiled,

@@ -302,7 +302,8 @@ def test_a_switch_cost_keeps_the_step_on_the_executable_issued_last(engine, monk
     confidences, a lone request's steps change executables; with issuing another executable than
     the last priced at 1 s (`LiveCosts.switch_price`), every step repeats the first step's call.
     The call to stay on is the one the price names: told width 1 was issued last, every step verifies
-    width 1; told nothing was (every call pays), none does. With `price_switches=False` the choice
+    width 1; told nothing was (every call pays), the widest, until the request's last steps, where
+    fewer drafts fit before max_tokens (`widths.within_room`). With `price_switches=False` the choice
     never asks for the price. (Confidences as stated: the calibration earlier tests taught would
     move them.)"""
     rising = AdaptiveWidth([0.010 + 0.004 * k for k in range(6)], 0.002, gamma=5, decode_cost=0.011)
@@ -323,7 +324,8 @@ def test_a_switch_cost_keeps_the_step_on_the_executable_issued_last(engine, monk
     assert len(set(calls_made(0.0))) > 1  # free switches: the calls follow the confidences
     assert len(set(calls_made(1.0))) == 1
     assert set(calls_made(1.0, stay=lambda *_: 1)) == {(True, 1)}
-    assert (True, 1) not in set(calls_made(1.0, stay=lambda *_: None))  # every call pays: the widest wins
+    paying = calls_made(1.0, stay=lambda *_: None)  # every call pays: the widest wins until the room left
+    assert paying[0] == (True, 5) and paying == sorted(paying, key=lambda call: -call[1])  # narrows it at the end
     asked.clear()
     calls_made(1.0, SpecOptions(pause_steps=0, calibrate=False, price_switches=False))
     assert asked == []

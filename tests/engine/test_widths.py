@@ -309,3 +309,26 @@ def test_pauses_and_the_decode_price_judge_the_requests_typical_proposals():
     for _ in range(6):
         read([0.1] * 3)
     assert step() is None and seq.pausing and seq.typical is None  # steadily low: paused, the average reset
+
+
+def test_drafts_past_a_requests_max_tokens_are_priced_at_nothing():
+    """A request of max_tokens 10 with 6 tokens and one call unread (it emits at least one) has room
+    for 10 - 6 - 1 - 1 = 2 drafts in its next call: `judged` zeroes its confidences past them, in the
+    stale proposal and in the typical one, so E(k) stops growing at k = 2; a request far from its end
+    keeps its own. Mutations caught: no clipping; the unread call not counted (room 3)."""
+    from jdspark.engine.widths import judged
+    near, far = (Sequence(i, 4, SamplingParams(max_tokens=m), seed=0, gamma=5, eos_token_id=None, tokenizer=None,
+                          breaker=None) for i, m in ((0, 10), (1, 64)))
+    near.tokens, far.tokens = [7] * 6, [7] * 6
+    near.issued(3)
+    assert near.draft_room() == 2 and far.draft_room() == 64 - 6 - 1
+    near.typical = np.full(5, 0.7, np.float32)
+    confidences = {0: np.full(5, 0.9, np.float32), 1: np.full(5, 0.9, np.float32)}
+    stale, typical = judged(confidences, {0: near, 1: far}, None, SpecOptions(calibrate=False), True)
+    np.testing.assert_array_equal(stale[0], np.float32([0.9, 0.9, 0, 0, 0]))
+    np.testing.assert_array_equal(typical[0], np.float32([0.7, 0.7, 0, 0, 0]))
+    assert stale[1] is confidences[1] and stale[0].dtype == np.float32
+    expected = AdaptiveWidth([0.001] * 6, 0.0, gamma=5).expected_tokens(np.array([stale[0]]))[0]
+    np.testing.assert_allclose(expected, [1, 1.9, 2.71, 2.71, 2.71, 2.71], rtol=1e-6)
+    unpriced, _ = judged(confidences, {0: near, 1: far}, None, SpecOptions(calibrate=False), False)
+    assert unpriced[0] is confidences[0]  # a width policy of the caller's reads them as stated
