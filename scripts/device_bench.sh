@@ -305,15 +305,22 @@ for part in "$@"; do
     keep-cache)  # the serving benches' XLA compile cache back through $OUT, in parts of 15 MiB (files come back up to
       # 16 MiB, 64 MiB in all): put them in build/device-cache and carry it, and a fresh machine of the same kind and
       # jax finds the programs its serve parts compile there (Flash dims, 64 slots, 16 programs: 248 s cold on an
-      # H100). Only XLA's entries, newest first, up to KEEP_MIB (44) MiB: jdspark's store of whole executables
-      # (xla/jdspark) is keyed by the sources too, so the next commit would not load it, and it doubles the size.
-      (cd "$WORK/serve-cache" && find xla -maxdepth 1 -name '*-cache' -printf '%T@ %s %p\n' | sort -rn \
-        | awk -v limit=$(( ${KEEP_MIB:-44} << 20 )) '{ if (t + $2 <= limit) { t += $2; n++; print $3 } }
+      # H100). Only XLA's entries (jdspark's store of whole executables, xla/jdspark, is keyed by the sources too,
+      # so the next commit would not load it, and it doubles the size), newest first, each that still fits in
+      # KEEP_MIB (44) MiB. Their -atime files stay behind: jax reads them only with its cache's eviction on.
+      (cd "$WORK/serve-cache" && find xla -maxdepth 1 -type f -name '*-cache' -printf '%T@ %s %p\n' \
+        | LC_ALL=C sort -rn | awk -v limit=$(( ${KEEP_MIB:-44} << 20 )) '
+            { if (t + $2 <= limit) { t += $2; n++; print $3 } }
             END { printf "keeping %d of %d XLA cache entries, %.1f MiB\n", n, NR, t / 2^20 > "/dev/stderr" }' \
         > "$WORK/keep.list")
-      if [ -s "$WORK/keep.list" ]; then
-        tar -czf "$WORK/serve-xla.tar.gz" -C "$WORK/serve-cache" -T "$WORK/keep.list" \
-          && split -b 15M -d -a 1 "$WORK/serve-xla.tar.gz" "$OUT/serve-xla.tar.gz.part" && ls -l "$OUT"/serve-xla.tar.gz.part*
+      if [ ! -s "$WORK/keep.list" ]; then
+        echo "no XLA cache entry kept"
+      elif tar -czf "$WORK/serve-xla.tar.gz" -C "$WORK/serve-cache" -T "$WORK/keep.list" \
+          && [ "$(stat -c %s "$WORK/serve-xla.tar.gz")" -gt $((45 << 20)) ]; then
+        echo "compile cache $(( $(stat -c %s "$WORK/serve-xla.tar.gz") >> 20 )) MiB compressed: over the 45 MiB" \
+          "kept back, not returned (lower KEEP_MIB)"
+      else
+        split -b 15M -d -a 1 "$WORK/serve-xla.tar.gz" "$OUT/serve-xla.tar.gz.part" && ls -l "$OUT"/serve-xla.tar.gz.part*
       fi ;;
     *)
       echo "unknown part: $part" ;;

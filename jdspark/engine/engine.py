@@ -96,7 +96,7 @@ class Engine(PromptIntake, SpeculationPolicy):
         pack_params = on_gpu if pack_params is None else pack_params
         chunk = prefill_chunk_of(prefill_chunk, prefill_budget, config.max_seq_len)
         default_rows = config.max_batch if on_gpu else 1  # prompts prefilled beside running requests
-        self.prefill_rows = default_rows if prefill_budget is None else max(1, prefill_budget // chunk)
+        self.prefill_rows = default_rows if prefill_budget is None else max(1, int(prefill_budget) // chunk)
         self.exe = Executables(model, config, chunk, implementation, widths if speculative else (), pack_params,
                                prompt_segment)
         self.state, self.draft_cache = self._fresh_state()

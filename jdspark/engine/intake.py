@@ -29,10 +29,12 @@ from jdspark.engine.sequence import Sequence
 def prefill_chunk_of(prefill_chunk: int, prefill_budget: int | None, max_seq_len: int) -> int:
     """The prompt tokens a prefill row takes per call (at most the context), once both options are
     checked: a chunk or a budget under one token would never finish a prompt."""
-    if not isinstance(prefill_chunk, numbers.Integral) or prefill_chunk < 1:
+    def count(x) -> bool:  # a whole number of tokens, at least 1 (not a bool)
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
+    if not count(prefill_chunk):
         raise EngineError(f"prefill_chunk={prefill_chunk!r}: a prefill row takes at least 1 prompt token a call "
                           "(default 256)")
-    if prefill_budget is not None and (not isinstance(prefill_budget, numbers.Integral) or prefill_budget < 1):
+    if prefill_budget is not None and not count(prefill_budget):
         raise EngineError(f"prefill_budget={prefill_budget!r}: use at least 1 prompt token a step (a whole chunk "
                           "is taken at least), or None for the default")
     return min(int(prefill_chunk), max_seq_len)

@@ -127,14 +127,15 @@ def price_for_the_batch(widths: dict[int, int], stale: dict[int, np.ndarray], po
                         sequences, options, speculating: dict[int, bool], probe_confidence: np.ndarray | None = None,
                         switch: tuple[int | str | None, float] = (None, 0.0),
                         typical: dict[int, np.ndarray] | None = None) -> tuple[int | None, dict[int, int]]:
-    """`price_the_step` for the engine's rows: their probes read from their sequences, and kept
+    """`price_the_step` for the engine's rows: their probes read from their sequences (not a row near
+    its max_tokens, with too little room for the drafts a probe would price), and kept
     (`Sequence.defer_probe`) where the step decodes; the decode call only while pauses are on.
     Under "per_request" every speculating row is lifted to the step's width (the executable is
     padded: a narrower row would give up drafts and save nothing), and so is a paused one: its
     pause is for steps that would draft for it alone, and here the draft is paid for (not a row
     whose breaker cools down: the breaker stops drafting for the request, whatever it costs).
     "padded" and "budget" keep their own rules, priced the same way."""
-    probing = {b for b in stale if sequences[b].probing}
+    probing = {b for b in stale if sequences[b].probing and sequences[b].draft_room() >= len(stale[b])}
     lifted = ({b for b in widths if speculating[b] or sequences[b].pausing}
               if options.batch_widths == "per_request" else set())
     width, widths = price_the_step(widths, stale, policy, compiled, may_decode=options.pause_steps > 0,
@@ -198,30 +199,33 @@ def judged(stale: dict[int, np.ndarray], sequences, calibration, options, adapti
            ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None]:
     """(the rows' stale confidences, what pauses and the decode call's price judge) for a step's
     choice. Under the engine's adaptive widths both pass through its calibration
-    (`options.calibrate`) and lose the drafts a request has no room for (`within_room`); with pauses
-    on, the second is each row's `Sequence.typical` (its stale confidences until it has one), else None."""
+    (`options.calibrate`); with pauses on, the second is each row's `Sequence.typical` (its stale
+    confidences until it has one), else None."""
     typical = ({b: c if sequences[b].typical is None else sequences[b].typical for b, c in stale.items()}
                if adaptive and options.pause_steps else None)
     if adaptive and options.calibrate:
         greedy = {b: sequences[b].greedy for b in stale}
         stale = calibration.apply(stale, greedy)
         typical = None if typical is None else calibration.apply(typical, greedy)
-    short = {b: room for b in stale if (room := sequences[b].draft_room()) < len(stale[b])} if adaptive else {}
-    if short:  # rows near their max_tokens
-        stale, typical = within_room(stale, short), None if typical is None else within_room(typical, short)
     return stale, typical
 
 
-def within_room(confidences: dict[int, np.ndarray], rooms: dict[int, int]) -> dict[int, np.ndarray]:
-    """The rows' confidences with the drafts past a row's room (`rooms`: slot -> the most drafts it can
-    still emit, `Sequence.draft_room`, for the rows near their max_tokens) at 0, so that E(k) prices
-    only tokens a request can take (64-token requests at acceptance 0.8 took 2.82-2.89 tokens a
-    row-step at width 3, against E(3) = 2.95)."""
-    out = dict(confidences)
-    for b, room in rooms.items():
-        c = confidences[b]
-        out[b] = np.where(np.arange(len(c)) < room, c, np.float32(0)).astype(c.dtype)
-    return out
+def within_room(stale: dict[int, np.ndarray], typical: dict[int, np.ndarray] | None, sequences
+                ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None]:
+    """`judged`'s pair with the drafts past a request's room (`Sequence.draft_room`: before its
+    max_tokens) at 0, so that E(k) prices only tokens it can take (64-token requests at acceptance
+    0.8 took 2.82-2.89 tokens a row-step at width 3, against E(3) = 2.95). The same dicts when no
+    row is near its end."""
+    rooms = {b: room for b in stale if (room := sequences[b].draft_room()) < len(stale[b])}
+    if not rooms:
+        return stale, typical
+
+    def clipped(confidences):
+        out = dict(confidences)
+        for b, room in rooms.items():
+            out[b] = np.where(np.arange(len(out[b])) < room, out[b], np.float32(0)).astype(out[b].dtype)
+        return out
+    return clipped(stale), None if typical is None else clipped(typical)
 
 
 def choose(stale: dict[int, np.ndarray], speculating: dict[int, bool], policy, adaptive: bool, compiled,
@@ -231,11 +235,15 @@ def choose(stale: dict[int, np.ndarray], speculating: dict[int, bool], policy, a
     a plain decode call. `policy`: the width policy in use (None: not speculating); `adaptive`:
     it is the engine's measured selector; `compiled`: the step executables by width; `switch`: what
     issuing another call than the last costs (`price_the_step`); `typical`: what pauses and the
-    decode call's price judge (`judged`; default the stale confidences)."""
+    decode call's price judge (`judged`; default the stale confidences). Under the engine's
+    selector, the widths and the price then read both without the drafts a request has no room for
+    (`within_room`); a pause does not: a request is not paused for being near its end."""
     if options.pause_steps and isinstance(policy, AdaptiveWidth):
         pause_where_drafting_does_not_pay(policy, typical or stale, speculating, slots, options.pause_steps)
     if policy is None or not any(speculating.values()):
         return None, {}
+    if adaptive:
+        stale, typical = within_room(stale, typical, slots)
     widths = row_widths(options.batch_widths, stale, speculating, policy, policy if adaptive else None)
     if not isinstance(policy, AdaptiveWidth):
         return executable_width(widths, compiled), widths

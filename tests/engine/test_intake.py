@@ -16,6 +16,7 @@ def test_the_chunk_is_at_most_the_context():
     (0, None, "prefill_chunk=0: a prefill row takes at least 1 prompt token"),
     (-4, None, "prefill_chunk=-4"),
     (2.5, None, "prefill_chunk=2.5"),
+    (True, None, "prefill_chunk=True"),
     (32, 0, "prefill_budget=0: use at least 1 prompt token a step"),
     (32, -1, "prefill_budget=-1"),
 ])

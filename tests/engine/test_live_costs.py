@@ -199,7 +199,8 @@ def test_a_bucket_that_only_drafts_forgets_its_decode_windows_where_the_device_p
     steps it then chooses never show a decode window to correct it. After FORGET_AFTER verify windows
     in a row the decode call is priced by the profile again (one window fewer: not yet). Where the
     host paced the decode windows (their reads found the call done: the profile does not see the host's
-    time) the learnt price stays. Mutations caught: never forgetting; forgetting whoever paced."""
+    time) the learnt price stays. A decode window restarts the count. Mutations caught: never
+    forgetting; forgetting whoever paced; counting verify windows not in a row."""
     base = AdaptiveWidth([0.0127] * 6, 0.0, gamma=5, decode_cost=0.0039)
     burst = [0.0040] * 4 + [0.0113, 0.0120, 0.0060, 0.0047, 0.0040, 0.0036, 0.0038, 0.0041, 0.0094, 0.0156]
 
@@ -219,3 +220,12 @@ def test_a_bucket_that_only_drafts_forgets_its_decode_windows_where_the_device_p
 
     assert trapped(host_paced=False).policy(4).decode_cost == pytest.approx(base.decode_cost)
     assert trapped(host_paced=True).policy(4).decode_cost == pytest.approx(0.0047)
+    live = LiveCosts({4: base})  # a decode window inside the verify run restarts the count
+    for call, seconds in [("decode", s) for s in burst] + [(3, 0.0122)] * 30 + [("decode", 0.0047)] \
+            + [(3, 0.0122)] * (LiveCosts.FORGET_AFTER - 1):
+        live.issued(4, call)
+        live.observe(4, call == 3, 3 if call == 3 else 0, seconds)
+    assert live.policy(4).decode_cost == pytest.approx(0.0047)
+    live.issued(4, 3)
+    live.observe(4, True, 3, 0.0122)
+    assert live.policy(4).decode_cost == pytest.approx(base.decode_cost)

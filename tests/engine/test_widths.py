@@ -313,22 +313,44 @@ def test_pauses_and_the_decode_price_judge_the_requests_typical_proposals():
 
 def test_drafts_past_a_requests_max_tokens_are_priced_at_nothing():
     """A request of max_tokens 10 with 6 tokens and one call unread (it emits at least one) has room
-    for 10 - 6 - 1 - 1 = 2 drafts in its next call: `judged` zeroes its confidences past them, in the
-    stale proposal and in the typical one, so E(k) stops growing at k = 2; a request far from its end
-    keeps its own. Mutations caught: no clipping; the unread call not counted (room 3)."""
-    from jdspark.engine.widths import judged
+    for 10 - 6 - 1 - 1 = 2 drafts in its next call: `within_room` zeroes its confidences past them, in
+    the stale proposal and in the typical one, so E(k) stops growing at k = 2; a request far from its
+    end keeps its own. Mutations caught: no clipping; the unread call not counted (room 3)."""
+    from jdspark.engine.widths import within_room
     near, far = (Sequence(i, 4, SamplingParams(max_tokens=m), seed=0, gamma=5, eos_token_id=None, tokenizer=None,
                           breaker=None) for i, m in ((0, 10), (1, 64)))
     near.tokens, far.tokens = [7] * 6, [7] * 6
     near.issued(3)
     assert near.draft_room() == 2 and far.draft_room() == 64 - 6 - 1
-    near.typical = np.full(5, 0.7, np.float32)
     confidences = {0: np.full(5, 0.9, np.float32), 1: np.full(5, 0.9, np.float32)}
-    stale, typical = judged(confidences, {0: near, 1: far}, None, SpecOptions(calibrate=False), True)
+    stale, typical = within_room(confidences, {0: np.full(5, 0.7, np.float32), 1: confidences[1]}, {0: near, 1: far})
     np.testing.assert_array_equal(stale[0], np.float32([0.9, 0.9, 0, 0, 0]))
     np.testing.assert_array_equal(typical[0], np.float32([0.7, 0.7, 0, 0, 0]))
     assert stale[1] is confidences[1] and stale[0].dtype == np.float32
     expected = AdaptiveWidth([0.001] * 6, 0.0, gamma=5).expected_tokens(np.array([stale[0]]))[0]
     np.testing.assert_allclose(expected, [1, 1.9, 2.71, 2.71, 2.71, 2.71], rtol=1e-6)
-    unpriced, _ = judged(confidences, {0: near, 1: far}, None, SpecOptions(calibrate=False), False)
-    assert unpriced[0] is confidences[0]  # a width policy of the caller's reads them as stated
+    far.tokens = []
+    assert within_room(confidences, None, {0: far, 1: far}) == (confidences, None)
+
+
+def test_near_its_end_a_request_is_priced_on_its_room_but_not_paused_for_it():
+    """Drafting pays above ~2.5 tokens a step here. A lone request at confidences 0.9 with room for one
+    draft: the step decodes (E(k) <= 1.9 whatever the width), yet the request is not paused (a pause
+    would count its length, not its acceptance), nor priced as a probe at confidences of 1 (its probe
+    could not use them). Far from its end it drafts at width 5. Mutations caught: clipping before the
+    pause; no clipping; a probe near its end priced at ones."""
+    from jdspark.engine.widths import choose
+    policy = AdaptiveWidth([0.0016] * 6, 0.0, gamma=5, decode_cost=0.0007)
+    options, compiled = SpecOptions(pause_steps=32, calibrate=False), dict.fromkeys(range(6))
+
+    def step(seq, probing=False):
+        seq.probing = probing
+        speculating = {0: True}
+        return choose({0: seq.confidence}, speculating, policy, True, compiled, {0: seq}, options, None)[0]
+
+    seq = Sequence(0, 4, SamplingParams(max_tokens=64), seed=0, gamma=5, eos_token_id=None, tokenizer=None,
+                   breaker=None, confidence=np.full(5, 0.9, np.float32))
+    assert step(seq) == 5
+    seq.tokens = [7] * 62  # room for 64 - 62 - 0 - 1 = 1 draft
+    assert step(seq) is None and not seq.pausing and seq.paused_left == 0
+    assert step(seq, probing=True) is None
