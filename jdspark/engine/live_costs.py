@@ -116,7 +116,8 @@ class LiveCosts:
         self.offsets[bucket]["verify"], self.switch[bucket] = 0.0, 0.0
 
     def _forget_decode(self, bucket: int) -> None:
-        """The bucket's decode windows forgotten where the device paced most of them: the profile's price."""
+        """The bucket's decode windows forgotten unless most of them found their call done (the host paced
+        them, as `host_paced` reads a bucket): the profile's price."""
         ready = self._decode_ready[bucket]
         if 2 * sum(ready) <= len(ready):
             self._samples[bucket]["decode"].clear()
