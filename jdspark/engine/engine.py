@@ -270,7 +270,7 @@ class Engine(PromptIntake, SpeculationPolicy):
             self.prior.update(confidence[[row_of[b] for b in live]])
             self.calibration.observe(records, [seq.greedy for seq in live.values()])
         self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds, ready,
-                          call.segment is not None)
+                          call.segment is not None, waited)
         self._publish(record)
         return deltas
 

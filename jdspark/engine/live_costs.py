@@ -63,7 +63,14 @@ class LiveCosts:
     decode call 0.8 ms over its profile, the engine verified k = 3 from then on, at 0.88x of decoding,
     and no decode window came to correct it). Where the host paced them, the profile does not see the
     host's time, and the learnt price stays (the embedded model on an H100, one request: decode
-    profiled at 0.66 ms, its windows 1.04)."""
+    profiled at 0.66 ms, its windows 1.04).
+
+    Before a bucket's first decode window (and after they are forgotten), the decode call is priced at
+    no less than the host's time per step in its last verify windows (their seconds less the reads'
+    waits for the device): the host's work is paid whatever the call, and the profile does not see it.
+    An H100, embedded model, one request: decode profiled at 0.66 ms and served at 1.04 (the host's),
+    and priced by the profile until its first window came, every adaptive round paused drafting within
+    its first 3-46 steps, for 30-38 steps of a 64-token request's ~21."""
 
     SAMPLES = 9
     MIN_WIDTH_SAMPLES = 5
@@ -79,7 +86,7 @@ class LiveCosts:
         self.switch = dict.fromkeys(selectors, 0.0)  # seconds a switched window takes beyond its kind's offset
         self._samples = {n: {kind: collections.deque(maxlen=self.SAMPLES) for kind in ("decode", "verify", "switch")}
                          for n in selectors}
-        self._widths, self.width_offsets, self.windows, self._verify_s = {}, {}, {}, {}
+        self._widths, self.width_offsets, self.windows, self._verify_s, self._host_s = {}, {}, {}, {}, {}
         self._runs = dict.fromkeys(selectors, ("decode", 0))  # (the last window's kind, windows of it in a row)
         # was each decode window's call done (`_forget_decode`)?
         self._decode_ready = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}
@@ -99,10 +106,20 @@ class LiveCosts:
             else:
                 verify = np.maximum(base.verify_costs + np.array([self._verify_offset(bucket, k) for k in widths]),
                                     0.0)
-            self._policies[bucket] = self._policies[bucket].repriced(
-                verify, None if base.decode_cost is None else max(base.decode_cost + offsets["decode"], 1e-6))
+            self._policies[bucket] = self._policies[bucket].repriced(verify, self._decode_price(bucket))
             self._observed.discard(bucket)
         return self._policies[bucket]
+
+    def _decode_price(self, bucket: int) -> float | None:
+        """The decode call's seconds: its profile plus what its windows taught; without windows of its own, at
+        least the host's time per step in the bucket's verify windows."""
+        base = self.selectors[bucket]
+        if base.decode_cost is None:
+            return None
+        price = max(base.decode_cost + self.offsets[bucket]["decode"], 1e-6)
+        if not self._samples[bucket]["decode"] and self._host_s[bucket]:
+            price = max(price, statistics.median(self._host_s[bucket]))
+        return price
 
     def _forget(self, bucket: int) -> None:
         """The bucket's verify and switched windows forgotten (as at the start): prices from the profile."""
@@ -111,6 +128,7 @@ class LiveCosts:
         self.width_offsets[bucket] = [None] * widths  # None: too few windows
         self.windows[bucket] = {"same": 0, "switched": 0}
         self._verify_s[bucket] = collections.deque(maxlen=self.SAMPLES)  # verify windows' seconds
+        self._host_s[bucket] = collections.deque(maxlen=self.SAMPLES)  # verify windows' seconds the host took
         self._samples[bucket]["verify"].clear()
         self._samples[bucket]["switch"].clear()
         self.offsets[bucket]["verify"], self.switch[bucket] = 0.0, 0.0
@@ -155,10 +173,11 @@ class LiveCosts:
         self._switched = False
 
     def observe(self, bucket: int, drafted: bool, width: int, seconds: float, ready: bool = False,
-                prompt: bool = False) -> None:
+                prompt: bool = False, waited: float | None = None) -> None:
         """One step of `bucket` read: a verify call of `width` (drafted) or a decode call, `seconds` long,
         `ready`: done on the device when its read began, `prompt`: it carried a prompt segment (learn
-        nothing); the calls issued since the previous read decide whether its window switched."""
+        nothing), `waited`: of `seconds`, the read's wait for the device (None: not measured); the calls
+        issued since the previous read decide whether its window switched."""
         switched, self._switched = self._switched, False
         base, kind = self.selectors.get(bucket), "verify" if drafted else "decode"
         if prompt or not self.learn or base is None or (not drafted and base.decode_cost is None):
@@ -173,6 +192,8 @@ class LiveCosts:
         self._ready[bucket].append(ready)
         if drafted:
             self._verify_s[bucket].append(seconds - (self.switch[bucket] if switched else 0.0))
+            if waited is not None:
+                self._host_s[bucket].append(max(seconds - waited, 0.0))
         else:
             self._decode_ready[bucket].append(ready)
         samples[kind].append(excess)
