@@ -94,14 +94,17 @@ def replay_batches(rows, choose_width, costs: np.ndarray, batch: int) -> tuple[f
     return tokens / seconds, widths
 
 
-def replay_pauses(rows, conf, selector: AdaptiveWidth, average: float | None, pause_steps: int = 32) -> float:
+def replay_pauses(rows, conf, selector: AdaptiveWidth, average: float | None, pause_steps: int = 32,
+                  seed: np.ndarray | None = None) -> float:
     """Tokens per ms of each request's width-5 steps (in order) under the engine's pauses: where the
     judged confidences (`conf` of one step's proposal, or under `average` their exponential average
     since the request's last pause, that weight on the newest) make a decode call (`selector.decode_cost`)
     beat every width, the request decodes `pause_steps` tokens (doubling per pause in a row, at most
     32x), then drafts once (a probe) whatever the cost; else it verifies its best width for this
     step's proposal, taking min(n_accepted, k) + 1 of the recorded step's tokens. A decoded stretch
-    skips the recorded steps its tokens cover (the next proposal judged is the first step from there)."""
+    skips the recorded steps its tokens cover (the next proposal judged is the first step from there).
+    `seed`: where a request's average starts (the engine's recent average of every request's
+    proposals, `Sequence.typical`), else at its first proposal."""
     by_request: dict[int, list] = {}
     for row in rows:
         by_request.setdefault(row.request_id, []).append(row)
@@ -109,7 +112,7 @@ def replay_pauses(rows, conf, selector: AdaptiveWidth, average: float | None, pa
     for steps in by_request.values():
         start = np.cumsum([0] + [row.n_accepted + 1 for row in steps])
         t = i = paused = backoff = 0
-        probing, typical = False, None
+        probing, typical = False, seed
         while i < len(steps):
             if paused:
                 t, ms, paused = t + 1, ms + selector.decode_cost, paused - 1
@@ -167,8 +170,11 @@ def evaluate(engine, prompts, temperature: float, costs: np.ndarray, batch_costs
         out[name] = {"vs_fixed5": rate / fixed, "widths": np.bincount(widths, minlength=GAMMA + 1).tolist()}
     if decode_cost is not None:  # a lone request's pauses, judged on one step or on the average
         paused = AdaptiveWidth(costs, 0.0, GAMMA, decode_cost=decode_cost)
-        out["pauses_vs_fixed5"] = {name: replay_pauses(test, calibrated, paused, weight) / out["fixed5_tokens_per_ms"]
-                                   for name, weight in (("one_step", None), ("average", TYPICAL_WEIGHT))}
+        recent = calibrated(np.mean([row.stale_confidence for row in train], axis=0))  # other requests' average
+        out["pauses_vs_fixed5"] = {name: replay_pauses(test, calibrated, paused, weight, seed=seed)
+                                   / out["fixed5_tokens_per_ms"]
+                                   for name, weight, seed in (("one_step", None, None), ("average", TYPICAL_WEIGHT, None),
+                                                              ("average_from_recent", TYPICAL_WEIGHT, recent))}
     return out
 
 

@@ -59,9 +59,12 @@ class Sequence:
         self.tokens: list[int] = []  # generated so far
         # the previous proposal's (stale on purpose); a new request starts at `confidence` (ones if None)
         self.confidence = np.ones(gamma, np.float32) if confidence is None else np.array(confidence, np.float32)
-        # its proposals averaged since the first one read after its start or last pause (None until
-        # then; `TYPICAL_WEIGHT` on the newest)
-        self.typical: np.ndarray | None = None
+        # its proposals averaged (`TYPICAL_WEIGHT` on the newest) from its start, where the engine's recent
+        # average (`confidence`) seeds it, or from its first proposal after a pause (None until then, or
+        # from the first proposal where nothing seeds it). Judged on its first proposals alone, 20 of the
+        # 32 pauses of one request at a time on an H100 (the embedded model, 64 tokens: ~21 steps a
+        # request; 0.93-0.96 of fixed width 5) came within a request's first 4 verify steps, each 30+ steps
+        self.typical: np.ndarray | None = None if confidence is None else self.confidence.copy()
         self.calls = 0  # verify calls issued for it: the counter of the request's own noise
         self.unread = 0  # tokens its issued calls not yet read may emit (each at most its width + 1)
         self.unread_calls = 0  # its issued calls not yet read (each emits at least one token)

@@ -311,6 +311,33 @@ def test_pauses_and_the_decode_price_judge_the_requests_typical_proposals():
     assert step() is None and seq.pausing and seq.typical is None  # steadily low: paused, the average reset
 
 
+def test_a_new_requests_first_proposals_are_judged_beside_the_engines_recent_average():
+    """A request started at the engine's recent average (`first_confidence="recent"`) has it as its
+    typical proposal: one low first proposal moves it TYPICAL_WEIGHT of the way, and drafting still
+    pays; steadily low ones pause it. Started without one (ones), its first proposal alone is judged.
+    Mutation caught: a new request's average from its first proposal alone (an H100, one request at a
+    time: 20 of 32 pauses within a request's first 4 verify steps)."""
+    from jdspark.engine.stats import RowRecord, StepRecord
+    from jdspark.engine.widths import choose, judged
+    policy = AdaptiveWidth([0.0016] * 4, 0.0, gamma=3, decode_cost=0.0009)  # drafting pays above 1.8 tokens
+    options, compiled = SpecOptions(pause_steps=32, calibrate=False), dict.fromkeys(range(4))
+
+    def paused_after(proposals, confidence):
+        seq = Sequence(0, 4, SamplingParams(max_tokens=64), seed=0, gamma=3, eos_token_id=None, tokenizer=None,
+                       breaker=None, confidence=confidence)
+        for c in proposals:
+            step = StepRecord(3, 0.001, (RowRecord(0, seq.confidence, 3, (1, 2, 3, 4), 3),), 0.0, None, 1)
+            seq.record(step, step.rows[0], np.full(3, c, np.float32))
+        stale, typical = judged({0: seq.confidence}, {0: seq}, None, options, True)
+        choose(stale, {0: seq.speculates()}, policy, True, compiled, {0: seq}, options, None, typical=typical)
+        return seq.pausing
+
+    recent = np.full(3, 0.9, np.float32)
+    assert not paused_after([], recent) and not paused_after([0.1], recent)
+    assert paused_after([0.1] * 6, recent)
+    assert paused_after([0.1], None)
+
+
 def test_drafts_past_a_requests_max_tokens_are_priced_at_nothing():
     """A request of max_tokens 10 with 6 tokens and one call unread (it emits at least one) has room
     for 10 - 6 - 1 - 1 = 2 drafts in its next call: `within_room` zeroes its confidences past them, in
