@@ -51,3 +51,15 @@ def test_pause_replay_judged_on_one_step_pauses_where_the_average_does_not():
     poor = rows([0.1] * 200, 0)
     assert eval_calibration.replay_pauses(poor, lambda c: c, selector, None) == \
         eval_calibration.replay_pauses(poor, lambda c: c, selector, 0.25) > 1 / 1.66
+
+
+def test_pause_replay_seeded_with_the_recent_average_does_not_pause_on_a_low_first_proposal():
+    """A request whose first proposal is low but which accepts 4 drafts a step: its average from that
+    proposal alone pauses it; seeded with the recent average of other requests (`seed`) it drafts on."""
+    from jdspark.speculative.selector import AdaptiveWidth
+    selector = AdaptiveWidth([1.66] * 6, 0.0, 5, decode_cost=0.88)
+    rows = [RowRecord(0, np.full(5, c, np.float32), n_accepted=4, emitted=(), width=5) for c in [0.1] + [0.95] * 40]
+    fixed5 = eval_calibration.replay(rows, lambda c: 5, np.full(6, 1.66))
+    alone = eval_calibration.replay_pauses(rows, lambda c: c, selector, 0.25)
+    seeded = eval_calibration.replay_pauses(rows, lambda c: c, selector, 0.25, seed=np.full(5, 0.9))
+    assert seeded == fixed5 and alone < 0.9 * fixed5
