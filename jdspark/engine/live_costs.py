@@ -70,7 +70,7 @@ class LiveCosts:
     waits for the device): the host's work is paid whatever the call, and the profile does not see it.
     An H100, embedded model, one request: decode profiled at 0.66 ms and served at 1.04 (the host's),
     and priced by the profile until its first window came, every adaptive round paused drafting within
-    its first 3-46 steps, for 30-38 steps of a 64-token request's ~21."""
+    its first 3-46 steps, for 30-38 steps (a request of 64 tokens takes ~21)."""
 
     SAMPLES = 9
     MIN_WIDTH_SAMPLES = 5
