@@ -235,11 +235,11 @@ def test_before_its_first_window_the_decode_call_costs_at_least_the_hosts_time_p
     """The H100's embedded model, one request: decode profiled at 0.66 ms and served at 1.04 (the host
     paced it), verify windows of 1.74 ms whose reads waited 0.64 for the device (1.10 ms of host work a
     step). Priced by its profile, the decode call looked worth pausing for at confidences whose drafts
-    pay 1.6x; priced at the host's time per step, it does not; its own first window then sets its price.
+    bring 1.7x the tokens a ms decoding served; priced at the host's time per step, it does not; its own first window then sets its price.
     Windows whose wait is not measured teach no host time. Mutations caught: no floor; the floor kept
     after the decode call's own windows; the wait not subtracted."""
     base = AdaptiveWidth([0.0012, 0.0013, 0.0014, 0.0015, 0.00162, 0.00162], 0.0, gamma=5, decode_cost=0.00066)
-    confidences = np.full((1, 5), 0.68)  # E(5) = 2.82 tokens in 1.74 ms: 1.62 a ms, against 1.67 at 0.66 ms a token
+    confidences = np.full((1, 5), 0.68)  # E(5) = 2.82 in 1.74 ms: 1.62 a ms, under 1.1 / 0.66 ms
     unmeasured = LiveCosts({1: base})
     for _ in range(9):
         unmeasured.observe(1, True, 5, 0.00174)
