@@ -64,8 +64,9 @@ class Sequence:
         # from the first proposal where nothing seeds it). Judged on its first proposals alone, 20 of the
         # 32 pauses of one request at a time on an H100 (the embedded model, 64 tokens: ~21 steps a
         # request; 0.93-0.96 of fixed width 5) came within a request's first 4 verify steps, each 30+ steps;
-        # replayed at its costs (`eval_calibration.py`, T = 1), seeding took it from 0.871 to 0.990 of width 5
-        self.typical: np.ndarray | None = None if confidence is None else self.confidence.copy()
+        # replayed at its costs (`eval_calibration.py`, T = 1), seeding took it from 0.871 to 0.990 of width 5.
+        # It may share `confidence`'s array: both are replaced on update, never changed in place.
+        self.typical: np.ndarray | None = None if confidence is None else self.confidence
         self.calls = 0  # verify calls issued for it: the counter of the request's own noise
         self.unread = 0  # tokens its issued calls not yet read may emit (each at most its width + 1)
         self.unread_calls = 0  # its issued calls not yet read (each emits at least one token)

@@ -18,9 +18,10 @@ DRAFT_MARGIN = 0.10  # drafting is chosen only where priced above (1 + this) x a
 # Drafting costs what E(k) / S(k) does not count: a speculating batch's requests end on different steps,
 # each leaving its slot empty for a step or two of the longer verify calls and taking a prefill call of its
 # own, where target-only requests of one length end and refill together (a request's last drafts, cut at
-# max_tokens, are priced by `engine.widths.within_room`). Flash dimensions on an H200, 4 requests of 64 tokens (docs/BENCHMARKS.md): width 3
-# priced 0-5% above decoding was served at 0.82-0.91 of it in rounds that drafted, with 3.2-3.7 of 4 rows
-# a step (a margin does not undo a few early drafting steps: the requests then end apart for good). Its price:
+# max_tokens, are priced by `engine.widths.within_room`). Flash dimensions on an H200, 4 requests of 64
+# tokens (docs/BENCHMARKS.md): width 3 priced 0-5% above decoding was served at 0.82-0.91 of it in rounds
+# that drafted, with 3.2-3.7 of 4 rows a step (a margin does not undo a few early drafting steps: the
+# requests then end apart for good). Its price:
 # where drafting brings less than that, the engine decodes (the embedded model at c = 16 on an H100:
 # width 5 served 1.05x of target-only).
 

@@ -274,8 +274,8 @@ def test_a_switch_cost_keeps_the_call_issued_last_unless_another_gains_more():
 
 
 def test_pauses_and_the_decode_price_judge_the_requests_typical_proposals():
-    """`Sequence.typical` averages a request's proposals (TYPICAL_WEIGHT on the newest) from its first
-    one read after its start or last pause; a pause resets it. One low proposal after high ones
+    """`Sequence.typical` averages a request's proposals (TYPICAL_WEIGHT on the newest), here (nothing
+    seeds it) from its first one read; a pause resets it. One low proposal after high ones
     leaves a drafting request drafting (`judged` hands the pause and the decode call's price the
     average), where its stale proposal alone pauses it; steadily low ones pause it. Mutation caught:
     either judging the stale proposal (a lone request on an H100 paused a third of its steps, 0.92
