@@ -29,21 +29,21 @@ from jdspark.engine.errors import EngineError
 from jdspark.engine.options import WidthPolicy
 from jdspark.speculative.budget import allocate_widths, padded_cost
 from jdspark.speculative.selector import DRAFT_MARGIN, AdaptiveWidth
+from jdspark.speculative.stacked import StackedRows, stack
 
 
 def row_widths(mode: str, stale: dict[int, np.ndarray], speculating: dict[int, bool], policy: WidthPolicy,
                costs: AdaptiveWidth | None) -> dict[int, int]:
     """{slot: drafts to verify} for the step's rows (a row whose breaker is cooling down: 0)."""
     rows = [b for b in stale if speculating[b]]
-    # the rows' confidences as np.array([...]), not np.stack: a third of the host time (here and below)
     if mode == "budget":
         if costs is None:
             raise EngineError("batch_widths='budget' prices widths with the measured costs: use adaptive widths "
                               "(SpecOptions(width=None)), or batch_widths='per_request'")
-        chosen = allocate_widths(np.array([stale[b] for b in rows]), padded_cost(costs.draft_cost, costs.verify_costs))
+        chosen = allocate_widths(stack(stale, rows), padded_cost(costs.draft_cost, costs.verify_costs))
         widths = dict(zip(rows, chosen.tolist()))
     elif isinstance(policy, AdaptiveWidth) and rows:
-        widths = dict(zip(rows, policy.widths(np.array([stale[b] for b in rows])).tolist()))
+        widths = dict(zip(rows, policy.widths(stack(stale, rows)).tolist()))
     else:
         widths = {b: int(policy(stale[b])) for b in rows}
     if mode == "padded":
@@ -81,7 +81,7 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     drafting step against the decode call: a step the pauses let draft is not decoded on one step's
     proposal (a decode call would bring none to correct it)."""
     rows = list(widths)
-    expected = policy.expected_tokens(np.array([stale[b] for b in rows]))
+    expected = policy.expected_tokens(stack(stale, rows))
     own = np.array([widths[b] for b in rows])
     any_lifted = any(b in lifted for b in rows)
     clipped = None if all(b in lifted for b in rows) else np.array([b not in lifted for b in rows])[:, None]
@@ -98,7 +98,7 @@ def price_the_step(widths: dict[int, int], stale: dict[int, np.ndarray], policy:
     rates = tokens_per_second(expected).tolist()
     best = max(ks, key=rates.__getitem__)
     if may_decode and policy.decode_cost is not None:
-        table = expected if typical is None else policy.expected_tokens(np.array([typical[b] for b in rows]))
+        table = expected if typical is None else policy.expected_tokens(stack(typical, rows))
         could = rates[best] if table is expected else max(tokens_per_second(table)[ks].tolist())
         if probe is not None:
             start = np.ones((1, expected.shape[1] - 1)) if probe_confidence is None else probe_confidence[None]
@@ -158,7 +158,7 @@ def pause_where_drafting_does_not_pay(policy: AdaptiveWidth, stale: dict[int, np
     rows = [b for b in stale if speculating[b] and not sequences[b].probing]
     if not rows:
         return
-    for b, pays in zip(rows, policy.drafting_pays(np.array([stale[b] for b in rows])).tolist()):
+    for b, pays in zip(rows, policy.drafting_pays(stack(stale, rows)).tolist()):
         if pays:
             sequences[b].drafting_pays()
         else:
@@ -201,9 +201,14 @@ def judged(stale: dict[int, np.ndarray], sequences, calibration, options, adapti
     choice. Under the engine's adaptive widths both pass through its calibration
     (`options.calibrate`); with pauses on, the second is each row's `Sequence.typical` (its stale
     confidences until it has one), else None."""
-    typical = ({b: c if sequences[b].typical is None else sequences[b].typical for b, c in stale.items()}
-               if adaptive and options.pause_steps else None)
-    if adaptive and options.calibrate:
+    if not adaptive:
+        return stale, None
+    # stacked once: the choice reads them as matrices four to six times (`speculative.stacked`)
+    stale = StackedRows.of(stale)
+    typical = (stale.with_matrix(np.array([c if (t := sequences[b].typical) is None else t
+                                           for b, c in zip(stale.slots, stale.matrix)]).reshape(stale.matrix.shape))
+               if options.pause_steps else None)
+    if options.calibrate:
         greedy = {b: sequences[b].greedy for b in stale}
         stale = calibration.apply(stale, greedy)
         typical = None if typical is None else calibration.apply(typical, greedy)
@@ -216,11 +221,16 @@ def within_room(stale: dict[int, np.ndarray], typical: dict[int, np.ndarray] | N
     max_tokens) at 0, so that E(k) prices only tokens it can take (64-token requests at acceptance
     0.8 took 2.82-2.89 tokens a row-step at width 3, against E(3) = 2.95). The same dicts when no
     row is near its end."""
-    rooms = {b: room for b in stale if (room := sequences[b].draft_room()) < len(stale[b])}
+    gamma = len(next(iter(stale.values()))) if stale else 0
+    rooms = {b: room for b in stale if (room := sequences[b].draft_room()) < gamma}
     if not rooms:
         return stale, typical
 
     def clipped(confidences):
+        if isinstance(confidences, StackedRows):  # in one array operation
+            room = np.array([rooms.get(b, gamma) for b in confidences.slots])[:, None]
+            matrix = confidences.matrix
+            return confidences.with_matrix(np.where(np.arange(gamma) < room, matrix, matrix.dtype.type(0)))
         out = dict(confidences)
         for b, room in rooms.items():
             out[b] = np.where(np.arange(len(out[b])) < room, out[b], np.float32(0)).astype(out[b].dtype)

@@ -1,0 +1,63 @@
+"""A step's rows' confidences by slot, stacked once.
+
+The width choice reads a step's stale confidences both row by row ({slot: [gamma]}) and as one
+[rows, gamma] matrix (calibration, E(k), pauses, the step's price: four to six times a step). Built
+as a dict, each reading stacked the rows again: at 64 rows that was most of the choice's host time
+on top of fixed widths' (timeit and `scripts/bench_engine_host.py`, docs/BENCHMARKS.md). `StackedRows`
+is the same mapping over one matrix, and `stack` hands out that matrix (or its rows in another order)
+without copying the rows one by one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+
+class StackedRows(Mapping):
+    """{slot: [gamma] row} over one [rows, gamma] matrix, in `slots` order. Read-only: a choice that
+    changes rows builds another (`with_matrix`)."""
+
+    def __init__(self, slots: Iterable[int], matrix: np.ndarray):
+        self.slots = list(slots)
+        self.matrix = matrix
+        if matrix.ndim != 2 or matrix.shape[0] != len(self.slots):
+            raise ValueError(f"{len(self.slots)} slots but a matrix of shape {matrix.shape}: one row per slot")
+        self._index = {b: i for i, b in enumerate(self.slots)}
+
+    @classmethod
+    def of(cls, rows: Mapping[int, np.ndarray]) -> StackedRows:
+        """The rows of a {slot: [gamma]} mapping, stacked (itself if already stacked)."""
+        if isinstance(rows, StackedRows):
+            return rows
+        return cls(rows, np.array(list(rows.values())).reshape(len(rows), -1))
+
+    def with_matrix(self, matrix: np.ndarray) -> StackedRows:
+        """The same slots over another matrix (the rows changed in one array operation)."""
+        return StackedRows(self.slots, matrix)
+
+    def __getitem__(self, slot: int) -> np.ndarray:
+        return self.matrix[self._index[slot]]
+
+    def __iter__(self):
+        return iter(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def __contains__(self, slot) -> bool:
+        return slot in self._index
+
+    def take(self, slots: list[int]) -> np.ndarray:
+        """[len(slots), gamma]: these slots' rows in this order (the matrix itself if they are all, in order)."""
+        if slots == self.slots:
+            return self.matrix
+        return self.matrix[[self._index[b] for b in slots]]
+
+
+def stack(rows: Mapping[int, np.ndarray], slots: list[int]) -> np.ndarray:
+    """[len(slots), gamma]: the rows of these slots, in this order, from a dict or a `StackedRows`."""
+    if isinstance(rows, StackedRows):
+        return rows.take(slots)
+    return np.array([rows[b] for b in slots]).reshape(len(slots), -1)
