@@ -28,6 +28,7 @@ import numpy as np
 from jdspark.engine.errors import EngineError
 from jdspark.engine.options import WidthPolicy
 from jdspark.speculative.budget import allocate_widths, padded_cost
+from jdspark.speculative.calibration import ROWS_ONE_BY_ONE
 from jdspark.speculative.selector import DRAFT_MARGIN, AdaptiveWidth
 from jdspark.speculative.stacked import StackedRows, stack
 
@@ -203,11 +204,10 @@ def judged(stale: dict[int, np.ndarray], sequences, calibration, options, adapti
     confidences until it has one), else None."""
     if not adaptive:
         return stale, None
-    # stacked once: the choice reads them as matrices four to six times (`speculative.stacked`)
-    stale = StackedRows.of(stale)
-    typical = (stale.with_matrix(np.array([c if (t := sequences[b].typical) is None else t
-                                           for b, c in zip(stale.slots, stale.matrix)]).reshape(stale.matrix.shape))
+    typical = ({b: c if (t := sequences[b].typical) is None else t for b, c in stale.items()}
                if options.pause_steps else None)
+    if len(stale) > ROWS_ONE_BY_ONE:  # stacked once: the choice reads them as matrices four to six times
+        stale, typical = StackedRows.of(stale), None if typical is None else StackedRows.of(typical)
     if options.calibrate:
         greedy = {b: sequences[b].greedy for b in stale}
         stale = calibration.apply(stale, greedy)

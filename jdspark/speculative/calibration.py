@@ -38,6 +38,7 @@ class Calibration:
         self.confidence = np.zeros((2, gamma))  # of those, their stale confidences at j, summed
         self._pending: list[tuple] = []  # (greedy, stale confidence, width, n_accepted) not folded yet
         self._ratios: dict[bool, np.ndarray | None] = {False: None, True: None}  # None: as stated
+        self._by_greedy: np.ndarray | None = None  # [sampled, greedy] x gamma: the ratios, ones where none; None: none
 
     def observe(self, rows: Iterable, greedy: Iterable[bool]) -> None:
         """A verified step's rows (`RowRecord`s: stale confidence, width, n_accepted), in order."""
@@ -66,6 +67,8 @@ class Calibration:
             known = (self.reached[int(g)] >= self.min_rows) & (self.confidence[int(g)] > 0)
             ratio = np.where(known, self.accepted[int(g)] / np.where(known, self.confidence[int(g)], 1.0), 1.0)
             self._ratios[g] = ratio.astype(np.float32) if known.any() else None
+        self._by_greedy = None if self._ratios[False] is None and self._ratios[True] is None else np.stack(
+            [self.ratio(False), self.ratio(True)])
 
     def ratio(self, greedy: bool) -> np.ndarray:
         """[gamma]: what the choice scales a stale confidence by at each position (1: too few rows)."""
@@ -86,10 +89,8 @@ class Calibration:
                 out[b] = c if ratio is None else np.minimum(c * ratio, np.float32(1.0))
             return out
         rows = StackedRows.of(stale)
-        ones = np.ones(self.reached.shape[1], np.float32)
-        by_greedy = np.stack([ones if self._ratios[g] is None else self._ratios[g] for g in (False, True)])
-        ratio = by_greedy[np.fromiter((greedy[b] for b in rows.slots), bool, len(rows)).view(np.uint8)]
-        return rows.with_matrix(np.minimum(rows.matrix * ratio, np.float32(1.0)))
+        flags = np.fromiter((greedy[b] for b in rows.slots), bool, len(rows)).view(np.uint8)
+        return rows.with_matrix(np.minimum(rows.matrix * self._by_greedy[flags], np.float32(1.0)))
 
     def __call__(self, stale: np.ndarray, greedy: bool) -> np.ndarray:
         """One row's calibrated stale confidences [gamma]."""
