@@ -45,3 +45,40 @@ def test_a_completed_stop_string_keeps_only_the_tokens_that_complete_it():
     whole = Detokenizer(ByteTokenizer(), stop=("b",))
     whole.add(list(b"abc"))
     assert bytes(whole.tokens) == b"ab" and whole.text == "a"
+
+
+class WholeList(Detokenizer):
+    """The oracle: every call decodes the whole list (the Detokenizer before its window)."""
+
+    def _decoded(self):
+        return self.tokenizer.decode(self.tokens)
+
+
+def test_the_window_gives_the_deltas_of_decoding_the_whole_list():
+    """The embedded model's tokenizer on code and on random ids (byte tokens that split characters,
+    special tokens), in blocks of 1-6 tokens as verify steps emit them, with and without stop strings:
+    every delta equals the whole-list oracle's. Mutation caught: the window's settled text not
+    subtracted (text repeated)."""
+    import pathlib
+
+    import numpy as np
+
+    from jdspark.assets import default_model_dir
+    from jdspark.tokenizer.tokenizer import Tokenizer
+    tokenizer = Tokenizer(pathlib.Path(default_model_dir()) / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    code = tokenizer.encode(pathlib.Path(__file__).read_text() + "é漢字 ✓ 😀\n" * 3, add_bos=False)
+    vocab = tokenizer.hf.get_vocab_size()
+    streams = [code, rng.integers(0, vocab, 400).tolist(),
+               [int(t) if rng.random() < 0.7 else int(rng.integers(vocab)) for t in code[:600]]]
+    for ids in streams:
+        for stop in ((), ("def ", "\n\n"), ("zzz",)):
+            cuts = np.cumsum(rng.integers(1, 7, len(ids)))
+            blocks = [ids[a:b] for a, b in zip([0, *cuts.tolist()], cuts.tolist()) if a < len(ids)]
+            window, whole = Detokenizer(tokenizer, stop), WholeList(tokenizer, stop)
+            for block in blocks:
+                assert window.add(block) == whole.add(block)
+                assert window.tokens == whole.tokens and window.stopped == whole.stopped
+                if whole.stopped:
+                    break
+            assert window.finish() == whole.finish() and window.text == whole.text
