@@ -201,7 +201,8 @@ def judged(stale: dict[int, np.ndarray], sequences, calibration, options, adapti
     """(the rows' stale confidences, what pauses and the decode call's price judge) for a step's
     choice. Under the engine's adaptive widths both pass through its calibration
     (`options.calibrate`); with pauses on, the second is each row's `Sequence.typical` (its stale
-    confidences until it has one), else None."""
+    confidences until it has one), else None. Past `ROWS_ONE_BY_ONE` rows both come stacked
+    (`StackedRows`: the same mapping over one matrix); fewer stay dicts, cheaper for a lone request."""
     if not adaptive:
         return stale, None
     typical = ({b: c if (t := sequences[b].typical) is None else t for b, c in stale.items()}

@@ -37,7 +37,7 @@ class StackedRows(Mapping):
         """The rows of a {slot: [gamma]} mapping, stacked (itself if already stacked)."""
         if isinstance(rows, StackedRows):
             return rows
-        return cls(rows, np.array(list(rows.values())).reshape(len(rows), -1))
+        return cls(rows, np.array(list(rows.values())))
 
     def with_matrix(self, matrix: np.ndarray) -> StackedRows:
         """The same slots over another matrix (the rows changed in one array operation)."""
@@ -66,4 +66,4 @@ def stack(rows: Mapping[int, np.ndarray], slots: list[int]) -> np.ndarray:
     """[len(slots), gamma]: the rows of these slots, in this order, from a dict or a `StackedRows`."""
     if isinstance(rows, StackedRows):
         return rows.take(slots)
-    return np.array([rows[b] for b in slots]).reshape(len(slots), -1)
+    return np.array([rows[b] for b in slots])
