@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import Iterator
 
@@ -117,11 +118,7 @@ class CompletionStats:
 
 def _counts_above(histogram: list[int]) -> list[int]:
     """[len - 1]: out[i] = sum(histogram[i + 1:])."""
-    out, total = [], 0
-    for count in reversed(histogram[1:]):
-        total += count
-        out.append(total)
-    return out[::-1]
+    return list(itertools.accumulate(histogram[:0:-1]))[::-1]
 
 
 class LogCounters:

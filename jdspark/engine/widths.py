@@ -220,22 +220,17 @@ def within_room(stale: dict[int, np.ndarray], typical: dict[int, np.ndarray] | N
                 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None]:
     """`judged`'s pair with the drafts past a request's room (`Sequence.draft_room`: before its
     max_tokens) at 0, so that E(k) prices only tokens it can take (64-token requests at acceptance
-    0.8 took 2.82-2.89 tokens a row-step at width 3, against E(3) = 2.95). The same dicts when no
-    row is near its end."""
+    0.8 took 2.82-2.89 tokens a row-step at width 3, against E(3) = 2.95). The same mappings when no
+    row is near its end, else stacked (`StackedRows`)."""
     gamma = len(next(iter(stale.values()))) if stale else 0
     rooms = {b: room for b in stale if (room := sequences[b].draft_room()) < gamma}
     if not rooms:
         return stale, typical
 
-    def clipped(confidences):
-        if isinstance(confidences, StackedRows):  # in one array operation
-            room = np.array([rooms.get(b, gamma) for b in confidences.slots])[:, None]
-            matrix = confidences.matrix
-            return confidences.with_matrix(np.where(np.arange(gamma) < room, matrix, matrix.dtype.type(0)))
-        out = dict(confidences)
-        for b, room in rooms.items():
-            out[b] = np.where(np.arange(len(out[b])) < room, out[b], np.float32(0)).astype(out[b].dtype)
-        return out
+    def clipped(confidences):  # in one array operation
+        rows = StackedRows.of(confidences)
+        room = np.array([rooms.get(b, gamma) for b in rows.slots])[:, None]
+        return rows.with_matrix(np.where(np.arange(gamma) < room, rows.matrix, rows.matrix.dtype.type(0)))
     return clipped(stale), None if typical is None else clipped(typical)
 
 

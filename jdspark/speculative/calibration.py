@@ -37,8 +37,9 @@ class Calibration:
         self.accepted = np.zeros((2, gamma))  # of those, rows that accepted draft j
         self.confidence = np.zeros((2, gamma))  # of those, their stale confidences at j, summed
         self._pending: list[tuple] = []  # (greedy, stale confidence, width, n_accepted) not folded yet
-        self._ratios: dict[bool, np.ndarray | None] = {False: None, True: None}  # None: as stated
-        self._by_greedy: np.ndarray | None = None  # [sampled, greedy] x gamma: the ratios, ones where none; None: none
+        # [sampled, greedy] x position: the ratios the choice reads (ones where a position has too few rows);
+        # None while neither side has any: the confidences as stated
+        self._ratios: np.ndarray | None = None
 
     def observe(self, rows: Iterable, greedy: Iterable[bool]) -> None:
         """A verified step's rows (`RowRecord`s: stale confidence, width, n_accepted), in order."""
@@ -57,6 +58,7 @@ class Calibration:
         positions = np.arange(self.reached.shape[1])[None]
         reached = positions < np.minimum(width, n + 1)[:, None]
         values = (reached, reached & (positions < n[:, None]), reached * stale)
+        ratios = np.ones((2, self.reached.shape[1]), np.float32)
         for g in (False, True):
             mine = greedy == g
             count = int(mine.sum())
@@ -65,32 +67,25 @@ class Calibration:
                 for total, value in zip((self.reached, self.accepted, self.confidence), values):
                     total[int(g)] = self.decay ** count * total[int(g)] + weights @ value[mine]
             known = (self.reached[int(g)] >= self.min_rows) & (self.confidence[int(g)] > 0)
-            ratio = np.where(known, self.accepted[int(g)] / np.where(known, self.confidence[int(g)], 1.0), 1.0)
-            self._ratios[g] = ratio.astype(np.float32) if known.any() else None
-        self._by_greedy = None if self._ratios[False] is None and self._ratios[True] is None else np.stack(
-            [self.ratio(False), self.ratio(True)])
+            ratios[int(g)] = np.where(known, self.accepted[int(g)] / np.where(known, self.confidence[int(g)], 1.0), 1.0)
+        self._ratios = ratios if (ratios != 1).any() else None
 
     def ratio(self, greedy: bool) -> np.ndarray:
         """[gamma]: what the choice scales a stale confidence by at each position (1: too few rows)."""
-        ratio = self._ratios[bool(greedy)]
-        return np.ones(self.reached.shape[1], np.float32) if ratio is None else ratio
+        return np.ones(self.reached.shape[1], np.float32) if self._ratios is None else self._ratios[int(greedy)]
 
     def apply(self, stale: Mapping[int, np.ndarray], greedy: Mapping[int, bool]) -> Mapping[int, np.ndarray]:
         """Calibrated stale confidences [gamma] of a step's rows (by slot), each at most 1. A step
         pays this on the host: rows already stacked (`StackedRows`) or more than `ROWS_ONE_BY_ONE` in
         one array operation, else row by row (timeit, the 2-core CPU: 1.0 us for 1 row one by one
         against 3.2 in one operation, 14.9 against 7.2 for 16, 60.4 against 20.1 for 64, from dicts)."""
-        if self._ratios[False] is None and self._ratios[True] is None:
+        if self._ratios is None:
             return stale
         if not isinstance(stale, StackedRows) and len(stale) <= ROWS_ONE_BY_ONE:
-            out = {}
-            for b, c in stale.items():
-                ratio = self._ratios[bool(greedy[b])]
-                out[b] = c if ratio is None else np.minimum(c * ratio, np.float32(1.0))
-            return out
+            return {b: np.minimum(c * self._ratios[int(greedy[b])], np.float32(1.0)) for b, c in stale.items()}
         rows = StackedRows.of(stale)
         flags = np.fromiter((greedy[b] for b in rows.slots), bool, len(rows)).view(np.uint8)
-        return rows.with_matrix(np.minimum(rows.matrix * self._by_greedy[flags], np.float32(1.0)))
+        return rows.with_matrix(np.minimum(rows.matrix * self._ratios[flags], np.float32(1.0)))
 
     def __call__(self, stale: np.ndarray, greedy: bool) -> np.ndarray:
         """One row's calibrated stale confidences [gamma]."""

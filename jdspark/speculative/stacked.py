@@ -2,8 +2,8 @@
 
 The width choice reads a step's stale confidences both row by row ({slot: [gamma]}) and as one
 [rows, gamma] matrix (calibration, E(k), pauses, the step's price: four to six times a step). Built
-as a dict, each reading stacked the rows again: at 64 rows that was most of the choice's host time
-on top of fixed widths' (timeit and `scripts/bench_engine_host.py`, docs/BENCHMARKS.md). `StackedRows`
+as a dict, each reading stacked the rows again: stacking them once took an adaptive step at 64 rows
+from 943 to 875 us of host time (`scripts/bench_engine_host.py`, the 2-core CPU). `StackedRows`
 is the same mapping over one matrix, and `stack` hands out that matrix (or its rows in another order)
 without copying the rows one by one.
 """
@@ -51,9 +51,6 @@ class StackedRows(Mapping):
 
     def __len__(self) -> int:
         return len(self.slots)
-
-    def __contains__(self, slot) -> bool:
-        return slot in self.index
 
     def take(self, slots: list[int]) -> np.ndarray:
         """[len(slots), gamma]: these slots' rows in this order (the matrix itself if they are all, in order)."""

@@ -114,9 +114,10 @@ class Detokenizer:
     def _decoded(self) -> str:
         """The text of every token, as decoding the whole list gives it, from the tokens since the
         last settled point but one: the text settled before it, plus what the newer tokens add to
-        the window's decode (as vLLM and TGI do; decoding the whole list on every call took 0.3 ms a
-        call at 2048 tokens of the embedded model's tokenizer, 39 us at 256, timeit on the 2-core
-        CPU). Where the window's start decodes differently once more tokens follow it, the whole list."""
+        the window's decode (as vLLM and TGI do; decoding the whole list on every call took 307 us a
+        call on average over a 2048-token stream in blocks of 4, 39 us over 256 tokens, against 10.5
+        and 5.6 us now: the embedded model's tokenizer, timeit on the 2-core CPU). Where the window's
+        start decodes differently once more tokens follow it, the whole list."""
         settled = self.tokenizer.decode(self.tokens[self._prefix:self._read])
         window = self.tokenizer.decode(self.tokens[self._prefix:])
         text = self._text + window[len(settled):] if window.startswith(settled) else self.tokenizer.decode(self.tokens)

@@ -353,7 +353,8 @@ def test_drafts_past_a_requests_max_tokens_are_priced_at_nothing():
     stale, typical = within_room(confidences, {0: np.full(5, 0.7, np.float32), 1: confidences[1]}, {0: near, 1: far})
     np.testing.assert_array_equal(stale[0], np.float32([0.9, 0.9, 0, 0, 0]))
     np.testing.assert_array_equal(typical[0], np.float32([0.7, 0.7, 0, 0, 0]))
-    assert stale[1] is confidences[1] and stale[0].dtype == np.float32
+    np.testing.assert_array_equal(stale[1], confidences[1])
+    assert stale[0].dtype == np.float32
     expected = AdaptiveWidth([0.001] * 6, 0.0, gamma=5).expected_tokens(np.array([stale[0]]))[0]
     np.testing.assert_allclose(expected, [1, 1.9, 2.71, 2.71, 2.71, 2.71], rtol=1e-6)
     far.tokens = []
@@ -381,3 +382,34 @@ def test_near_its_end_a_request_is_priced_on_its_room_but_not_paused_for_it():
     seq.tokens = [7] * 62  # room for 64 - 62 - 0 - 1 = 1 draft
     assert step(seq) is None and not seq.pausing and seq.paused_left == 0
     assert step(seq, probing=True) is None
+
+
+def test_the_choice_stacks_many_rows_once_and_leaves_few_as_dicts():
+    """`judged` hands the choice stacked rows past `calibration.ROWS_ONE_BY_ONE` rows (a dict at fewer:
+    stacking costs a lone request more than it saves), with each row's `Sequence.typical` where it has one."""
+    from jdspark.engine.widths import judged
+    from jdspark.speculative.stacked import StackedRows
+    rng, gamma = np.random.default_rng(4), 5
+    options = SpecOptions(pause_steps=32, calibrate=False)
+    for count, kind in ((3, dict), (6, StackedRows)):
+        sequences = {b: Sequence(b, 4, SamplingParams(max_tokens=64), seed=0, gamma=gamma, eos_token_id=None,
+                                 tokenizer=None, breaker=None) for b in range(count)}
+        sequences[1].typical = np.full(gamma, 0.25, np.float32)
+        stale = {b: rng.random(gamma).astype(np.float32) for b in range(count)}
+        stale, typical = judged(stale, sequences, None, options, True)
+        assert isinstance(stale, kind) and isinstance(typical, kind)
+        np.testing.assert_array_equal(typical[1], sequences[1].typical)
+        np.testing.assert_array_equal(typical[0], stale[0])  # no average yet: its stale proposal
+
+
+def test_a_steps_averages_move_as_each_rows_would_alone():
+    from jdspark.engine.sequence import TYPICAL_WEIGHT, moved_averages
+    rng = np.random.default_rng(5)
+    gamma = 5
+    before = [None, rng.random(gamma).astype(np.float32), rng.random(gamma).astype(np.float32)]
+    proposed = rng.random((3, gamma)).astype(np.float32)
+    after = moved_averages(before, proposed)
+    assert after.dtype == np.float32
+    np.testing.assert_array_equal(after[0], proposed[0])
+    for i in (1, 2):
+        np.testing.assert_array_equal(after[i], before[i] + TYPICAL_WEIGHT * (proposed[i] - before[i]))

@@ -3,9 +3,11 @@ ratios learn realized / stated acceptance per position from verified rows only (
 apart, positions a row did not reach left out), and apply once a position has enough rows."""
 
 import numpy as np
+import pytest
 
 from jdspark.engine.stats import RowRecord
 from jdspark.speculative.calibration import Calibration
+from jdspark.speculative.stacked import StackedRows
 
 GAMMA = 5
 
@@ -85,3 +87,19 @@ def test_a_step_of_many_rows_is_scaled_as_each_row_alone():
             alone = calibration(stale[b], greedy[b])
             assert scaled[b].dtype == alone.dtype and np.array_equal(scaled[b], alone)
         assert any(not np.array_equal(scaled[b], stale[b]) for b in stale if greedy[b])
+
+
+@pytest.mark.parametrize("count", [1, 4, 5, 64])
+def test_calibration_scales_stacked_rows_as_it_scales_them_one_by_one(count):
+    rng = np.random.default_rng(count)
+    calibration = Calibration(GAMMA, decay=1.0, min_rows=1, fold_every=1)
+    for greedy in (False, True):
+        accepted = rng.integers(0, GAMMA + 1, 40)
+        calibration.observe([RowRecord(i, rng.random(GAMMA).astype(np.float32), int(n), (), GAMMA)
+                             for i, n in enumerate(accepted)], [greedy] * 40)
+    rows = {b: rng.random(GAMMA).astype(np.float32) for b in rng.permutation(100)[:count].tolist()}
+    greedy = {b: bool(rng.integers(2)) for b in rows}
+    stacked = calibration.apply(StackedRows.of(rows), greedy)
+    assert isinstance(stacked, StackedRows) and list(stacked) == list(rows)
+    for b, row in rows.items():
+        np.testing.assert_array_equal(stacked[b], calibration(row, greedy[b]))
