@@ -27,6 +27,7 @@
 #   bash scripts/device_bench.sh serve-engine keep-cache   (then XLA's compile cache comes back, its newest KEEP_MIB
 #       (44) MiB: copy its parts into build/device-cache and carry that folder; the next machine's serve parts find
 #       the programs they compile there)
+#   bash scripts/device_bench.sh dispatch        (a call's host cost by leaves and launches; the GIL)
 #   bash scripts/device_bench.sh kernel-tests many-rows   (the kernel's grouped form and missing slots compiled,
 #       then timed against the slot form and the former padding)
 set -uo pipefail
@@ -188,6 +189,9 @@ for part in "$@"; do
     moe-tests)  # the routed-expert kernel compiled against its reference (every form, format and decoder)
       timeout ${MOE_TEST_SECONDS:-200} python3 -m pytest -q -W ignore -p no:cacheprovider -m gpu \
         tests/pallas_kernels/test_moe.py 2>&1 | tail -8 | tee "$OUT/moe_gpu_tests.log" ;;
+    dispatch)  # issue 26: the host time one call costs its thread, by leaves and launches, and the GIL held or not
+      timeout 240 python3 scripts/bench_dispatch.py ${DISPATCH_ARGS:-} --json "$OUT/dispatch.json" 2>&1 \
+        | grep -v Warning | tee "$OUT/dispatch.log" ;;
     bw)  # the host expert pool's bandwidths on this host (16 cores): host read, PCIe, CPU and GPU expert GEMV;
       # BW_PREFETCH="1 0 1 0" alternates the CPU GEMV's prefetch (groups of rows ahead; 0: none), BW_DTYPES the
       # model dtype (bfloat16: ds_fp4 by vdpbf16ps where the CPU has it; float32: the fp32 decoders), BW_HINTS="t1 t0"
