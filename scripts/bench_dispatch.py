@@ -18,6 +18,7 @@ import json
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
@@ -93,11 +94,41 @@ def released_share(call, args, calls: int) -> float:
     return ran / spent
 
 
+def python_work(us: float) -> int:
+    """`us` microseconds of pure-Python work (the engine's read of the call before holds the GIL so)."""
+    started, total = time.perf_counter(), 0
+    while time.perf_counter() - started < us * 1e-6:
+        for i in range(50):
+            total += i
+    return total
+
+
+def with_work(call, args, calls: int, work_us: float, threaded: bool) -> float:
+    """Microseconds a round of (issue the call, `work_us` of Python work, have the call's outputs) takes:
+    the call issued on this thread before the work, or handed to a second thread that issues it meanwhile."""
+    pool = ThreadPoolExecutor(1)
+    jax.block_until_ready(call(*args))
+    started = time.perf_counter()
+    for _ in range(calls):
+        if threaded:
+            future = pool.submit(call, *args)
+            python_work(work_us)
+            out = future.result()
+        else:
+            out = call(*args)
+            python_work(work_us)
+        jax.block_until_ready(out)
+    pool.shutdown()
+    return (time.perf_counter() - started) / calls * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=300)
     parser.add_argument("--d", type=int, default=256)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--work-us", type=float, default=1000.0, help="Python work beside each call (overlap rows)")
+    parser.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval for the overlap rows")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
@@ -110,6 +141,15 @@ def main() -> None:
         share = released_share(compiled, inputs, args.calls)
         rows.append({"variant": name, "leaves": leaves, "host_us": us, "gil_released": share})
         print(f"| {name} | {us:.1f} | {us / leaves:.2f} | {share:.0%} |")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    print(f"\n{args.work_us:.0f} us of Python work beside each call: a round's us, the call issued first on this"
+          f" thread / by a second thread meanwhile\n| variant | this thread | second thread | ratio |\n|---|---:|---:|---:|")
+    for name, (function, inputs) in variants(args.layers, args.d).items():
+        compiled = jax.jit(function).lower(*inputs).compile()
+        alone, threaded = (with_work(compiled, inputs, args.calls, args.work_us, t) for t in (False, True))
+        rows.append({"variant": name, "work_us": args.work_us, "this_thread_us": alone, "second_thread_us": threaded})
+        print(f"| {name} | {alone:.1f} | {threaded:.1f} | {threaded / alone:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": rows}, f, indent=1)
