@@ -101,7 +101,9 @@ class Engine(PromptIntake, SpeculationPolicy):
                                prompt_segment)
         self.state, self.draft_cache = self._fresh_state()
         self._clear_requests()
-        self._next_id, self.prior, self.calibration = 0, ConfidencePrior(config.gamma), Calibration(config.gamma)
+        # the calibration folds at most every 4 steps: with many rows a step, folding every step was host time
+        self._next_id, self.prior = 0, ConfidencePrior(config.gamma)
+        self.calibration = Calibration(config.gamma, fold_steps=4)
         self.arrivals = Arrivals()  # when prompts came: whether holding a prefill call back can pay
         # several processes must issue the same calls: none takes executables a step apart from the others
         start, defer = time.perf_counter(), defer_steps and speculative and jax.process_count() == 1

@@ -73,6 +73,23 @@ def test_a_step_of_rows_learns_what_its_rows_one_at_a_time_teach():
         np.testing.assert_allclose(getattr(together, name), getattr(alone, name), rtol=1e-12)
 
 
+def test_a_fold_waits_for_fold_steps_steps_as_well_as_fold_every_rows():
+    """With many rows a step the rows are enough every step; `fold_steps` keeps folds that far apart, and the
+    folded sums are those of folding every step."""
+    rng = np.random.default_rng(4)
+    steps = [rows_accepting(rng, 8, rng.random(GAMMA), [0.9, 0.7, 0.6, 0.5, 0.4]) for _ in range(6)]
+    every, apart = (Calibration(GAMMA, decay=0.9, min_rows=1, fold_every=8, fold_steps=n) for n in (1, 3))
+    for i, rows in enumerate(steps):
+        every.observe(rows, [True] * len(rows))
+        apart.observe(rows, [True] * len(rows))
+        assert (apart.reached.sum() > 0) == (i >= 2)  # the first fold after the third step
+        if i in (2, 5):
+            np.testing.assert_allclose(apart.reached, every.reached, rtol=1e-12)
+            np.testing.assert_allclose(apart.ratio(True), every.ratio(True), rtol=1e-6)
+        elif i > 2:
+            assert not np.allclose(apart.reached, every.reached)  # waiting: the last fold's sums
+
+
 def test_a_step_of_many_rows_is_scaled_as_each_row_alone():
     """`apply` scales many rows in one array operation and few one by one: the same bits either way,
     greedy and sampled rows mixed, one kind learned and the other not (fresh random confidences)."""
