@@ -68,7 +68,7 @@ import numpy as np
 from flax import nnx
 
 from jdspark.config import CSA_RATIO, EngineConfig, QuantConfig, flash_config, pro_config, tiny_config
-from jdspark.engine.packed import SMALL_BYTES, PackedParams
+from jdspark.engine.packed import SMALL_BYTES, PackedParams, kernel_scales
 from jdspark.model import dsv4
 from jdspark.model import moe as moe_module
 from jdspark.model import state as state_lib
@@ -351,8 +351,8 @@ class Stepper:
 
     def __init__(self, graphdef, params, config, engine, dtype, batch, rows, context, mode="packed"):
         donated = mode == "donated"
-        pack = PackedParams(params, None if mode == "separate" else SMALL_BYTES,
-                            apart=is_weight_scale if mode == "scales-apart" else None)
+        apart = {"scales-apart": is_weight_scale, "all-packed": None}.get(mode, kernel_scales(params, "auto"))
+        pack = PackedParams(params, None if mode == "separate" else SMALL_BYTES, apart=apart)
 
         def extend(arrays, decode, ids, n_valid, out):
             logits, _, new = nnx.merge(graphdef, pack.unpack(arrays)).extend(ids, decode, n_valid)
@@ -806,11 +806,13 @@ def main(argv=None) -> dict:
                     help="also time each S-row call keeping only this many rows a slot (n_valid): a narrower verify "
                          "run in a wider executable, whose dropped rows read no routed expert")
     ap.add_argument("--runs", type=int, default=20)
-    ap.add_argument("--params", nargs="+", choices=["packed", "separate", "donated", "scales-apart"],
+    ap.add_argument("--params", nargs="+", choices=["packed", "all-packed", "separate", "donated", "scales-apart"],
                     default=["packed"],
-                    help="how the parameters travel: packed as the engine passes them on the GPU, or one argument "
-                         "each; donated: packed, and the logits written into a donated buffer (stable addresses); "
-                         "scales-apart: packed but the FP8 block scales, each an argument of its own")
+                    help="how the parameters travel: packed as the engine passes them on the GPU (the scales the FP8 "
+                         "kernel reads apart, `packed.kernel_scales`), or one argument each; all-packed: every small "
+                         "tensor packed (the engine before 2026-12-07); donated: packed, and the logits written into a "
+                         "donated buffer (stable addresses); scales-apart: packed but every FP8 block scale (routed "
+                         "experts' too), each an argument of its own")
     ap.add_argument("--copy-mib", type=int, default=None, help="copy-bandwidth array size (default 2048 GPU, 64 CPU)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--sweep", action="store_true", help="with --moe-layer: time the kernel's tilings (GPU)")

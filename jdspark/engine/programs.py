@@ -90,7 +90,8 @@ class Programs:
         self.graphdef = hyper.with_implementation(model.graphdef, model.params, implementation)
         self.config, self.dtype = model.config, model.dtype
         # Pass `params.arrays` as every call's first argument.
-        self.params = packed.PackedParams(model.params, packed.SMALL_BYTES if pack_params else None)
+        self.params = packed.PackedParams(model.params, packed.SMALL_BYTES if pack_params else None,
+                                          apart=packed.kernel_scales(model.params, implementation))
         self.dspark = model.config.dspark
         self.gamma = engine.gamma
         self.feature_layers = self.dspark.target_layer_ids if self.dspark else ()

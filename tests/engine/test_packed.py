@@ -4,7 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jdspark.engine.packed import PackedParams, key_names
+from jdspark.engine.packed import PackedParams, kernel_scales, key_names
+from jdspark.model.moe import KERNEL_MIN_WEIGHTS
 from jdspark.model.model import Model
 from tests.conftest import DSPARK_CONFIG
 
@@ -22,7 +23,6 @@ def test_unpack_inside_jit_returns_every_parameter_exactly():
     for got, want in zip(unpacked, leaves):
         assert got.shape == want.shape and got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
-
 
 
 def test_tensors_kept_apart_stay_arguments_of_their_own():
@@ -47,3 +47,23 @@ def test_views_of_host_memory_are_never_packed():
     packed = PackedParams(params)
     assert any(a is small for a in packed.arrays) and len(packed.arrays) == 2
     np.testing.assert_array_equal(packed.unpack(packed.arrays)["layers"]["0"]["ffn"]["experts"]["bias"], small + 1)
+
+
+def test_the_scales_the_fp8_kernel_reads_stay_arguments_of_their_own():
+    """A Pallas call reads its operands whole: a scale sliced out of a packed buffer would be copied before
+    every call. Only the kernel's linears (weights of at least KERNEL_MIN_WEIGHTS, Pallas chosen) keep their
+    scales apart; smaller linears, and every linear under the XLA forms, stay packed."""
+    big = jnp.zeros((KERNEL_MIN_WEIGHTS // 1024, 1024), jnp.float8_e4m3fn)
+    small = jnp.zeros((256, 256), jnp.float8_e4m3fn)
+    scale_big, scale_small = jnp.ones((big.shape[0] // 128, 8), jnp.uint8), jnp.ones((2, 2), jnp.uint8) + 1
+    params = {"layers": {"0": {"attn": {"wq_b": {"weight": big, "scale": scale_big},
+                                        "wkv": {"weight": small, "scale": scale_small}}}}}
+    apart = kernel_scales(params, "pallas")
+    assert apart(("layers", "0", "attn", "wq_b", "scale")) and not apart(("layers", "0", "attn", "wkv", "scale"))
+    assert not apart(("layers", "0", "attn", "wq_b", "weight"))
+    assert not kernel_scales(params, "xla")(("layers", "0", "attn", "wq_b", "scale"))
+    packed = PackedParams(params, apart=apart)
+    assert any(a is scale_big for a in packed.arrays) and not any(a is scale_small for a in packed.arrays)
+    unpacked = packed.unpack(packed.arrays)["layers"]["0"]["attn"]
+    np.testing.assert_array_equal(unpacked["wkv"]["scale"], scale_small)
+    np.testing.assert_array_equal(unpacked["wq_b"]["scale"], scale_big)
