@@ -101,10 +101,8 @@ class Engine(PromptIntake, SpeculationPolicy):
                                prompt_segment)
         self.state, self.draft_cache = self._fresh_state()
         self._clear_requests()
-        # the calibration folds at most every 4 steps: with many rows a step, folding every step was host time
-        self._next_id, self.prior = 0, ConfidencePrior(config.gamma)
-        self.calibration = Calibration(config.gamma, fold_steps=4)
-        self.arrivals = Arrivals()  # when prompts came: whether holding a prefill call back can pay
+        self.prior, self.calibration = ConfidencePrior(config.gamma), Calibration(config.gamma, fold_steps=4)
+        self._next_id, self.arrivals = 0, Arrivals()  # arrivals: whether holding a prefill call back can pay
         # several processes must issue the same calls: none takes executables a step apart from the others
         start, defer = time.perf_counter(), defer_steps and speculative and jax.process_count() == 1
         which = "serving" if defer else "all"
