@@ -39,7 +39,10 @@ class LiveCosts:
     of its excess over its kind's offset: the bucket's switch cost, which the pricing adds to every
     call but the one issued last (`switch_price`), once both kinds of window were seen
     MIN_SWITCH_SAMPLES times. Where switching costs nothing (the CPU) it stays near zero and the
-    choices do not change.
+    choices do not change. Only a switch the choice made teaches it: a window that issued a prefill
+    call or a call of another bucket (the live rows' count moved it) teaches no switch: no width choice
+    avoids its cost (an H100, the embedded model, c = 64: the tail's moves 64 -> 16 -> 4 -> 1 are such
+    windows, and the switch median at bucket 16 then read 2.16 ms).
 
     Where the host sets the pace (most of a bucket's last windows read a call the device had already
     finished: `StepOutput.ready`), a step costs the host's time whatever its width, and the profile's
@@ -93,7 +96,8 @@ class LiveCosts:
         for n in selectors:
             self._forget(n)
         self._ready = {n: collections.deque(maxlen=self.SAMPLES) for n in selectors}  # was each window's call done?
-        self._last, self._switched = None, False  # the last call issued; whether this window's switched
+        # the last call issued; whether this window's calls switched within a bucket / issued a prefill or moved
+        self._last, self._switched, self._moved = None, False, False
         self._policies = dict(selectors)  # per bucket, repriced on the first read after an observation
         self._observed: set[int] = set()  # buckets observed since their policy was last repriced
 
@@ -157,7 +161,10 @@ class LiveCosts:
     def issued(self, bucket: int, call: int | str, with_prompt: bool = False) -> None:
         """The engine issued a call in `bucket`: a width, "decode" or "prefill" (`with_prompt`: with a segment)."""
         call = ("prompt", call) if with_prompt else call
-        self._switched |= self._last is not None and (bucket, call) != self._last
+        if self._last is not None and (bucket, call) != self._last:
+            moved = "prefill" in (call, self._last[1]) or self._last[0] != bucket
+            self._moved |= moved
+            self._switched |= not moved
         self._last = (bucket, call)
 
     def switch_price(self, bucket: int, with_prompt: bool = False) -> tuple[int | str | None, float]:
@@ -170,7 +177,7 @@ class LiveCosts:
 
     def close_window(self) -> None:
         """A read that observes no step (its requests all ended first): its window's switch does not leak."""
-        self._switched = False
+        self._switched = self._moved = False
 
     def observe(self, bucket: int, drafted: bool, width: int, seconds: float, ready: bool = False,
                 prompt: bool = False, waited: float | None = None) -> None:
@@ -178,20 +185,22 @@ class LiveCosts:
         `ready`: done on the device when its read began, `prompt`: it carried a prompt segment (learn
         nothing), `waited`: of `seconds`, the read's wait for the device (None: not measured); the calls
         issued since the previous read decide whether its window switched."""
-        switched, self._switched = self._switched, False
+        switched, moved, self._switched, self._moved = self._switched, self._moved, False, False
         base, kind = self.selectors.get(bucket), "verify" if drafted else "decode"
         if prompt or not self.learn or base is None or (not drafted and base.decode_cost is None):
             return  # nothing to learn
         profiled = base.step_costs[width] if drafted else base.decode_cost
         offsets, samples, excess = self.offsets[bucket], self._samples[bucket], seconds - profiled
-        if switched:
+        if switched and not moved:
             samples["switch"].append(excess - (self._verify_offset(bucket, width) if drafted else offsets[kind]))
             self.switch[bucket] = statistics.median(samples["switch"])
+        if switched or moved:
             excess -= self.switch[bucket]
-        self.windows[bucket]["switched" if switched else "same"] += 1
+        if not moved:
+            self.windows[bucket]["switched" if switched else "same"] += 1
         self._ready[bucket].append(ready)
         if drafted:
-            self._verify_s[bucket].append(seconds - (self.switch[bucket] if switched else 0.0))
+            self._verify_s[bucket].append(seconds - (self.switch[bucket] if switched or moved else 0.0))
             if waited is not None:
                 self._host_s[bucket].append(max(seconds - waited, 0.0))
         else:

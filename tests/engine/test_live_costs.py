@@ -91,7 +91,8 @@ def test_a_read_that_observes_no_step_closes_its_window():
 def test_live_costs_learn_nothing_from_a_bucket_not_measured_but_close_its_window():
     """A step read in a bucket without a selector (the engine's LiveCosts before, or without, a
     measured one) teaches nothing and raises nothing, and the window it closes (here one with a
-    prefill) does not leak into the next: that next window is a clean switch."""
+    prefill) does not leak into the next: that next window moved buckets (no switch the choice made), and
+    the one after it repeats its call."""
     base = AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)
     live = LiveCosts({1: base})
     live.issued(1, 5)
@@ -101,7 +102,31 @@ def test_live_costs_learn_nothing_from_a_bucket_not_measured_but_close_its_windo
     live.observe(4, True, 3, 0.1)  # bucket 4 has no selector
     live.issued(1, 5)
     live.observe(1, True, 5, 0.004)
-    assert live.windows == {1: {"same": 1, "switched": 1}} and set(live.offsets) == set(live.switch) == {1}
+    assert live.windows == {1: {"same": 1, "switched": 0}} and set(live.offsets) == set(live.switch) == {1}
+    live.issued(1, 5)
+    live.observe(1, True, 5, 0.004)
+    assert live.windows == {1: {"same": 2, "switched": 0}}
+
+
+def test_only_the_choices_switches_teach_the_switch_price():
+    """A window that moved to another bucket (the live rows' count did) or issued a prefill call is slow for
+    reasons no width choice avoids: it teaches no switch, however slow; a width changed within the bucket does."""
+    base = AdaptiveWidth([0.002] * 6, 0.001, gamma=5, decode_cost=0.0015)
+    live = LiveCosts({1: base, 16: base})
+    for i in range(40):  # moves between buckets 16 and 1, each first call 3 ms slower; prefills in between
+        bucket = 16 if i % 2 else 1
+        if i % 4 == 0:
+            live.issued(bucket, "prefill")
+        live.issued(bucket, 5)
+        live.observe(bucket, True, 5, float(base.step_costs[5]) + 0.003)
+    assert live.windows == {1: {"same": 0, "switched": 0}, 16: {"same": 0, "switched": 0}}
+    assert live.switch_price(16) == (5, 0.0) and live.switch[16] == 0.0
+    for i in range(60):  # within bucket 16: 3, 5, 5, 3, ..., a switch 1 ms dearer
+        width = 5 if i % 3 else 3
+        switched = live._last != (16, width)
+        live.issued(16, width)
+        live.observe(16, True, width, float(base.step_costs[width]) + 0.001 * switched)
+    assert live.switch_price(16) == (5, pytest.approx(0.001, rel=0.05))
 
 
 def test_widths_seen_often_enough_take_their_own_windows():
