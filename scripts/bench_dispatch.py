@@ -6,9 +6,11 @@ A chain of `--layers` small matmuls stands in for a model step (about two kernel
 launches as the embedded model's step). Its weights come either as one leaf per layer or as one
 stacked leaf; a trivial program with as many leaves separates the per-leaf cost from the launches.
 For each variant: the host microseconds a call takes to return (the device runs behind it) and, with
-a second Python thread spinning, the share of that time the spinner ran (the GIL released).
+a second Python thread spinning, the share of that time the spinner ran (the GIL released). Then, per
+variant, a round of issuing the call beside `--work-us` of Python work (the engine reads the call
+before meanwhile), the call issued on this thread or handed to a second one.
 
-    python scripts/bench_dispatch.py --layers 300 --json dispatch.json
+    python scripts/bench_dispatch.py --layers 300 --work-us 1000 --json dispatch.json
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def touch(leaves):
 
 
 def variants(layers: int, d: int):
+    """{name: (function, its arguments)}: the chain with its weights as many leaves or one, and `touch` likewise."""
     key = jax.random.key(0)
     stacked = jax.random.normal(key, (layers, d, d), jnp.float32) / d ** 0.5
     separate = tuple(stacked[i] for i in range(layers))

@@ -79,7 +79,7 @@ def kernel_scales(params, implementation: str) -> Callable[[tuple], bool]:
     """`PackedParams`' apart(path) for the engine: True for the block scale of an FP8 linear whose weight
     `FP8Linear.project` reads through the Pallas kernel (at least KERNEL_MIN_WEIGHTS elements, `implementation`
     resolving to "pallas"). A Pallas call reads its operands whole, so a scale sliced out of a packed buffer
-    was copied before every kernel call: at Flash dims (8 layers) 67 copies a call, 82 us of an S = 1
+    was copied before every kernel call: at Flash dims (8 layers) 67 copies a call, on the H200 82 us of an S = 1
     call's kernels; as arguments of their own, queued calls took 2.619 -> 2.489 ms at S = 1 and
     4.494 -> 4.332 at S = 6 (H100, scripts/bench_decode.py; docs/BENCHMARKS.md). The embedded model's
     linears are smaller than that and keep the XLA form, so its calls pass no more arguments."""
