@@ -23,9 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jdspark.experts import mapped
-from jdspark.model.moe import KERNEL_MIN_WEIGHTS
-from jdspark.model.quantized import is_fp8_linear
-from pallas_kernels import resolve_implementation
+from jdspark.model.quantized import is_fp8_linear, kernel_may_read
 
 SMALL_BYTES = 1 << 20
 
@@ -77,20 +75,19 @@ class PackedParams:
 
 def kernel_scales(params, implementation: str) -> Callable[[tuple], bool]:
     """`PackedParams`' apart(path) for the engine: True for the block scale of an FP8 linear whose weight
-    `FP8Linear.project` reads through the Pallas kernel (at least KERNEL_MIN_WEIGHTS elements, `implementation`
-    resolving to "pallas"). A Pallas call reads its operands whole, so a scale sliced out of a packed buffer
-    was copied before every kernel call: at Flash dims (8 layers) 67 copies a call, on the H200 82 us of an S = 1
-    call's kernels; as arguments of their own, queued calls took 2.619 -> 2.489 ms at S = 1 and
-    4.494 -> 4.332 at S = 6 (H100, scripts/bench_decode.py; docs/BENCHMARKS.md). The embedded model's
-    linears are smaller than that and keep the XLA form, so its calls pass no more arguments."""
-    if resolve_implementation(implementation) != "pallas":
-        return lambda path: False
+    `FP8Linear.project` reads through the Pallas kernel (`quantized.kernel_may_read`). A Pallas call reads
+    its operands whole, so a scale sliced out of a packed buffer was copied before every kernel call: at
+    Flash dims (8 layers) 67 copies a call, on the H200 82 us of an S = 1 call's kernels; as arguments of
+    their own, queued calls took 2.619 -> 2.489 ms at S = 1 and 4.494 -> 4.332 at S = 6 (H100,
+    scripts/bench_decode.py; docs/BENCHMARKS.md). Under "auto" the embedded model's linears are below
+    KERNEL_MIN_WEIGHTS and keep the XLA form, so its calls pass no more arguments."""
     with_paths, _ = jax.tree_util.tree_flatten_with_path(params)
     sizes = {key_names(key_path): leaf.size for key_path, leaf in with_paths}
 
     def apart(path: tuple) -> bool:
         weight = (*path[:-1], "weight")
-        return path[-1:] == ("scale",) and is_fp8_linear(weight) and sizes.get(weight, 0) >= KERNEL_MIN_WEIGHTS
+        return (path[-1:] == ("scale",) and is_fp8_linear(weight) and weight in sizes
+                and kernel_may_read(sizes[weight], implementation))
     return apart
 
 

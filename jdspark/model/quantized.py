@@ -40,6 +40,15 @@ def is_fp8_linear(path: tuple) -> bool:
             and path[-3] not in ("compressor", "experts"))
 
 
+def kernel_may_read(weight_size: int, implementation: str) -> bool:
+    """Whether `FP8Linear` reads a weight of this many elements through `pallas_kernels.fp8_linear` under
+    `implementation` (in calls of the kernel's sizes, unsharded): where it resolves to "pallas", and under
+    "auto" only weights of at least KERNEL_MIN_WEIGHTS."""
+    if resolve_implementation(implementation) != "pallas":
+        return False
+    return implementation != "auto" or weight_size >= KERNEL_MIN_WEIGHTS
+
+
 def is_weight_scale(path: tuple) -> bool:
     """Whether `path` is the block scale of an FP8 linear or of a routed-expert weight."""
     return path[-1:] == ("scale",) and (is_expert(path) or is_fp8_linear((*path[:-1], "weight")))
@@ -128,9 +137,7 @@ class FP8Linear(Linear):
         it for weights of at least KERNEL_MIN_WEIGHTS (measured at Flash dims; the embedded model's
         small linears keep the XLA form they were measured with)."""
         weight = self.weight
-        if self.sharded or resolve_implementation(self.implementation) != "pallas":
-            return False
-        if self.implementation == "auto" and weight.size < KERNEL_MIN_WEIGHTS:
+        if self.sharded or not kernel_may_read(weight.size, self.implementation):
             return False
         return (fp8_kernels.supported(*weight.shape, rows, groups=groups)
                 and self.scale.shape == _block_shape(*weight.shape))

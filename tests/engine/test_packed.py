@@ -49,19 +49,24 @@ def test_views_of_host_memory_are_never_packed():
     np.testing.assert_array_equal(packed.unpack(packed.arrays)["layers"]["0"]["ffn"]["experts"]["bias"], small + 1)
 
 
-def test_the_scales_the_fp8_kernel_reads_stay_arguments_of_their_own():
+def test_the_scales_the_fp8_kernel_reads_stay_arguments_of_their_own(monkeypatch):
     """A Pallas call reads its operands whole: a scale sliced out of a packed buffer would be copied before
-    every call. Only the kernel's linears (weights of at least KERNEL_MIN_WEIGHTS, Pallas chosen) keep their
-    scales apart; smaller linears, and every linear under the XLA forms, stay packed."""
+    every call. Exactly the linears `FP8Linear` reads through the kernel keep their scales apart: under "auto"
+    on a GPU those of at least KERNEL_MIN_WEIGHTS, under "pallas" every one, under "xla" none."""
     big = jnp.zeros((KERNEL_MIN_WEIGHTS // 1024, 1024), jnp.float8_e4m3fn)
     small = jnp.zeros((256, 256), jnp.float8_e4m3fn)
     scale_big, scale_small = jnp.ones((big.shape[0] // 128, 8), jnp.uint8), jnp.ones((2, 2), jnp.uint8) + 1
     params = {"layers": {"0": {"attn": {"wq_b": {"weight": big, "scale": scale_big},
                                         "wkv": {"weight": small, "scale": scale_small}}}}}
-    apart = kernel_scales(params, "pallas")
-    assert apart(("layers", "0", "attn", "wq_b", "scale")) and not apart(("layers", "0", "attn", "wkv", "scale"))
-    assert not apart(("layers", "0", "attn", "wq_b", "weight"))
-    assert not kernel_scales(params, "xla")(("layers", "0", "attn", "wq_b", "scale"))
+    big_scale, small_scale = ("layers", "0", "attn", "wq_b", "scale"), ("layers", "0", "attn", "wkv", "scale")
+    every = kernel_scales(params, "pallas")
+    assert every(big_scale) and every(small_scale) and not every(("layers", "0", "attn", "wq_b", "weight"))
+    xla = kernel_scales(params, "xla")
+    assert not xla(big_scale) and not xla(small_scale)
+    assert not kernel_scales(params, "auto")(big_scale)  # the CPU: "auto" is the XLA form
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # "auto" as it resolves on a GPU
+    apart = kernel_scales(params, "auto")
+    assert apart(big_scale) and not apart(small_scale)
     packed = PackedParams(params, apart=apart)
     assert any(a is scale_big for a in packed.arrays) and not any(a is scale_small for a in packed.arrays)
     unpacked = packed.unpack(packed.arrays)["layers"]["0"]["attn"]
