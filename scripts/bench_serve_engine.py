@@ -201,6 +201,7 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
     begin = clock()
     admit(min(concurrency, args.requests))
     tokens = 0
+    pauses = 0  # the finished requests' pauses (`SpecOptions.pause_steps`): why a step decoded where others drafted
     steady = None  # (seconds, tokens) when the last request was admitted: until then `concurrency` were in flight
     timeline = []  # every step: [ms since the level began, its wall ms, rows of the call it read, that call:
     # its width, "decode", or None (it read no decode / verify call)]
@@ -220,6 +221,7 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
                 if delta.final:
                     done.append(rid)
                     finished += 1
+                    pauses += delta.completion.stats.pauses if delta.completion else 0
             admit(min(finished, args.requests - next_index))
             if steady is None and next_index >= args.requests:
                 steady = (now - begin, tokens)
@@ -251,7 +253,7 @@ def run_level(engine, prompts, concurrency: int, args, clock=time.perf_counter) 
             # finish at different steps); None when the first admission held them all
             "steady_tokens_per_s": steady[1] / steady[0] if steady and steady[0] > 0 and steady[1] else None,
             "ttft_ms": pct(ttft), "itl_ms": pct(itl), "steps": len(records), "wall_s": wall,
-            "drafting_steps": len(calls["verify"]),
+            "drafting_steps": len(calls["verify"]), "pauses": pauses,
             "call_ms": {kind: mean_ms([r.seconds for r in rs]) for kind, rs in calls.items()},
             # of call_ms, the read's wait for the device (near zero: the host paces the steps)
             "waited_ms": {kind: mean_ms([r.waited_s for r in rs]) for kind, rs in calls.items()},
@@ -477,7 +479,7 @@ def main(argv=None) -> int:
                       f"(steady {level['steady_tokens_per_s'] or float('nan'):.1f})  "
                       f"TTFT p50/p99 {level['ttft_ms'].get('p50', 0):7.1f}/{level['ttft_ms'].get('p99', 0):7.1f} ms  "
                       f"ITL p50/p99 {level['itl_ms'].get('p50', 0):7.1f}/{level['itl_ms'].get('p99', 0):7.1f} ms  "
-                      f"drafting steps {level['drafting_steps']}/{level['steps']}  "
+                      f"drafting steps {level['drafting_steps']}/{level['steps']} (pauses {level['pauses']})  "
                       f"rows a step {level['rows_per_step']:.1f}  call ms (profiled): "
                       + " ".join(f"{k} {v:.2f} ({level['profiled_ms'][k]:.2f})"
                                  for k, v in level["call_ms"].items() if v)
