@@ -414,6 +414,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--no-fetch-early", action="store_true", help="read each call's output without starting "
                    "its copy to the host when the call is issued (the engine before `calls.fetch_early`; A/B)")
+    p.add_argument("--trace", action="store_true", help="after the rounds, one level of each mode at the first "
+                   "concurrency under jax.profiler: device busy a step, kernels, the host's events (graph updates)")
     p.add_argument("--host-profile", help="cProfile each mode's measured levels (the host's part of the steps: "
                    "choice, dispatch, reads) and write each mode's top functions by own time here")
     return p
@@ -502,9 +504,42 @@ def main(argv=None) -> int:
                 Path(args.out).write_text(json.dumps({"startup_s": startup, "temperature": args.temperature,
                                                       "levels": results}, indent=1))
     print_medians(results)
+    if args.trace:
+        traces = traced_levels(engine, prompts, args)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"startup_s": startup, "temperature": args.temperature,
+                                                  "levels": results, "traces": traces}, indent=1))
     if profiles:
         Path(args.host_profile).write_text("".join(top_functions(label, prof) for label, prof in profiles.items()))
     return 0
+
+
+def traced_levels(engine, prompts, args) -> list[dict]:
+    """One more level of each mode at the first concurrency under `jax.profiler` (no Python frames): the
+    device's busy time a step against the step's wall, kernels a step, and the host's events by total time,
+    `command_buffer::update` among them (XLA updating a CUDA graph because a buffer moved)."""
+    from jdspark.profile import busy_us, gpu_kernel_events, host_summary
+    traces, concurrency = [], args.concurrency[0]
+    for mode in args.modes:
+        set_mode(engine, mode, args.ride_prompts)
+        level_args = argparse.Namespace(**{**vars(args), "requests": max(args.requests, concurrency)})
+        host, level = [], {}
+        kernels = gpu_kernel_events(lambda: level.update(run_level(engine, prompts, concurrency, level_args)),
+                                    host, python=False)
+        steps = max(level["steps"], 1)
+        top = host_summary(host, 40)
+        trace = {"mode": mode, "concurrency": concurrency, "steps": level["steps"],
+                 "tokens_per_s": level["tokens_per_s"], "wall_ms_per_step": level["wall_s"] * 1e3 / steps,
+                 "busy_ms_per_step": busy_us([(k["ts"], k["dur"], k["name"]) for k in kernels]) / 1e3 / steps,
+                 "kernels_per_step": len(kernels) / steps,
+                 "command_buffer": [e for e in top if e["name"].startswith("command_buffer::")], "host_top": top[:15]}
+        traces.append(trace)
+        print(f"traced c={concurrency} {mode}: {trace['wall_ms_per_step']:.2f} ms a step, device busy "
+              f"{trace['busy_ms_per_step']:.2f}, {trace['kernels_per_step']:.0f} kernels a step; "
+              + "; ".join(f"{e['name']} x{e['count']} {e['us'] / steps:.0f} us a step" for e in trace["command_buffer"])
+              + "\n  host: " + "; ".join(f"{e['name'][:50]} x{e['count']} {e['us'] / steps:.0f}"
+                                        for e in top[:8]), flush=True)
+    return traces
 
 
 @contextlib.contextmanager
