@@ -156,15 +156,17 @@ class Sequence:
 
     def emit(self, new: list[int]) -> Delta:
         """Append a call's tokens up to the first stop condition; the Delta the request receives."""
-        out, finish = [], None
-        for t in new:
-            out.append(t)
-            if t in self.stop_ids:
-                finish = "stop"
-                break
-            if len(self.tokens) + len(out) >= self.params.max_tokens:
-                finish = "length"
-                break
+        out, finish = new, None
+        if not self.stop_ids.isdisjoint(new) or len(self.tokens) + len(new) >= self.params.max_tokens:
+            out = []  # it ends inside this call's tokens: up to the first stop condition
+            for t in new:
+                out.append(t)
+                if t in self.stop_ids:
+                    finish = "stop"
+                    break
+                if len(self.tokens) + len(out) >= self.params.max_tokens:
+                    finish = "length"
+                    break
         text = ""
         if self.detok is not None:
             text = self.detok.add(out)
