@@ -34,8 +34,7 @@ loading ds_fp4's even / odd activation columns itself, with no slices before it)
 linear kernel with the rows on the MMA's M side), `grouped` (the routed-expert kernel's grouped form at
 every row count: the model takes it from `moe.GROUPED_MIN_ROWS` rows), `padding_read` (the kernel's unused slots re-reading
 expert E-1, as before they were missing), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
-faster alone, but a decode then rounds differently from the verify of the same row), `ring_dus` (a one-row
-call's ring rows written by dynamic_update_slice, no masked scatter), `per_layer`
+faster alone, but a decode then rounds differently from the verify of the same row), `per_layer`
 (every block traced and lowered on its own, not once per kind: `block.shared_extend`; compile time
 and run time beside `current`).
 `--kept 1 3` also times each S-row call with every row keeping only that many tokens (n_valid): a
@@ -326,22 +325,6 @@ def per_layer_extend():
 
 
 PATCHES["per_layer"] = [(dsv4, "shared_extend", per_layer_extend)]
-_WRITE_ROWS = state_lib.write_rows
-
-
-def _write_one_row_in_place(ring, rows, length, n_valid):
-    """`state.write_rows`, but a call of one row in one slot writes it by dynamic_update_slice whatever n_valid
-    (a row past `length` is invisible, and the ring's rollback rows keep its slot's old position unneeded). The
-    masked scatter of one index becomes, in XLA, a read of the old row, a select and the update, after a bounds
-    check; this is the update alone (CPU HLO: 2 fusions against 4)."""
-    if rows.shape[:2] != (1, 1):
-        return _WRITE_ROWS(ring, rows, length, n_valid)
-    slot = jnp.mod(length[0], ring.shape[1])
-    return jax.lax.dynamic_update_slice(ring, rows.astype(ring.dtype), (0, slot, *([0] * (ring.ndim - 2))))
-
-
-# "ring_dus": the decode state's ring rows of a one-row, one-slot call written in place with no old-row read.
-PATCHES["ring_dus"] = [(state_lib, "write_rows", _write_one_row_in_place)]
 
 
 def register_variant(name: str, patches: list) -> None:
