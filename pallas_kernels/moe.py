@@ -23,9 +23,8 @@ The combine is each row's K slot outputs summed in float32 in router order, so a
 not depend on the other rows of the call (no reduction over M).
 
 ds_fp4 codes are decoded by nibble: even input elements are low nibbles, odd ones high nibbles, so
-the activations are split into even and odd columns outside the kernel (x[:, 0::2], x[:, 1::2]; or, under
-`Tiles.strided_halves`, loaded by the dot form itself with stride 2 from one [..., K/2, 2] view, which saves XLA
-the slices before each kernel) and the two halves meet in two dots; nothing is interleaved in registers. The E2M1 decode is chosen by
+the activations are split into even and odd columns outside the kernel (x[:, 0::2], x[:, 1::2]) and
+the two halves meet in two dots; nothing is interleaved in registers. The E2M1 decode is chosen by
 `Tiles.decode` (`E2M1_DECODERS`, or "prmt": byte permutes in inline PTX, the default on the GPU). The
 dot form decodes the bytes in the layout they load in ([out, step/2], each scale repeated over its
 16 bytes); the gemv form loads [out, step/32, 16] tiles, one scale group per row. Rows are padded
@@ -74,8 +73,6 @@ class Tiles:
     skip_rows: bool = False  # the gemv form skips, per expert, the rows that did not select it
     down_out: int = 0  # `out` of the down kernel (0: the same as gate/up's)
     down_step_fp4: int = 0  # `step_fp4` of the down kernel (0: the same as gate/up's)
-    strided_halves: bool = False  # the dot form loads fp4's even / odd activation columns itself (stride 2) from
-    # one [..., K/2, 2] view, where otherwise XLA slices them into two arrays before each kernel
 
     def step(self, fmt: str) -> int:
         return {"bf16": self.step_bf16, "fp8": FP8_BLOCK, "fp4": self.step_fp4}[fmt]
@@ -210,14 +207,14 @@ def _gate_up_down(act, experts, dense_t, w1, w3, w2, fmt, limit, interpret, tile
         out_shape=jax.ShapeDtypeStruct((m, rp, f), dtype),
         grid=(m, f // tiles.out),
         interpret=interpret, compiler_params=params, name="moe_gate_up",
-    )(experts, dense_t, *_dot_activations(fmt, act, tiles), *w1, *w3)
+    )(experts, dense_t, *_activations(fmt, act), *w1, *w3)
     down = tiles.for_down()
     return pl.pallas_call(
         functools.partial(_down_kernel, fmt=fmt, k=f, dtype=dtype, n_w=len(w2), tiles=down),
         out_shape=jax.ShapeDtypeStruct((m, rp, d), dtype),
         grid=(m, d // down.out),
         interpret=interpret, compiler_params=params, name="moe_down",
-    )(experts, *_dot_activations(fmt, h, down), *w2)
+    )(experts, *_activations(fmt, h), *w2)
 
 
 # ---- the grouped form: (row, choice) pairs sorted by expert into blocks of BLOCK_ROWS ------------
@@ -303,22 +300,6 @@ def _activations(fmt: str, a: jax.Array) -> tuple[jax.Array, ...]:
     if fmt == "fp4":
         return a[..., 0::2], a[..., 1::2]
     return (a,)
-
-
-def _dot_activations(fmt: str, a: jax.Array, tiles: Tiles) -> tuple[jax.Array, ...]:
-    """What the dot form's kernels take as activations: `_activations`, or under `tiles.strided_halves`
-    fp4's [..., K] as one [..., K/2, 2] (a free reshape), whose halves `_Half` loads in the kernel."""
-    if fmt == "fp4" and tiles.strided_halves:
-        return (a.reshape(*a.shape[:-1], a.shape[-1] // 2, 2),)
-    return _activations(fmt, a)
-
-
-def _halves(fmt: str, act_refs, tiles: Tiles):
-    """The kernels' activation refs as `_partial` reads them: fp4 from one [..., K/2, 2] ref (`_dot_activations`)
-    as its two `_Half` views; otherwise as they came."""
-    if fmt == "fp4" and tiles.strided_halves:
-        return [_Half(act_refs[0], 0), _Half(act_refs[0], 1)]
-    return list(act_refs)
 
 
 def _by_group(fmt: str, stored: tuple) -> tuple[jax.Array, ...]:
@@ -490,13 +471,12 @@ def _loop_k(e, n: int, body, init):
 
 
 def _gate_up_kernel(experts_ref, dense_ref, *refs, fmt, k, limit, dtype, tiles, per_slot=False):
-    n_act = 2 if fmt == "fp4" and not tiles.strided_halves else 1
+    n_act = 2 if fmt == "fp4" else 1
     n_w = (len(refs) - n_act - 1) // 2
     act_refs, w1_refs, w3_refs, h_ref = refs[:n_act], refs[n_act:n_act + n_w], refs[n_act + n_w:-1], refs[-1]
     slot, tile = pl.program_id(0), pl.program_id(1)
     if per_slot:  # [M, Rp, K]: this slot's own rows (the grouped form's block)
         act_refs = [_SlotRef(ref, slot) for ref in act_refs]
-    act_refs = _halves(fmt, act_refs, tiles)
     e = experts_ref[slot]
     row0 = pl.multiple_of(tile * tiles.out, tiles.out)
     rp = h_ref.shape[1]
@@ -521,7 +501,7 @@ def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles):
     row0 = pl.multiple_of(tile * tiles.out, tiles.out)
     rp = out_ref.shape[1]
     # the activations of this slot: h [M, Rp, F] (or its even / odd halves), read per loop step
-    slot_acts = _halves(fmt, [_SlotRef(ref, slot) for ref in act_refs], tiles)
+    slot_acts = [_SlotRef(ref, slot) for ref in act_refs]
 
     def step(c, acc):
         return acc + _partial(fmt, e, row0, c, slot_acts, w_refs, dtype, tiles)
@@ -532,25 +512,14 @@ def _down_kernel(experts_ref, *refs, fmt, k, dtype, n_w, tiles):
 
 
 class _SlotRef:
-    """ref[slot] as a view for `_partial`'s `act[:, cols]` loads (and `_Half`'s `act[:, cols, parity]`)."""
+    """ref[slot] as a 2-D [Rp, K] view for `_partial`'s `act[:, cols]` loads."""
 
     def __init__(self, ref, slot):
         self.ref, self.slot = ref, slot
 
     def __getitem__(self, index):
-        return self.ref[(self.slot, *index)]
-
-
-class _Half:
-    """The even (parity 0) or odd (1) columns of activations held as [..., K/2, 2], as a 2-D [Rp, K/2]
-    view: `act[:, cols]` loads every second element (Triton: a load of stride 2)."""
-
-    def __init__(self, ref, parity: int):
-        self.ref, self.parity = ref, parity
-
-    def __getitem__(self, index):
         rows, cols = index
-        return self.ref[rows, cols, self.parity]
+        return self.ref[self.slot, rows, cols]
 
 
 # ---- the gemv form: no tl.dot, no row padding -----------------------------------------------------

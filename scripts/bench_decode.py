@@ -29,8 +29,7 @@ every expert decoded and run on every row), `dequant_linear` (FP8 linears but `w
 bfloat16 weight per call), `fp8_scaled_x` (FP8 linears but `wo_a` of <= 16 rows as one batched dot
 with the block scales applied to x: `jdspark.model.dequant.fp8_scaled_x_matmul`), `before` (the
 former MoE and linears), `pallas` (the routed experts through the in-place kernel
-`pallas_kernels.moe`), `swapped_tiles` (that kernel's tiling before ceec0a2), `strided_halves` (that kernel
-loading ds_fp4's even / odd activation columns itself, with no slices before it), `fp8_rows_first` (the FP8
+`pallas_kernels.moe`), `swapped_tiles` (that kernel's tiling before ceec0a2), `fp8_rows_first` (the FP8
 linear kernel with the rows on the MMA's M side), `grouped` (the routed-expert kernel's grouped form at
 every row count: the model takes it from `moe.GROUPED_MIN_ROWS` rows), `padding_read` (the kernel's unused slots re-reading
 expert E-1, as before they were missing), `pallas_gemv` (that kernel with one row in its gemv form, the former default:
@@ -289,8 +288,6 @@ EXPERTS_IMPLEMENTATION["pallas_gemv"] = "pallas"
 PATCHES["fp8_rows_first"] = [(fp8_kernels, "TILES", dataclasses.replace(fp8_kernels.TILES, swap=False))]
 # "swapped_tiles": the kernel's tiling before ceec0a2 (weights on the MMA's M side, 64 outputs x 256 inputs a step).
 PATCHES["swapped_tiles"] = [(moe_kernels, "TILES", moe_kernels.Tiles(out=64, num_stages=3, decode="prmt", swap=True))]
-# "strided_halves": the routed-expert kernel loading ds_fp4's even / odd activation columns itself (no slices).
-PATCHES["strided_halves"] = [(moe_kernels, "TILES", dataclasses.replace(moe_kernels.TILES, strided_halves=True))]
 
 
 def _slots_padded_with_last_expert(idx, n_experts):

@@ -307,33 +307,6 @@ def test_grouped_rows_equal_the_slot_form_bitwise():
         np.testing.assert_array_equal(one[0].view(np.uint32), full[r].view(np.uint32))
 
 
-def check_strided_halves(rows, dtype, interpret):
-    """The dot form loading fp4's even / odd activation columns itself (`Tiles.strided_halves`) gives the
-    bits of the form fed the two sliced halves, in the slot form and the grouped form, and equals ref_moe."""
-    from pallas_kernels.moe import grouped_moe
-    sliced, strided = TILES, dataclasses.replace(TILES, strided_halves=True)
-    args = inputs("fp4", rows, seed=rows + 7, dtype=dtype)
-    grouped_args, _ = grouped_inputs("fp4", rows, seed=rows + 7, dtype=dtype)
-    for form, call_args in ((moe, args), (grouped_moe, grouped_args)):
-        run = lambda tiles: np.asarray(jax.jit(lambda *a: form(*a, fmt="fp4", limit=4.0, interpret=interpret,
-                                                                 tiles=tiles))(*call_args))
-        np.testing.assert_array_equal(run(strided).view(np.uint32), run(sliced).view(np.uint32))
-    check("fp4", "e8m0", rows, dtype, interpret=interpret, tiles=strided)
-
-
-@pytest.mark.parametrize("rows", [1, 6])
-def test_strided_halves_interpret(rows):
-    check_strided_halves(rows, jnp.float32, interpret=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 6, 17])
-def test_strided_halves_compiled(rows):
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-    check_strided_halves(rows, jnp.bfloat16, interpret=False)
-
-
 @pytest.mark.parametrize("rows,k,n_experts,shape", [(7, 3, 10, "random"), (40, 2, 64, "one expert"),
                                                     (34, 1, 2, "17 each"), (5, 4, 300, "distinct")])
 def test_pair_blocks_place_every_kept_pair_once_within_the_bound(rows, k, n_experts, shape):
