@@ -19,6 +19,10 @@ from jdspark.speculative.selector import FallbackBreaker
 from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
 
 MAX_BACKOFF = 5  # a pause is at most 2**5 times `SpecOptions.pause_steps` long
+# A paused request drafted this many times beside others (lifted to their step's width) is judged again on those
+# proposals (`Sequence.resume`): at c = 64 on an H100 four requests a level paused on early proposals were lifted
+# through the rest of their ~18 steps, then decoded alone in the level's tail for 18-19 steps
+RESUME_PROPOSALS = 4
 # The weight of a request's newest proposal in `Sequence.typical`, what pauses and the decode call's
 # price judge. A pause lasts 32+ steps, and one step's stale proposal predicts the next step's
 # acceptance weakly: judged on it, a lone request on an H100 paused a third of its steps (0.92 of
@@ -84,6 +88,7 @@ class Sequence:
         self.paused_left, self.probing, self._probe_next = 0, False, False
         self.pausing = False  # not drafting this step because of a pause (not the breaker)
         self.pauses_in_a_row = 0  # doubles the next pause (probes back off), reset when drafting pays
+        self.proposals_in_pause = 0  # proposals read since the pause began (it drafted in others' steps)
 
     def speculates(self) -> bool:
         """Called once per verify call issued for it, before widths are chosen: False while paused
@@ -101,6 +106,7 @@ class Sequence:
         """Decode without drafting for `steps` steps, doubled for each pause since drafting last paid
         (at most 32x): a request whose drafts never pay probes ever more rarely."""
         self.paused_left, self.pausing, self.typical = steps << self.pauses_in_a_row, True, None
+        self.proposals_in_pause = 0
         self.pauses_in_a_row = min(self.pauses_in_a_row + 1, MAX_BACKOFF)
         self.stats.pauses += 1
 
@@ -112,6 +118,12 @@ class Sequence:
     def drafting_pays(self) -> None:
         """Its confidences make drafting pay again: the next pause is `steps` long."""
         self.pauses_in_a_row = 0
+
+    def resume(self) -> None:
+        """End the pause early: the proposals it made in other requests' drafting steps since the pause
+        (`RESUME_PROPOSALS` or more) make drafting pay again. It drafts from this step on."""
+        self.paused_left, self.pausing, self._probe_next = 0, False, False
+        self.drafting_pays()
 
     @property
     def greedy(self) -> bool:
@@ -152,6 +164,7 @@ class Sequence:
             self.stats.fallback_trips = self.breaker.trips
         if confidence is not None:
             self.confidence = confidence
+            self.proposals_in_pause += self.paused_left > 0
             self.typical = moved_averages([self.typical], confidence[None])[0] if typical is None else typical
 
     def emit(self, new: list[int]) -> Delta:

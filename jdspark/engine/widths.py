@@ -27,6 +27,7 @@ import numpy as np
 
 from jdspark.engine.errors import EngineError
 from jdspark.engine.options import WidthPolicy
+from jdspark.engine.sequence import RESUME_PROPOSALS
 from jdspark.speculative.budget import allocate_widths, padded_cost
 from jdspark.speculative.calibration import ROWS_ONE_BY_ONE
 from jdspark.speculative.selector import DRAFT_MARGIN, AdaptiveWidth
@@ -155,15 +156,23 @@ def pause_where_drafting_does_not_pay(policy: AdaptiveWidth, stale: dict[int, np
     (`AdaptiveWidth.drafting_pays`) stop drafting for `steps` steps: `speculating` turns False and
     the request's `Sequence.pause` counts them down. A row just back from a pause drafts once
     first, whatever the cost, so that the confidences it is judged on are fresh; each pause in a row
-    is twice as long as the one before (`Sequence.pause`), until drafting pays again."""
+    is twice as long as the one before (`Sequence.pause`), until drafting pays again. A paused row that
+    drafted `RESUME_PROPOSALS` times since its pause, lifted into other rows' steps, is judged on those
+    proposals (its typical, rebuilt from them) and resumes drafting where they pay (`Sequence.resume`)."""
     rows = [b for b in stale if speculating[b] and not sequences[b].probing]
-    if not rows:
+    paused = [b for b in stale if sequences[b].pausing and sequences[b].proposals_in_pause >= RESUME_PROPOSALS]
+    if not rows and not paused:
         return
-    for b, pays in zip(rows, policy.drafting_pays(stack(stale, rows)).tolist()):
-        if pays:
-            sequences[b].drafting_pays()
+    for b, pays in zip(rows + paused, policy.drafting_pays(stack(stale, rows + paused)).tolist()):
+        seq = sequences[b]
+        if seq.pausing:  # judged again on what it proposed while paused
+            if pays:
+                seq.resume()
+                speculating[b] = True
+        elif pays:
+            seq.drafting_pays()
         else:
-            sequences[b].pause(steps)
+            seq.pause(steps)
             speculating[b] = False
 
 
