@@ -431,8 +431,8 @@ def test_a_paused_request_that_drafted_beside_others_resumes_where_those_proposa
                        breaker=None)
         seq.pause(32)
         for _ in range(proposals):  # a step drafting for others lifts it: it proposes, and its pause counts down
-            speculating = {0: seq.speculates()}
-            step = StepRecord(3, 0.001, (RowRecord(0, seq.confidence, 0, (1, 2, 3, 4), 3),), 0.0, None, 1)
+            assert not seq.speculates() and seq.pausing
+            step = StepRecord(3, 0.001, (RowRecord(0, seq.confidence, 3, (1, 2, 3, 4), 3),), 0.0, None, 1)
             seq.record(step, step.rows[0], np.full(3, confidence, np.float32),
                        np.full(3, confidence, np.float32))
         speculating = {0: seq.speculates()}
