@@ -351,7 +351,8 @@ class Stepper:
 
     def __init__(self, graphdef, params, config, engine, dtype, batch, rows, context, mode="packed"):
         donated = mode == "donated"
-        apart = {"scales-apart": is_weight_scale, "all-packed": None}.get(mode, kernel_scales(params, "auto"))
+        apart = is_weight_scale if mode == "scales-apart" else None if mode == "all-packed" else \
+            kernel_scales(params, "auto")  # the engine's packing
         pack = PackedParams(params, None if mode == "separate" else SMALL_BYTES, apart=apart)
 
         def extend(arrays, decode, ids, n_valid, out):

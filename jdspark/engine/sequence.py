@@ -20,8 +20,8 @@ from jdspark.tokenizer.tokenizer import Detokenizer, Tokenizer
 
 MAX_BACKOFF = 5  # a pause is at most 2**5 times `SpecOptions.pause_steps` long
 # A paused request drafted this many times beside others (lifted to their step's width) is judged again on those
-# proposals (`Sequence.resume`): at c = 64 on an H100 four requests a level paused on early proposals were lifted
-# through the rest of their ~18 steps, then decoded alone in the level's tail for 18-19 steps
+# proposals (`Sequence.resume`): at c = 64 on an H100 four paused requests a level, lifted while others drafted,
+# decoded alone in the level's tail for 18-19 steps once the others had ended
 RESUME_PROPOSALS = 4
 # The weight of a request's newest proposal in `Sequence.typical`, what pauses and the decode call's
 # price judge. A pause lasts 32+ steps, and one step's stale proposal predicts the next step's

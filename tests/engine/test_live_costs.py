@@ -121,9 +121,10 @@ def test_only_the_choices_switches_teach_the_switch_price():
         live.observe(bucket, True, 5, float(base.step_costs[5]) + 0.003)
     assert live.windows == {1: {"same": 0, "switched": 0}, 16: {"same": 0, "switched": 0}}
     assert live.switch_price(16) == (5, 0.0) and live.switch[16] == 0.0
+    previous = 5  # the loop above issued width 5 last
     for i in range(60):  # within bucket 16: 3, 5, 5, 3, ..., a switch 1 ms dearer
         width = 5 if i % 3 else 3
-        switched = live._last != (16, width)
+        switched, previous = width != previous, width
         live.issued(16, width)
         live.observe(16, True, width, float(base.step_costs[width]) + 0.001 * switched)
     assert live.switch_price(16) == (5, pytest.approx(0.001, rel=0.05))
