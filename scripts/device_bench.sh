@@ -306,6 +306,23 @@ for part in "$@"; do
         ${SERVE_ARGS:---max-running 64} --concurrency ${CONCURRENCY:-1 4 16 64} --requests ${REQUESTS:-32} ${MODES:+--modes $MODES} \
         --rounds ${ROUNDS:-3} --out "$OUT/bench_serve_engine_${LABEL}.json" 2>&1 | grep -v Warning \
         | tee "$OUT/bench_serve_engine_${LABEL}.log" ;;
+    serve-env)  # issue 26: the serve-engine level (SERVE_ARGS, CONCURRENCY, REQUESTS, ROUNDS, MODES) once under each of
+      # SERVE_ENVS ('|'-separated environment settings, the first run with none), each under SERVE_SECONDS (170);
+      # one log for all ($OUT/serve_env.log) and the levels' JSON in one tarball: e.g. the allocator and XLA's
+      # command-buffer update mode, SERVE_ENVS="XLA_PYTHON_CLIENT_ALLOCATOR=vmm|XLA_PYTHON_CLIENT_ALLOCATOR=vmm
+      # XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
+      for so in $(python3 -c "import importlib.util as u, pathlib as p; [print(f) for n in ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jaxlib') if u.find_spec(n) for f in p.Path(u.find_spec(n).origin).parent.rglob('*.so') if f.stat().st_size > 5e7]"); do
+        echo "$so: $(grep -aoE "(SKIP_TEMP|SKIP_PROFILED|NEVER_UPDATE|ALWAYS_UPDATE|xla_gpu_command_buffer_update_mode)" "$so" | sort -u | tr '\n' ' ')"
+      done 2>&1 | tee "$OUT/serve_env.log"
+      IFS='|' read -ra SETTINGS <<< "${SERVE_ENVS:-}"
+      mkdir -p "$WORK/serve-env"; i=0
+      for setting in "" "${SETTINGS[@]}"; do
+        i=$((i + 1)); echo "--- [$i] ${setting:-defaults} ($(date +%T))"
+        env $setting JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-170} python3 scripts/bench_serve_engine.py \
+          ${SERVE_ARGS:---max-running 64} --concurrency ${CONCURRENCY:-64} --requests ${REQUESTS:-128} \
+          ${MODES:+--modes $MODES} --rounds ${ROUNDS:-1} --out "$WORK/serve-env/level_$i.json" 2>&1 | grep -v Warning
+      done 2>&1 | tee -a "$OUT/serve_env.log"
+      tar -czf "$OUT/serve_env_json.tar.gz" -C "$WORK/serve-env" . ;;
     keep-cache)  # the serving benches' XLA compile cache back through $OUT, in parts of 15 MiB (files come back up to
       # 16 MiB, 64 MiB in all): put them in build/device-cache and carry it, and a fresh machine of the same kind and
       # jax finds the programs its serve parts compile there (Flash dims, 64 slots, 16 programs: 248 s cold on an
