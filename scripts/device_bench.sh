@@ -19,6 +19,7 @@
 #       SERVE_SECONDS, MODES; the 2026-12-02 runs: SERVE_ARGS="--max-running 16 --buckets 1 16"
 #       CONCURRENCY="1 16" MODES="none fixed5 per_request" ROUNDS=2)
 #   bash scripts/device_bench.sh serve-ab         (issue 26: the newest unmeasured change, A/B)
+#   bash scripts/device_bench.sh serve-env        (issue 26: one serve-engine level under each of SERVE_ENVS)
 #   bash scripts/device_bench.sh segments         (issue 26: a prompt chunk inside the verify call, Flash dims)
 #   bash scripts/device_bench.sh segment-serve    (issue 26: the engine serving with prompt segments, Flash dims c = 16)
 #   bash scripts/device_bench.sh prefill-ab       (issue 26: Flash dims at c = 16, prefill buckets 16 64 against
