@@ -517,7 +517,8 @@ def main(argv=None) -> int:
 def traced_levels(engine, prompts, args) -> list[dict]:
     """One more level of each mode at the first concurrency under `jax.profiler` (no Python frames): the
     device's busy time a step against the step's wall, kernels a step, and the host's events by total time,
-    `command_buffer::update` among them (XLA updating a CUDA graph because a buffer moved)."""
+    `command_buffer::update` among them (XLA updating a CUDA graph because a buffer moved; the profiler makes
+    those far more frequent than untraced: `scripts/cmdbuf_updates.py` counts an untraced run's)."""
     from jdspark.profile import busy_us, gpu_kernel_events, host_summary
     traces, concurrency = [], args.concurrency[0]
     for mode in args.modes:

@@ -20,6 +20,7 @@
 #       CONCURRENCY="1 16" MODES="none fixed5 per_request" ROUNDS=2)
 #   bash scripts/device_bench.sh serve-ab         (issue 26: the newest unmeasured change, A/B)
 #   bash scripts/device_bench.sh serve-env        (issue 26: one serve-engine level under each of SERVE_ENVS)
+#   bash scripts/device_bench.sh cmdbuf-serve     (issue 26: which allocation makes XLA update a serving step's graph)
 #   bash scripts/device_bench.sh segments         (issue 26: a prompt chunk inside the verify call, Flash dims)
 #   bash scripts/device_bench.sh segment-serve    (issue 26: the engine serving with prompt segments, Flash dims c = 16)
 #   bash scripts/device_bench.sh prefill-ab       (issue 26: Flash dims at c = 16, prefill buckets 16 64 against
@@ -324,6 +325,16 @@ for part in "$@"; do
           ${MODES:+--modes $MODES} --rounds ${ROUNDS:-1} --out "$WORK/serve-env/level_$i.json" 2>&1 | grep -v Warning
       done 2>&1 | tee -a "$OUT/serve_env.log"
       tar -czf "$OUT/serve_env_json.tar.gz" -C "$WORK/serve-env" . ;;
+    cmdbuf-serve)  # issue 26: which allocation makes XLA update a serving step's CUDA graph. The serve-engine level
+      # untraced (the profiler changes when buffers are freed: traced levels update on nearly every call), XLA's
+      # command-buffer files logged at level 3, then scripts/cmdbuf_updates.py: per graph, the commands each update
+      # re-recorded (1: the call's output; a few: its slot inputs; nearly all: its temporaries)
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,command_buffer_cmd=3 \
+        JDSPARK_CACHE=$WORK/serve-cache timeout ${SERVE_SECONDS:-200} python3 scripts/bench_serve_engine.py \
+        ${SERVE_ARGS:---max-running 64 --buckets 64} --concurrency ${CONCURRENCY:-64} --requests ${REQUESTS:-128} \
+        --modes ${MODES:-none per_request_queued_riding} --rounds 1 > "$WORK/cmdbuf_serve_vlog.txt" 2>&1
+      grep -E "^round|^start-up" "$WORK/cmdbuf_serve_vlog.txt" | cut -c1-200 | tee "$OUT/cmdbuf_serve.log"
+      python3 scripts/cmdbuf_updates.py "$WORK/cmdbuf_serve_vlog.txt" 2>&1 | tee -a "$OUT/cmdbuf_serve.log" ;;
     keep-cache)  # the serving benches' XLA compile cache back through $OUT, in parts of 15 MiB (files come back up to
       # 16 MiB, 64 MiB in all): put them in build/device-cache and carry it, and a fresh machine of the same kind and
       # jax finds the programs its serve parts compile there (Flash dims, 64 slots, 16 programs: 248 s cold on an
