@@ -3,9 +3,11 @@
 
 XLA updates an executable's graph when an allocation its commands use is not where it was on the last
 call, and re-records only the commands that use a moved allocation (the others log "Skip updating
-command"). How many it re-records says which allocation moved: the one command writing a call's output,
-the handful reading its slot inputs, or nearly all of them when the temporary buffer moved. The log's
-first recording of each graph is left out. Graphs are told apart by their command count.
+command", and the executor sums them up: "Updated N commands in T us (skipped M command updates)"). How
+many it re-records says which allocation moved: the one command writing a call's output, the handful
+reading its slot inputs, or nearly all of them when the temporary buffer moved. The log's first
+recording of each graph is left out. Graphs are told apart by their command count. A build that logs
+neither line leaves the count unknown (said so, not guessed).
 
     python scripts/cmdbuf_updates.py vlog.txt
 """
@@ -20,6 +22,7 @@ import statistics
 
 START = re.compile(r"Create/Update command buffer .*num_commands=(\d+); updated_allocs=(\d+); is_first_record=(\w+)")
 SKIP = re.compile(r"Skip updating command (.*)$")
+SKIPPED = re.compile(r"Updated \d+ commands in \d+ .*\(skipped (\d+) command updates\)")
 END = re.compile(r"(Updated|Recorded) command buffer in (\d+) .*num_commands=(\d+)")
 
 
@@ -27,12 +30,16 @@ END = re.compile(r"(Updated|Recorded) command buffer in (\d+) .*num_commands=(\d
 class Update:
     commands: int  # the graph's command count
     moved: int  # allocations that moved (`updated_allocs`)
-    skipped: list[str]  # the commands left as they were
+    skipped: list[str]  # the commands left as they were, by name
     micros: int = 0  # how long the update took on the host
+    skipped_count: int | None = None  # the executors' own count of those (None: not logged)
 
     @property
-    def rerecorded(self) -> int:
-        return self.commands - len(self.skipped)
+    def rerecorded(self) -> int | None:
+        """Commands re-recorded; None where the log names no skipped command and gives no count."""
+        if self.skipped_count is not None:
+            return self.commands - self.skipped_count
+        return self.commands - len(self.skipped) if self.skipped else None
 
 
 def updates(lines) -> list[Update]:
@@ -44,6 +51,8 @@ def updates(lines) -> list[Update]:
             current = None if first else Update(int(m.group(1)), int(m.group(2)), [])
         elif current is not None and (m := SKIP.search(line)):
             current.skipped.append(m.group(1).strip())
+        elif current is not None and (m := SKIPPED.search(line)):  # the graph's own executor logs last
+            current.skipped_count = int(m.group(1))
         elif current is not None and (m := END.search(line)):
             current.micros = int(m.group(2))
             found.append(current)
@@ -64,7 +73,8 @@ def summary(found: list[Update]) -> str:
         lines.append(f"graph of {commands} commands: {len(group)} updates, "
                      f"{statistics.median(u.micros for u in group):.0f} us each (median); allocations moved "
                      + ", ".join(f"{k} x{n}" for k, n in sorted(moved.items()))
-                     + "; commands re-recorded " + ", ".join(f"{k} x{n}" for k, n in sorted(rerecorded.items())))
+                     + "; commands re-recorded " + ", ".join(f"{'unknown' if k is None else k} x{n}"
+                                                              for k, n in sorted(rerecorded.items(), key=lambda kn: (kn[0] is None, kn[0] or 0))))
         seen = set().union(*(u.skipped for u in group))
         sometimes = collections.Counter(c for u in group for c in seen - set(u.skipped))
         for name, n in sometimes.most_common(8):

@@ -42,3 +42,12 @@ def test_updates_leave_out_first_recordings_and_count_the_rerecorded_commands():
 def test_a_log_without_updates_says_so():
     assert tool.summary(tool.updates(update_lines(4, 6, [], 900, first=True))) == \
         "no graph updates after the first recordings"
+
+
+def test_the_executors_count_is_read_and_a_log_with_neither_line_leaves_the_count_unknown():
+    counted = update_lines(9, 1, [], 400)
+    counted.insert(1, "I1207 command_executor.cc:420] Updated 9 commands in 350 μs (skipped 8 command updates)")
+    unnamed = update_lines(9, 1, [], 450)
+    found = tool.updates([*counted, *unnamed])
+    assert [u.rerecorded for u in found] == [1, None]
+    assert "commands re-recorded 1 x1, unknown x1" in tool.summary(found)
