@@ -69,12 +69,13 @@ def summary(found: list[Update]) -> str:
         by_graph[u.commands].append(u)
     for commands, group in sorted(by_graph.items()):
         moved = collections.Counter(u.moved for u in group)
-        rerecorded = collections.Counter(u.rerecorded for u in group)
+        rerecorded = sorted(collections.Counter(u.rerecorded for u in group).items(),
+                            key=lambda kn: (kn[0] is None, kn[0] or 0))  # counts ascending, unknown last
         lines.append(f"graph of {commands} commands: {len(group)} updates, "
                      f"{statistics.median(u.micros for u in group):.0f} us each (median); allocations moved "
                      + ", ".join(f"{k} x{n}" for k, n in sorted(moved.items()))
                      + "; commands re-recorded " + ", ".join(f"{'unknown' if k is None else k} x{n}"
-                                                              for k, n in sorted(rerecorded.items(), key=lambda kn: (kn[0] is None, kn[0] or 0))))
+                                                              for k, n in rerecorded))
         seen = set().union(*(u.skipped for u in group))
         sometimes = collections.Counter(c for u in group for c in seen - set(u.skipped))
         for name, n in sometimes.most_common(8):
