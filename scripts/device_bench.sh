@@ -165,7 +165,7 @@ for part in "$@"; do
       for so in $(python3 -c "import importlib.util as u, pathlib as p; [print(f) for n in ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jaxlib') if u.find_spec(n) for f in p.Path(u.find_spec(n).origin).parent.rglob('*.so') if f.stat().st_size > 5e7]"); do
         echo "$so"; grep -aoE "xla_gpu_(command_buffer|graph)[a-z_]*|(SKIP_TEMP|VMM_PERSISTENT_TEMP|DYNAMIC_ALLOCATE|ALWAYS_UPDATE|NEVER_UPDATE)" "$so" | sort -u
       done 2>&1 | tee "$OUT/cmdbuf_flags.log"
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,gpu_executable_buffer_allocator=3,gpu_executable=3 \
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,command_buffer_cmd=3,gpu_executable_buffer_allocator=3,gpu_executable=3 \
         XLA_FLAGS="--xla_dump_to=$WORK/cmdbuf-dump --xla_dump_hlo_module_re=jit_extend" timeout 150 \
         python3 scripts/bench_decode.py --preset flash --layers 8 --experts 256 --storage fp8+fp4 --rows 1 \
         --context 4096 --runs 6 --variants current > "$WORK/cmdbuf_vlog.txt" 2>&1
@@ -173,6 +173,7 @@ for part in "$@"; do
         | cut -d']' -f2- | sed -E 's/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -25 | cut -c1-250 \
         | tee "$OUT/cmdbuf_updates.log"
       grep -iE "updated_allocs|needs_update" "$WORK/cmdbuf_vlog.txt" | tail -4 | cut -c1-400 | tee -a "$OUT/cmdbuf_updates.log"
+      python3 scripts/cmdbuf_updates.py "$WORK/cmdbuf_vlog.txt" 2>&1 | tee -a "$OUT/cmdbuf_updates.log"
       for f in "$WORK"/cmdbuf-dump/*jit_extend*buffer-assignment.txt; do  # allocation indices -> buffers
         [ -f "$f" ] && gzip -c "$f" > "$OUT/cmdbuf_buffer_assignment.txt.gz" && break
       done
