@@ -311,9 +311,10 @@ for part in "$@"; do
         | tee "$OUT/bench_serve_engine_${LABEL}.log" ;;
     serve-env)  # issue 26: the serve-engine level (SERVE_ARGS, CONCURRENCY, REQUESTS, ROUNDS, MODES) once under each of
       # SERVE_ENVS ('|'-separated environment settings, the first run with none), each under SERVE_SECONDS (170);
-      # one log for all ($OUT/serve_env.log) and the levels' JSON in one tarball: e.g. the allocator and XLA's
-      # command-buffer update mode, SERVE_ENVS="XLA_PYTHON_CLIENT_ALLOCATOR=vmm|XLA_PYTHON_CLIENT_ALLOCATOR=vmm
-      # XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"
+      # one log for all ($OUT/serve_env.log) and the levels' JSON in one tarball. A setting that changes XLA_FLAGS
+      # compiles cold (the flags are part of the compile cache's key): give SERVE_SECONDS the cold start-up. E.g.
+      # the allocator and XLA's command-buffer update mode, SERVE_ENVS="XLA_PYTHON_CLIENT_ALLOCATOR=vmm
+      # XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async"
       for so in $(python3 -c "import importlib.util as u, pathlib as p; [print(f) for n in ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jaxlib') if u.find_spec(n) for f in p.Path(u.find_spec(n).origin).parent.rglob('*.so') if f.stat().st_size > 5e7]"); do
         echo "$so: $(grep -aoE "(SKIP_TEMP|SKIP_PROFILED|NEVER_UPDATE|ALWAYS_UPDATE|xla_gpu_command_buffer_update_mode)" "$so" | sort -u | tr '\n' ' ')"
       done 2>&1 | tee "$OUT/serve_env.log"
