@@ -44,6 +44,10 @@ if ls "$CARRIED"/serve-xla.tar.gz.part* >/dev/null 2>&1 && [ ! -d "$WORK/serve-c
     && echo "compile cache from $CARRIED: $(du -sh "$WORK/serve-cache/xla" | cut -f1)"
 fi
 
+xla_libraries() {  # the jax plugin's and jaxlib's large shared objects (XLA is in them): the flags they know
+  python3 -c "import importlib.util as u, pathlib as p; [print(f) for n in ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jaxlib') if u.find_spec(n) for f in p.Path(u.find_spec(n).origin).parent.rglob('*.so') if f.stat().st_size > 5e7]"
+}
+
 keep_model() {  # the checkpoint just trained in $WORK/tiny-code -> $OUT/tiny-code, and `eval` measures it
   [ -f "$WORK/tiny-code/config.json" ] || return 1
   MODEL=$WORK/tiny-code
@@ -162,7 +166,7 @@ for part in "$@"; do
       # the XLA build's command-buffer flags, then the S = 1 extend with the update log and the buffer assignment,
       # then S = 1 under each of CMDBUF_ENVS ('|'-separated environment settings) with the host/GPU split;
       # e.g. CMDBUF_ENVS="XLA_FLAGS=--xla_gpu_enable_command_buffer=-DYNAMIC_SLICE_FUSION|XLA_PYTHON_CLIENT_ALLOCATOR=bfc"
-      for so in $(python3 -c "import importlib.util as u, pathlib as p; [print(f) for n in ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jaxlib') if u.find_spec(n) for f in p.Path(u.find_spec(n).origin).parent.rglob('*.so') if f.stat().st_size > 5e7]"); do
+      for so in $(xla_libraries); do
         echo "$so"; grep -aoE "xla_gpu_(command_buffer|graph)[a-z_]*|(SKIP_TEMP|VMM_PERSISTENT_TEMP|DYNAMIC_ALLOCATE|ALWAYS_UPDATE|NEVER_UPDATE)" "$so" | sort -u
       done 2>&1 | tee "$OUT/cmdbuf_flags.log"
       TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_executor=3,command_buffer_cmd=3,gpu_executable_buffer_allocator=3,gpu_executable=3 \
@@ -315,7 +319,7 @@ for part in "$@"; do
       # compiles cold (the flags are part of the compile cache's key): give SERVE_SECONDS the cold start-up. E.g.
       # the allocator and XLA's command-buffer update mode, SERVE_ENVS="XLA_PYTHON_CLIENT_ALLOCATOR=vmm
       # XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP|XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async"
-      for so in $(python3 -c "import importlib.util as u, pathlib as p; [print(f) for n in ('jax_cuda12_plugin', 'jax_cuda13_plugin', 'jaxlib') if u.find_spec(n) for f in p.Path(u.find_spec(n).origin).parent.rglob('*.so') if f.stat().st_size > 5e7]"); do
+      for so in $(xla_libraries); do
         echo "$so: $(grep -aoE "(SKIP_TEMP|SKIP_PROFILED|NEVER_UPDATE|ALWAYS_UPDATE|xla_gpu_command_buffer_update_mode)" "$so" | sort -u | tr '\n' ' ')"
       done 2>&1 | tee "$OUT/serve_env.log"
       IFS='|' read -ra SETTINGS <<< "${SERVE_ENVS:-}"

@@ -119,11 +119,13 @@ class Sequence:
         """Its confidences make drafting pay again: the next pause is `steps` long."""
         self.pauses_in_a_row = 0
 
-    def resume(self) -> None:
+    def resume(self) -> bool:
         """End the pause early: the proposals it made in other requests' drafting steps since the pause
-        (`RESUME_PROPOSALS` or more) make drafting pay again. It drafts from this step on."""
+        (`RESUME_PROPOSALS` or more) make drafting pay again. Returns whether it drafts this step: what
+        `speculates` would have said unpaused (not while its breaker cools down)."""
         self.paused_left, self.pausing, self._probe_next = 0, False, False
         self.drafting_pays()
+        return self.breaker is None or self.breaker.should_speculate()
 
     @property
     def greedy(self) -> bool:

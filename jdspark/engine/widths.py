@@ -167,8 +167,7 @@ def pause_where_drafting_does_not_pay(policy: AdaptiveWidth, stale: dict[int, np
         seq = sequences[b]
         if seq.pausing:  # judged again on what it proposed while paused
             if pays:
-                seq.resume()
-                speculating[b] = True
+                speculating[b] = seq.resume()
         elif pays:
             seq.drafting_pays()
         else:

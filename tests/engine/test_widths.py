@@ -418,23 +418,25 @@ def test_a_steps_averages_move_as_each_rows_would_alone():
 def test_a_paused_request_that_drafted_beside_others_resumes_where_those_proposals_pay():
     """A paused row lifted into other rows' drafting steps proposes on each; after RESUME_PROPOSALS of them
     its pause is judged again on them (its typical, rebuilt since the pause): high ones end it (it drafts
-    this step, `pausing` cleared, the back-off reset), low ones keep it, and fewer are not judged. Mutation
-    caught: paused rows never judged again (an H100 at c = 64: four paused requests a level decoded alone in
-    the level's tail for 18-19 steps)."""
+    this step, `pausing` cleared, the back-off reset; not while its breaker cools down), low ones keep it, and
+    fewer are not judged. Mutation caught: paused rows never judged again (an H100 at c = 64: four paused
+    requests a level decoded alone in the level's tail for 18-19 steps)."""
     from jdspark.engine.sequence import RESUME_PROPOSALS
     from jdspark.engine.stats import RowRecord, StepRecord
     from jdspark.engine.widths import pause_where_drafting_does_not_pay
     policy = AdaptiveWidth([0.0016] * 4, 0.0, gamma=3, decode_cost=0.0009)  # drafting pays above 1.8 tokens
 
-    def paused_after(proposals, confidence):
+    def paused_after(proposals, confidence, breaker=None):
         seq = Sequence(0, 4, SamplingParams(max_tokens=64), seed=0, gamma=3, eos_token_id=None, tokenizer=None,
-                       breaker=None)
+                       breaker=breaker)
         seq.pause(32)
         for _ in range(proposals):  # a step drafting for others lifts it: it proposes, and its pause counts down
             assert not seq.speculates() and seq.pausing
             step = StepRecord(3, 0.001, (RowRecord(0, seq.confidence, 3, (1, 2, 3, 4), 3),), 0.0, None, 1)
             seq.record(step, step.rows[0], np.full(3, confidence, np.float32),
                        np.full(3, confidence, np.float32))
+        if breaker is not None:  # tripped: cooling down
+            breaker.cooldown_left = 8
         speculating = {0: seq.speculates()}
         pause_where_drafting_does_not_pay(policy, {0: seq.typical if seq.typical is not None else seq.confidence},
                                           speculating, {0: seq}, 32)
@@ -446,3 +448,5 @@ def test_a_paused_request_that_drafted_beside_others_resumes_where_those_proposa
     assert not drafts and seq.pausing and seq.paused_left > 0
     seq, drafts = paused_after(RESUME_PROPOSALS - 1, 0.95)
     assert not drafts and seq.pausing
+    seq, drafts = paused_after(RESUME_PROPOSALS, 0.95, FallbackBreaker(0.5))
+    assert not drafts and not seq.pausing and seq.breaker.cooldown_left == 7  # one cooldown step spent, as unpaused
